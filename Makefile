@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+# torch is installed first and pinned so that machines without a GPU get the local CPU wheel.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hfkv demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -n 2 tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hfkv tests eval configs calibration
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

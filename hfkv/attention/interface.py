@@ -1,0 +1,120 @@
+"""Hooking hfkv into transformers' attention and mask registries.
+
+transformers never passes the cache to the attention function, so a compressing cache layer
+announces itself in ``update()`` through a context variable and the ``"hfkv"`` attention
+function of the same layer consumes it. Anything else — DynamicCache, no cache (lm-eval
+loglikelihood), sliding layers kept uncompressed, the ``full`` preset — finds nothing pending
+and runs the model's previous implementation unchanged, with the mask that implementation
+would have built. That keeps ``full`` token-identical to DynamicCache.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+NAME = "hfkv"
+
+# The layer whose update() ran last and whose attention call has not happened yet.
+_PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("hfkv_pending_layer", default=None)
+# Set by a compressing layer's get_mask_sizes(): the next mask must be a materialised boolean mask.
+_MASK_REQUEST: contextvars.ContextVar[bool] = contextvars.ContextVar("hfkv_mask_request", default=False)
+# id(config) -> the attention implementation the model had before hfkv.enable().
+_DELEGATES: dict[int, str] = {}
+
+
+def set_pending(layer: Any) -> None:
+    _PENDING.set(layer)
+
+
+def pending() -> Any:
+    return _PENDING.get()
+
+
+def request_logical_mask() -> None:
+    _MASK_REQUEST.set(True)
+
+
+def _delegate_name(config: Any) -> str:
+    return _DELEGATES.get(id(config), "sdpa") if config is not None else "sdpa"
+
+
+def _delegate_attention(module, query, key, value, attention_mask, **kwargs):
+    name = _delegate_name(getattr(module, "config", None))
+    boolean_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+    if name == "eager" and not boolean_4d:
+        # Use the model's own eager function so results are bit-identical to running without hfkv.
+        fn = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+        if fn is not None:
+            return fn(module, query, key, value, attention_mask, **kwargs)
+    if name not in ("sdpa", "eager") and not boolean_4d and name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name](module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def hfkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``"hfkv"`` attention function: a pending compressing layer computes, else the delegate does."""
+    layer = _PENDING.get()
+    if layer is None:
+        return _delegate_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    _PENDING.set(None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return layer.attend(module, query, key, value, attention_mask, scaling), None
+
+
+def hfkv_mask(*args, **kwargs):
+    """The ``"hfkv"`` mask: never skipped, boolean, logical coordinates — only when a compressing layer asks."""
+    if _MASK_REQUEST.get():
+        _MASK_REQUEST.set(False)
+        kwargs["allow_is_causal_skip"] = False
+        kwargs["allow_is_bidirectional_skip"] = False
+        return sdpa_mask(*args, **kwargs)
+    name = _delegate_name(kwargs.get("config"))
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+    return fn(*args, **kwargs)
+
+
+def _register() -> None:
+    AttentionInterface.register(NAME, hfkv_attention)
+    AttentionMaskInterface.register(NAME, hfkv_mask)
+
+
+def _configs(model: torch.nn.Module):
+    seen = set()
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
+            seen.add(id(cfg))
+            yield cfg
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model`` to hfkv attention, remembering its previous implementation as the delegate.
+
+    Idempotent. Returns the model for chaining.
+    """
+    _register()
+    for cfg in _configs(model):
+        current = cfg._attn_implementation
+        if current != NAME:
+            _DELEGATES[id(cfg)] = current or "sdpa"
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+    # Sub-configs (e.g. a text config inside a multimodal one) may be separate objects.
+    for cfg in _configs(model):
+        if cfg._attn_implementation != NAME:
+            cfg._attn_implementation = NAME
+    return model
+
+
+def is_enabled(model_or_config: Any) -> bool:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return getattr(cfg, "_attn_implementation", None) == NAME

@@ -1,0 +1,432 @@
+"""TriStateCache: a DynamicCache whose full-attention layers keep tokens original, quantized or evicted.
+
+One ``TriStateLayer`` per compressed model layer owns a dense window ring and paged tiers (see
+``hfkv.storage``); the container only builds layers, resolves per-layer settings and shares the
+per-layer OQ ratios, in the spirit of transformers' ``cache_utils`` (one object per layer, a thin
+container).
+
+Life of a token: it enters the window; when W newer tokens have arrived it leaves the window
+into the original tier; the policy (``hfkv.policy.classify``) then keeps it, demotes it to the
+quantized tier or evicts it, and may later demote or evict it further, never back.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from hfkv.attention.interface import NAME, enable, pending, request_logical_mask, set_pending
+from hfkv.attention.slots import slot_attention
+from hfkv.config import TriStateConfig
+from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce_gqa, token_scores
+from hfkv.quant.formats import QuantFormat
+from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
+from hfkv.stats import CacheStats, LayerStats
+from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
+
+_UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class TriStateLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: TriStateCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.cfg = cache.config
+        self.layer_idx = layer_idx
+        self.length = 0  # logical: every token seen, padding included
+        self.window: WindowRing | None = None
+        self.tiers: PagedTiers | None = None
+        self.score_start = 0  # logical position of the first query whose attention was observed
+        self.pad_end: torch.Tensor | None = None  # [B] leading padding tokens per row
+        self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
+        self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
+        self.steps = 0
+        self._chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        if not self.is_initialized:
+            return f"TriStateLayer({self.layer_idx}, empty)"
+        c = self.tiers.counts.sum((0, 1)).tolist()
+        return (
+            f"TriStateLayer({self.layer_idx}, len={self.length}, window={self.window.count}, "
+            f"original={c[0]}, quantized={c[1]})"
+        )
+
+    # ------------------------------------------------------------ set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bsz, heads, _, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        cfg = self.cfg
+
+        def layout(tier) -> RecordLayout:
+            return RecordLayout(
+                QuantFormat(tier.key, dim, tier.group_size, self.dtype),
+                QuantFormat(tier.value, dim, tier.group_size, self.dtype),
+            )
+
+        self.layouts = (layout(cfg.original), layout(cfg.quantized))
+        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device)
+        self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device)
+        self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
+        self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
+        self.is_initialized = True
+
+    # ------------------------------------------------------ Cache protocol
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        request_logical_mask()
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "TriStateCache cannot be cropped: evicted and quantized tokens cannot be restored "
+            "(is_croppable is False). Use the 'full' preset or DynamicCache for assisted/speculative decoding."
+        )
+
+    def offload(self):
+        raise NotImplementedError("TriStateCache does not support offloading=True")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.cache.attention_ready():
+            raise RuntimeError(
+                f"TriStateCache is used on a model whose attention implementation is "
+                f"{self.cache.model_config._attn_implementation!r}, not 'hfkv', so compressed tokens would be "
+                "ignored. Call hfkv.enable(model) (TriStateCache(model, cfg) does it) and do not switch the "
+                "attention implementation afterwards."
+            )
+        if pending() is not None:
+            raise RuntimeError(
+                "hfkv: a cache layer's update() was not followed by the hfkv attention function; "
+                "this model's attention does not call past_key_values.update with standard K/V."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        pos = torch.arange(self.length, self.length + q, device=self.device)
+        self._chunk = (key_states, value_states, pos)
+        if self.length > 0:
+            self._ingest(key_states, value_states, pos)
+        self.length += q
+        if self.length > q:
+            self._maybe_run_policy()
+        set_pending(self)
+        return key_states, value_states
+
+    # ------------------------------------------------------------ internals
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """New tokens enter the window; those pushed out enter the original tier (padding is dropped)."""
+        ok, ov, opos, oscore = self.window.push(k, v, pos)
+        m = opos.numel()
+        if m == 0:
+            return
+        bsz, heads = ok.shape[:2]
+        valid = (opos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
+        b, h, i = valid.nonzero(as_tuple=True)
+        rec = self.layouts[ORIGINAL].encode(ok[b, h, i], ov[b, h, i], opos[i], oscore[b, h, i])
+        self.tiers.append_flat(ORIGINAL, b, h, rec)
+
+    def _held(self) -> torch.Tensor:
+        return self.tiers.counts.sum(-1) + self.window.count
+
+    def _maybe_run_policy(self) -> None:
+        self.steps += 1
+        cfg = self.cfg
+        due = self.steps % cfg.interval == 0
+        if not due and cfg.budget is not None:
+            held = self._held()
+            if cfg.head_adaptive:
+                due = bool((held.sum(-1) > cfg.budget * held.shape[1]).any())
+            else:
+                due = bool((held > cfg.budget).any())
+        if due:
+            self.run_policy()
+
+    def _mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.cfg.score_mode == "sum":
+            return sums
+        count = (self.length - torch.clamp(pos, min=self.score_start)).clamp_min(1)
+        return sums / count
+
+    def _classify(self, scores, state, pos, window_count: int, rho) -> torch.Tensor:
+        bsz = scores.shape[0]
+        sink = (state != EVICTED) & (pos < self.sink_end.view(-1, 1, 1))
+        cfg = self.cfg
+        return classify(
+            scores,
+            state,
+            sink,
+            torch.full((bsz,), self.length, dtype=torch.int64, device=self.device),
+            torch.full((bsz,), window_count, dtype=torch.int64, device=self.device),
+            self.alpha_h,
+            self.alpha_l,
+            cfg.budget,
+            cfg.window,
+            cfg.slack,
+            cfg.head_adaptive,
+            rho,
+        )
+
+    def run_policy(self) -> None:
+        """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
+        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
+        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
+        m0 = pos0.shape[-1]
+        pos = torch.cat([pos0, pos1], -1).long()
+        valid = torch.cat([v0, v1], -1)
+        tier_of = torch.cat([torch.zeros_like(v0, dtype=torch.int8), torch.ones_like(v1, dtype=torch.int8)], -1)
+        state = torch.where(valid, tier_of, torch.full_like(tier_of, EVICTED))
+        scores = self._mean_scores(torch.cat([s0, s1], -1), pos)
+        rho = self.cache.rho(self.layer_idx)
+        new = self._classify(scores, state, pos, self.window.count, rho)
+        self._apply(new[..., :m0], new[..., m0:], v0, v1)
+
+    def _apply(self, new0: torch.Tensor, new1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor) -> None:
+        tiers = self.tiers
+        if bool(((new1 == EVICTED) & v1).any()):
+            tiers.remove(QUANTIZED, new1 == QUANTIZED)
+        demote = v0 & (new0 == QUANTIZED)
+        if bool(demote.any()):
+            b, h, s = demote.nonzero(as_tuple=True)
+            rec = tiers.gather(ORIGINAL, b, h, s)
+            lay0, lay1 = self.layouts
+            k, v = lay0.decode_kv(rec, torch.float32)
+            tiers.append_flat(QUANTIZED, b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec)))
+        if bool((v0 & (new0 != ORIGINAL)).any()):
+            tiers.remove(ORIGINAL, new0 == ORIGINAL)
+
+    # ------------------------------------------------------------ attention
+    def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """Called by the hfkv attention function right after this layer's update()."""
+        if self.length == self._chunk[0].shape[2]:
+            return self._prefill(module, query, mask, scaling)
+        return self._attend_slots(query, mask, scaling)
+
+    def _prefill(self, module, query, mask, scaling) -> torch.Tensor:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        k, v, pos = self._chunk
+        self._chunk = None
+        bsz, heads, t, _ = k.shape
+        cfg = self.cfg
+        out = sdpa_attention_forward(module, query, k, v, mask, scaling=scaling)[0]
+        w = min(cfg.obs_window, t)
+        probs = observation_probs(query, k, scaling, mask, cfg.obs_window)  # [B, Hq, w, T]
+        sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel)  # [B, H, T]
+        key_valid = mask[:, 0, -1, :t].to(torch.bool) if mask is not None else torch.ones(bsz, t, dtype=torch.bool)
+        key_valid = key_valid.to(self.device)
+        self.pad_end = (~key_valid).long().cumprod(-1).sum(-1)  # leading padding per row
+        self.sink_end = self.pad_end + cfg.sink_tokens
+        self.score_start = t - w
+        nw = min(cfg.window, t)
+        rest = t - nw
+        if cfg.oq_ratios:
+            considered = key_valid & (torch.arange(t, device=self.device) < rest)
+            self.oq = oq_score(probs, considered, cfg.tau)
+            self.cache.invalidate_rho()
+        self.window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
+        self.window.score[:, :, :nw] = sums[..., rest:]
+        if rest > 0:
+            p = pos[:rest].view(1, 1, rest).expand(bsz, heads, rest)
+            valid = key_valid[:, None, :rest].expand(bsz, heads, rest)
+            state = torch.where(valid, ORIGINAL, EVICTED).to(torch.int8)
+            sc = sums[..., :rest]
+            new = self._classify(self._mean_scores(sc, p), state, p, nw, None)
+            for tier in (ORIGINAL, QUANTIZED):
+                b, h, i = (new == tier).nonzero(as_tuple=True)
+                if i.numel():
+                    rec = self.layouts[tier].encode(k[b, h, i], v[b, h, i], i, sc[b, h, i])
+                    self.tiers.append_flat(tier, b, h, rec)
+        return out
+
+    def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
+        self._chunk = None
+        win = self.window
+        bsz, heads = win.k.shape[:2]
+        parts_k, parts_v, parts_p = [win.k.float()], [win.v.float()], [win.pos.view(1, 1, -1).expand(bsz, heads, -1)]
+        sizes = [win.window]
+        for tier, lay in enumerate(self.layouts):
+            rows, valid = self.tiers.read(tier)
+            k, v = lay.decode_kv(rows, torch.float32)
+            # Padding slots hold stale bytes that may decode to NaN, and 0 * NaN would leak into the output.
+            empty = ~valid.unsqueeze(-1)
+            parts_k.append(k.masked_fill(empty, 0.0))
+            parts_v.append(v.masked_fill(empty, 0.0))
+            parts_p.append(torch.where(valid, lay.positions(rows).long(), -1))
+            sizes.append(rows.shape[2])
+        slot_pos = torch.cat(parts_p, -1)
+        q = query.shape[2]
+        if mask is None:  # plain causal in logical coordinates
+            qpos = torch.arange(self.length - q, self.length, device=self.device)
+            mask = (torch.arange(self.length, device=self.device).view(1, -1) <= qpos.view(-1, 1))[None, None]
+            mask = mask.expand(bsz, 1, q, self.length)
+        out, probs = slot_attention(query, torch.cat(parts_k, 2), torch.cat(parts_v, 2), slot_pos, mask, scaling)
+        hq = query.shape[1]
+        received = reduce_gqa(probs.reshape(bsz, hq, q, -1), heads, self.cfg.score_reduction).sum(2)
+        w_delta, d0, d1 = torch.split(received, sizes, dim=-1)
+        win.add_scores(w_delta)
+        if sizes[1]:
+            self.tiers.add_scores(ORIGINAL, d0)
+        if sizes[2]:
+            self.tiers.add_scores(QUANTIZED, d1)
+        return out
+
+    # ------------------------------------------------------- batch surgery
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        self.window.select_rows(index)
+        self.tiers.select_rows(index)
+        for name in ("pad_end", "sink_end", "oq"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[index])
+        self.cache.invalidate_rho()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.window.k.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.tiers.reset()
+            self.window = WindowRing(*self.window.k.shape[:2], self.cfg.window, self.window.k.shape[-1],
+                                     self.dtype, self.device)
+        self.length, self.steps, self.score_start = 0, 0, 0
+        self.pad_end = self.sink_end = self.oq = None
+        self.cache.invalidate_rho()
+
+    # ------------------------------------------------------------- memory
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [*self.window.held_tensors(), *self.tiers.held_tensors()] if self.is_initialized else []
+
+    def layer_stats(self) -> LayerStats:
+        if not self.is_initialized:
+            return LayerStats(self.layer_idx, 0, 0, 0)
+        bsz, heads, _, dim = self.window.k.shape
+        counts = self.tiers.counts
+        win = torch.full((bsz, heads), self.window.count, dtype=torch.int64)
+        # Padding inside the window is not a kept token; it sits in the window until it leaves.
+        evicted = self.length - win - counts.sum(-1).cpu()
+        return LayerStats(
+            layer=self.layer_idx,
+            kv_bytes=held_bytes(self.held_tensors()),
+            dense_bytes=dense_kv_bytes(bsz, heads, self.length, dim, self.dtype),
+            logical_length=self.length,
+            window=win.tolist(),
+            original=counts[..., ORIGINAL].tolist(),
+            quantized=counts[..., QUANTIZED].tolist(),
+            evicted=evicted.tolist(),
+        )
+
+
+class TriStateCache(DynamicCache):
+    """Drop-in ``past_key_values`` for ``model.generate``: ``TriStateCache(model, cfg)``.
+
+    ``cfg`` is a ``TriStateConfig``, a preset name, or None for the ``hfkv`` preset. Building the
+    cache calls ``hfkv.enable(model)``. Use a fresh cache per request (or ``reset()``).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: TriStateConfig | str | None = None, **overrides) -> None:
+        if config is None:
+            config = TriStateConfig.from_preset("hfkv", **overrides)
+        elif isinstance(config, str):
+            config = TriStateConfig.from_preset(config, **overrides)
+        elif overrides:
+            import dataclasses
+
+            config = dataclasses.replace(config, **overrides)
+        if not isinstance(config, TriStateConfig):
+            raise TypeError(f"TriStateCache: config must be a TriStateConfig or preset name, got {type(config).__name__}")
+        self.config = config
+        enable(model)
+        text = model.config.get_text_config(decoder=True)
+        self.model_config = text
+        n_layers = text.num_hidden_layers
+        n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        config.validate_for_model(n_layers, n_kv, head_dim)
+        self.alpha_h, self.alpha_l = config.resolve_alpha(n_layers, n_kv)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layers: list = []
+        for i, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if not config.compress:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[lt](**kw))
+            elif lt == "full_attention":
+                layers.append(TriStateLayer(self, i))
+            elif lt in _UNCOMPRESSED_TYPES:
+                layers.append(DynamicSlidingWindowLayer(**kw))
+            else:
+                raise NotImplementedError(
+                    f"hfkv cannot compress layer {i} of type {lt!r} ({type(model).__name__}); supported: "
+                    f"'full_attention' (compressed) and {_UNCOMPRESSED_TYPES} (kept uncompressed)"
+                )
+        Cache.__init__(self, layers=layers)
+        self._rho: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)
+        return f"TriStateCache({self.config.summary()}, layers={len(self.layers)}, compressed={n}, len={self.get_seq_length()})"
+
+    def attention_ready(self) -> bool:
+        return self.model_config._attn_implementation == NAME
+
+    def _tri_layers(self) -> list[TriStateLayer]:
+        return [layer for layer in self.layers if isinstance(layer, TriStateLayer)]
+
+    def invalidate_rho(self) -> None:
+        self._rho = None
+
+    def rho(self, layer_idx: int) -> torch.Tensor | None:
+        """OQ ratio of ``layer_idx`` per row, once every compressed layer has its prefill statistics."""
+        if not self.config.oq_ratios:
+            return None
+        layers = self._tri_layers()
+        if self._rho is None:
+            if any(layer.oq is None for layer in layers):
+                return None
+            self._rho = oq_ratios(torch.stack([layer.oq.to(layers[0].device) for layer in layers]))
+        pos = [layer.layer_idx for layer in layers].index(layer_idx)
+        return self._rho[pos].to(layers[pos].device)
+
+    def stats(self) -> CacheStats:
+        per_layer = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, TriStateLayer):
+                per_layer.append(layer.layer_stats())
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                kb = held_bytes([layer.keys, layer.values])
+                b, h, n, d = layer.keys.shape
+                ls = LayerStats(i, kb, kb, layer.get_seq_length(), compressed=False)
+                ls.window = [[n] * h for _ in range(b)]
+                ls.original = ls.quantized = ls.evicted = [[0] * h for _ in range(b)]
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    ls.dense_bytes = dense_kv_bytes(b, h, layer.get_seq_length(), d, layer.keys.dtype)
+                per_layer.append(ls)
+        return CacheStats(
+            kv_bytes=sum(ls.kv_bytes for ls in per_layer),
+            dense_bytes=sum(ls.dense_bytes for ls in per_layer),
+            layers=per_layer,
+        )

@@ -1,0 +1,223 @@
+"""Significance scores of cached tokens (DESIGN §3 "Significance score").
+
+A token's significance (per batch row b, layer l, KV head h) is the mean attention probability it
+has received from the queries that have seen it. Query heads of a GQA group are first reduced to
+one value per KV head (``max`` as in DiffKV, ``mean`` or ``l2`` as in KV-Compress), then summed
+over the observing queries. The cache stores the *sum* and the number of observations, so that
+
+    mean score = score_sum / count.
+
+**Prefill.** Only the last ``w = min(obs_window, T)`` queries (the observation window, at logical
+positions ``T0 - w .. T0 - 1``) are used, and their probabilities are computed without
+materialising the full ``T x T`` attention matrix (:func:`observation_probs`: ``w x T_k`` logits per
+head). :func:`token_scores` turns them into per-KV-head sums and :func:`observation_counts` gives
+the matching counts: key ``j`` has been seen by ``min(w, T0 - j)`` of the window queries.
+
+**Decode.** Every decode step adds one GQA-reduced probability per stored token to its sum (the
+hfkv attention function emits the probabilities as a by-product of computing attention), and the
+count of every token grows by one. The count therefore never needs to be stored: for a token at
+logical position ``pos`` of a layer whose prefill had ``T0`` tokens and observation window ``w``,
+with ``N`` the current logical length (prompt + generated tokens seen so far),
+
+    count = N - max(pos, T0 - w).
+
+(Generated tokens, ``pos >= T0``, are observed by their own query and every later one.)
+
+**ARKV variance term** (eq. 9, ``S = mu + gamma * sigma^2``): with ``gamma > 0`` the prefill sum
+also receives ``gamma * var * count``, where ``var`` is the population variance of the raw
+probabilities over (query heads of the group) x (observing queries). Dividing by the count gives
+``mu + gamma * var`` at prefill; decode steps only add plain probabilities.
+
+**Pooling** (SnapKV/ARKV use kernel 5): an average over neighbouring key positions, stride 1,
+padding ``kernel // 2``, ``count_include_pad=False``, same length as the input.
+
+Everything here is pure torch, device agnostic and free of Python loops over heads or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "GQA_REDUCTIONS",
+    "observation_counts",
+    "observation_probs",
+    "reduce_gqa",
+    "token_scores",
+]
+
+GQA_REDUCTIONS = ("max", "mean", "l2")
+
+
+def _group_size(num_query_heads: int, num_kv_heads: int) -> int:
+    if num_kv_heads <= 0 or num_query_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} must be positive and divide the number of query heads ({num_query_heads})"
+        )
+    return num_query_heads // num_kv_heads
+
+
+def reduce_gqa(x: Tensor, num_kv_heads: int, how: str) -> Tensor:
+    """Reduce the query heads of each GQA group to one value per KV head.
+
+    ``x`` is ``[B, Hq, ...]``. Following the transformers ``repeat_kv`` convention, query heads
+    ``h*g .. (h+1)*g - 1`` (``g = Hq // Hkv``) share KV head ``h``. Returns ``[B, Hkv, ...]``:
+
+    - ``"max"``: the largest value of the group (DiffKV);
+    - ``"mean"``: the arithmetic mean;
+    - ``"l2"``: the root mean square ``sqrt(mean(x**2))``, i.e. the L2 norm divided by ``sqrt(g)``,
+      so that it is on the same scale as ``mean`` and ``max`` (``mean <= l2 <= max`` for
+      non-negative inputs, all equal when ``g == 1``).
+
+    One reshape and one reduction (no copy when ``x`` is contiguous).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"reduce_gqa expects [B, Hq, ...], got shape {tuple(x.shape)}")
+    g = _group_size(x.shape[1], num_kv_heads)
+    grouped = x.unflatten(1, (num_kv_heads, g))
+    if how == "max":
+        return grouped.amax(dim=2)
+    if how == "mean":
+        return grouped.mean(dim=2)
+    if how == "l2":
+        return grouped.square().mean(dim=2).sqrt()
+    raise ValueError(f"unknown GQA reduction {how!r}; expected one of {GQA_REDUCTIONS}")
+
+
+def _allowed_from_mask(mask: Tensor, w: int, t_k: int) -> tuple[Tensor, Tensor | None]:
+    """Last ``w`` query rows and first ``t_k`` key columns of a mask.
+
+    Returns ``(allowed, bias)``: a boolean ``[.., .., w, t_k]`` tensor and, for a floating
+    (additive) mask, the finite additive bias on the allowed entries (else None).
+    """
+    if mask.dim() != 4:
+        raise ValueError(f"attention mask must be 4-D [B, 1, T, T_k], got shape {tuple(mask.shape)}")
+    if mask.shape[-1] < t_k:
+        raise ValueError(f"attention mask has {mask.shape[-1]} key columns, fewer than the {t_k} keys")
+    m = mask[..., :t_k]
+    if m.shape[-2] != 1:
+        m = m[..., m.shape[-2] - w :, :]
+    if m.dtype == torch.bool:
+        return m, None
+    # Additive float mask (0 / bias on allowed entries, -inf or dtype-min on masked ones).
+    allowed = m > torch.finfo(m.dtype).min / 2
+    bias = torch.where(allowed, m.float(), torch.zeros((), dtype=torch.float32, device=m.device))
+    return allowed, bias
+
+
+def observation_probs(
+    query: Tensor,
+    key: Tensor,
+    scaling: float,
+    mask: Tensor | None,
+    obs_window: int,
+) -> Tensor:
+    """fp32 attention probabilities of the last ``w = min(obs_window, T)`` queries.
+
+    Args:
+        query: ``[B, Hq, T, D]``; the queries are the last ``T`` positions of the keys.
+        key: ``[B, Hkv, T_k, D]`` un-repeated (GQA) keys, ``T_k >= T``.
+        scaling: softmax scale (usually ``D ** -0.5``).
+        mask: ``None`` for pure causal attention (query ``i`` of the window sits at key position
+            ``T_k - w + i`` and sees keys ``<= T_k - w + i``), or a boolean ``[B, 1, T, T_k]``
+            mask (True = may attend), possibly broadcastable in its first two dims and/or a
+            slice of a wider mask (extra key columns on the right are ignored, as SDPA does). The
+            given mask is used as is (it must contain the causal structure). A floating mask is
+            treated as additive (entries at or below half the dtype minimum count as masked).
+        obs_window: size of the observation window.
+
+    Returns:
+        ``[B, Hq, w, T_k]`` fp32 probabilities. Only ``w x T_k`` logits per head are
+        materialised. Rows whose keys are all masked (left padding) are all zeros, never NaN.
+    """
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(
+            f"expected query [B, Hq, T, D] and key [B, Hkv, T_k, D], got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    b, hq, t, d = query.shape
+    hkv, t_k = key.shape[1], key.shape[2]
+    if t_k < t:
+        raise ValueError(f"key length {t_k} is shorter than query length {t}")
+    g = _group_size(hq, hkv)
+    w = max(0, min(int(obs_window), t))
+
+    # [B, Hq, w, D] -> [B, Hkv, g*w, D]: the g query heads of a group become extra rows, so the
+    # un-repeated keys are used directly (no repeat_kv copy).
+    q = query[:, :, t - w :, :].to(torch.float32).reshape(b, hkv, g * w, d)
+    logits = torch.matmul(q, key.to(torch.float32).transpose(-1, -2))  # [B, Hkv, g*w, T_k]
+    logits = logits.view(b, hq, w, t_k).mul_(scaling)
+
+    if mask is None:
+        qpos = torch.arange(t_k - w, t_k, device=query.device).unsqueeze(-1)
+        allowed = torch.arange(t_k, device=query.device) <= qpos  # [w, T_k]
+    else:
+        allowed, bias = _allowed_from_mask(mask.to(query.device), w, t_k)
+        if bias is not None:
+            logits = logits + bias
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # Fully masked rows give NaN in softmax; make them zeros.
+    return probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)
+
+
+def observation_counts(t_k: int, w: int, device: torch.device | str | None = None) -> Tensor:
+    """``[T_k]`` int64: how many of the last ``w`` queries have seen each key.
+
+    The window queries sit at positions ``T_k - w .. T_k - 1``; key ``j`` is seen by those at
+    position ``>= j``: ``count_j = T_k - max(j, T_k - w) = min(w, T_k - j)``.
+    """
+    w = max(0, min(int(w), int(t_k)))
+    j = torch.arange(int(t_k), device=device, dtype=torch.int64)
+    return int(t_k) - torch.clamp(j, min=int(t_k) - w)
+
+
+def token_scores(
+    probs: Tensor,
+    num_kv_heads: int,
+    reduction: str = "max",
+    gamma: float = 0.0,
+    pool_kernel: int = 1,
+) -> Tensor:
+    """Per-KV-head score *sums* ``[B, Hkv, T_k]`` (fp32) from observation-window probabilities.
+
+    ``probs`` is ``[B, Hq, w, T_k]`` from :func:`observation_probs`. The result is
+
+    ``sum_q reduce_gqa(probs)[b, h, q, j]``  (+ ``gamma * var_j * count_j`` if ``gamma > 0``)
+
+    where the reduction over the query heads of a group happens first, then the sum over the
+    ``w`` window queries (causally masked pairs have probability 0, so this equals the sum over
+    the observing queries), ``count_j`` is :func:`observation_counts` and ``var_j`` the population
+    variance of the raw probabilities over the ``g * count_j`` (query head, observing query)
+    pairs of the group. Divided by ``count_j``, this is ARKV's ``mu + gamma * sigma^2`` (eq. 9).
+
+    If ``pool_kernel > 1`` the result is average-pooled over neighbouring key positions
+    (stride 1, padding ``pool_kernel // 2``, ``count_include_pad=False``, output cut to ``T_k`` for
+    even kernels).
+    """
+    if probs.dim() != 4:
+        raise ValueError(f"probs must be [B, Hq, w, T_k], got shape {tuple(probs.shape)}")
+    if pool_kernel < 1:
+        raise ValueError(f"pool_kernel must be >= 1, got {pool_kernel}")
+    b, hq, w, t_k = probs.shape
+    g = _group_size(hq, num_kv_heads)
+    probs = probs.to(torch.float32)
+    out = reduce_gqa(probs, num_kv_heads, reduction).sum(dim=2)  # [B, Hkv, T_k]
+
+    if gamma > 0 and w > 0 and t_k > 0:
+        count = observation_counts(t_k, w, probs.device).to(torch.float32)  # [T_k], >= 1
+        qpos = torch.arange(t_k - w, t_k, device=probs.device).unsqueeze(-1)
+        observed = torch.arange(t_k, device=probs.device) <= qpos  # [w, T_k]
+        grouped = probs.unflatten(1, (num_kv_heads, g)) * observed  # [B, Hkv, g, w, T_k]
+        n = g * count
+        mean = grouped.sum(dim=(2, 3)) / n  # [B, Hkv, T_k]
+        dev = (grouped - mean[:, :, None, None, :]) * observed
+        var = dev.square().sum(dim=(2, 3)) / n
+        out = out + gamma * var * count
+
+    if pool_kernel > 1 and t_k > 0:
+        flat = out.reshape(b * num_kv_heads, 1, t_k)
+        pooled = F.avg_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2, count_include_pad=False)
+        out = pooled[..., :t_k].reshape(b, num_kv_heads, t_k)
+    return out

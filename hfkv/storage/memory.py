@@ -1,0 +1,31 @@
+"""Bytes of memory actually held, read off tensors rather than computed from formulas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Sum of the storage capacities behind ``tensors``, each storage counted once.
+
+    Capacity (not ``numel``) is what the allocator holds: a pool grown to 2x its use counts 2x.
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def dense_kv_bytes(batch: int, heads: int, length: int, head_dim: int, dtype: torch.dtype) -> int:
+    """What DynamicCache holds for one layer: keys and values ``[B, H, length, D]`` in ``dtype``."""
+    return 2 * batch * heads * length * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,212 @@
+"""Paged, per-head tier storage of one layer (torch reference; KV-Compress / DiffKV layout).
+
+Every (batch row, KV head, tier) owns a contiguous run of *slots* ``[0, count)``; slot ``s``
+lives in page ``page_table[b, h, tier, s // tpp]`` at offset ``s % tpp``, where ``tpp`` (tokens
+per page) depends on the tier's record size so all tiers share one byte pool. Keeping the live
+slots a dense prefix makes reads a single gather and lets removal free whole pages: a removal
+moves only the tier's last live records into the holes (never a full re-sort), then returns
+the emptied tail pages to the free stack.
+
+All bulk operations are vectorised over batch rows and heads. The torch reference uses
+``nonzero`` (a host sync) to size its gathers; the Triton backend replaces those paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hfkv.storage.pool import PagePool
+from hfkv.storage.record import RecordLayout
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+class PagedTiers:
+    def __init__(
+        self,
+        layouts: Sequence[RecordLayout],
+        batch: int,
+        heads: int,
+        page_bytes: int,
+        device: torch.device | str = "cpu",
+        initial_pages: int = 1,
+    ) -> None:
+        self.layouts = tuple(layouts)
+        self.tpp = []
+        for i, lay in enumerate(self.layouts):
+            tpp = page_bytes // lay.nbytes
+            if tpp < 1:
+                raise ValueError(
+                    f"TriStateConfig.page_bytes={page_bytes} is too small for tier {i}: one token record "
+                    f"needs {lay.nbytes} bytes (keys {lay.key.name}, values {lay.value.name}); "
+                    f"use page_bytes >= {lay.nbytes}"
+                )
+            self.tpp.append(tpp)
+        self.batch, self.heads = batch, heads
+        self.device = torch.device(device)
+        self.pool = PagePool(page_bytes, self.device, initial_pages)
+        n_t = len(self.layouts)
+        self.counts = torch.zeros(batch, heads, n_t, dtype=torch.int64, device=self.device)
+        self.page_table = torch.full((batch, heads, n_t, 4), -1, dtype=torch.int32, device=self.device)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def num_tiers(self) -> int:
+        return len(self.layouts)
+
+    def pages_per_head(self) -> torch.Tensor:
+        """``[B, H, tiers]`` pages owned, derived from counts (the invariant the tests check)."""
+        tpp = torch.tensor(self.tpp, device=self.device)
+        return (self.counts + tpp - 1) // tpp
+
+    def _ensure_table_width(self, width: int) -> None:
+        cur = self.page_table.shape[-1]
+        if width <= cur:
+            return
+        new = max(width, 2 * cur)
+        pad = torch.full((*self.page_table.shape[:-1], new - cur), -1, dtype=torch.int32, device=self.device)
+        self.page_table = torch.cat([self.page_table, pad], dim=-1)
+
+    def _locate(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor):
+        tpp = self.tpp[tier]
+        page = self.page_table[b, h, tier, s // tpp].long()
+        return page, s % tpp
+
+    # ------------------------------------------------------------------ writes
+    def append(self, tier: int, records: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append ``records[b, h, i]`` for every ``valid[b, h, i]`` to the end of (b, h, tier), in order.
+
+        ``records``: ``[B, H, n, record_bytes]`` uint8, ``valid``: ``[B, H, n]`` bool.
+        """
+        b, h, i = valid.nonzero(as_tuple=True)
+        self.append_flat(tier, b, h, records[b, h, i])
+
+    def append_flat(self, tier: int, b: torch.Tensor, h: torch.Tensor, records: torch.Tensor) -> None:
+        """Append records owned by heads ``(b[j], h[j])``; entries of one head keep their relative order.
+
+        ``(b, h)`` must be grouped in row-major order (as ``nonzero`` returns them).
+        """
+        lay, tpp = self.layouts[tier], self.tpp[tier]
+        if records.shape[-1] != lay.nbytes:
+            raise ValueError(f"append: record size {records.shape[-1]} != tier {tier} layout {lay.nbytes}")
+        bsz, heads = self.batch, self.heads
+        bh = b * heads + h
+        k = torch.bincount(bh, minlength=bsz * heads)
+        old = self.counts[..., tier].reshape(-1)
+        new = old + k
+        old_pages, new_pages = _ceil_div(old, tpp), _ceil_div(new, tpp)
+        need = new_pages - old_pages
+        total = int(need.sum())
+        if total:
+            self._ensure_table_width(int(new_pages.max()))
+            ids = self.pool.allocate(total)
+            owner = torch.repeat_interleave(torch.arange(bsz * heads, device=self.device), need)
+            start = torch.cumsum(need, 0) - need
+            col = old_pages[owner] + torch.arange(total, device=self.device) - start[owner]
+            n_t, width = self.num_tiers, self.page_table.shape[-1]
+            self.page_table.view(bsz * heads, n_t, width)[owner, tier, col] = ids
+        first = torch.cumsum(k, 0) - k
+        s = old[bh] + torch.arange(bh.numel(), device=self.device) - first[bh]
+        page, off = self._locate(tier, b, h, s)
+        self.pool.tier_view(lay.nbytes)[page, off] = records
+        self.counts[..., tier] = new.view(bsz, heads)
+
+    def remove(self, tier: int, keep: torch.Tensor) -> None:
+        """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
+
+        Holes below the new count are filled with the tier's last kept records (fewest moves),
+        then the tail pages that became empty go back to the pool.
+        """
+        lay, tpp = self.layouts[tier], self.tpp[tier]
+        cnt = self.counts[..., tier]
+        m = keep.shape[-1]
+        s = torch.arange(m, device=self.device)
+        live = s < cnt.unsqueeze(-1)
+        keep = keep & live
+        new = keep.sum(-1)
+        below = s < new.unsqueeze(-1)
+        hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
+        sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
+        if hs.numel():
+            view = self.pool.tier_view(lay.nbytes)
+            view[self._locate(tier, hb, hh, hs)] = view[self._locate(tier, sb, sh, ss)]
+        old_pages, new_pages = _ceil_div(cnt, tpp), _ceil_div(new, tpp)
+        col = torch.arange(self.page_table.shape[-1], device=self.device)
+        freed = (col >= new_pages.unsqueeze(-1)) & (col < old_pages.unsqueeze(-1))
+        table = self.page_table[:, :, tier, :]
+        self.pool.release(table[freed])
+        table.masked_fill_(freed, -1)
+        self.counts[..., tier] = new
+
+    def add_scores(self, tier: int, delta: torch.Tensor) -> None:
+        """Add ``delta [B, H, M]`` (fp32) to the score sums of live slots ``[0, count)``."""
+        lay = self.layouts[tier]
+        cnt = self.counts[..., tier]
+        s = torch.arange(delta.shape[-1], device=self.device)
+        b, h, i = (s < cnt.unsqueeze(-1)).nonzero(as_tuple=True)
+        col = self._meta_column(tier, lay.score_offset, torch.float32)
+        col.index_put_(self._locate(tier, b, h, i), delta[b, h, i].float(), accumulate=True)
+
+    # ------------------------------------------------------------------- reads
+    def max_count(self, tier: int) -> int:
+        return int(self.counts[..., tier].max()) if self.counts.numel() else 0
+
+    def read(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records of every live slot, padded: ``([B, H, M, record_bytes] uint8, valid [B, H, M])``."""
+        lay, tpp = self.layouts[tier], self.tpp[tier]
+        m = self.max_count(tier) if m is None else m
+        cnt = self.counts[..., tier]
+        s = torch.arange(m, device=self.device)
+        valid = s < cnt.unsqueeze(-1)
+        page = self.page_table[:, :, tier, s // tpp].long().clamp_min(0)
+        rows = self.pool.tier_view(lay.nbytes)[page, (s % tpp).expand_as(page)]
+        return rows, valid
+
+    def _meta_column(self, tier: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
+        lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
+        return self.pool.data.view(dtype).as_strided((self.pool.num_pages, tpp), (pb // 4, lay.nbytes // 4), offset // 4)
+
+    def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``."""
+        lay, tpp = self.layouts[tier], self.tpp[tier]
+        m = self.max_count(tier) if m is None else m
+        s = torch.arange(m, device=self.device)
+        valid = s < self.counts[..., tier].unsqueeze(-1)
+        page = self.page_table[:, :, tier, s // tpp].long().clamp_min(0)
+        off = (s % tpp).expand_as(page)
+        pos = self._meta_column(tier, lay.pos_offset, torch.int32)[page, off]
+        score = self._meta_column(tier, lay.score_offset, torch.float32)[page, off]
+        return pos, score, valid
+
+    def gather(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Records of the given live slots, ``[len(s), record_bytes]``."""
+        return self.pool.tier_view(self.layouts[tier].nbytes)[self._locate(tier, b, h, s)]
+
+    # --------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        """Return every page (a finished request); the pool keeps its capacity for reuse."""
+        self.counts.zero_()
+        self.page_table.fill_(-1)
+        self.pool.reset()
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (may repeat, e.g. beam search); repeated rows get their own pages."""
+        reads = [self.read(t) for t in range(self.num_tiers)]
+        self.batch = int(index.numel())
+        self.counts = torch.zeros(self.batch, self.heads, self.num_tiers, dtype=torch.int64, device=self.device)
+        self.page_table = torch.full(
+            (self.batch, self.heads, self.num_tiers, self.page_table.shape[-1]),
+            -1,
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.pool.reset()
+        for t, (rows, valid) in enumerate(reads):
+            self.append(t, rows[index], valid[index])
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [*self.pool.held_tensors(), self.counts, self.page_table]

@@ -1,0 +1,78 @@
+"""A layer's page pool: one byte tensor shared by every tier, plus a free-page stack.
+
+Pages are handed out in bulk: the caller asks for ``n`` pages at once (the sum of many heads'
+demands) and slices the returned ids with a cumsum, so allocation for all heads of a layer is
+one stack pop, not a loop. The pool grows geometrically, keeping the amortised cost of growth
+constant per page and the capacity within 2x of the peak demand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagePool:
+    def __init__(self, page_bytes: int, device: torch.device | str = "cpu", initial_pages: int = 16) -> None:
+        if page_bytes <= 0 or page_bytes % 4:
+            raise ValueError(f"PagePool.page_bytes={page_bytes} must be a positive multiple of 4")
+        self.page_bytes = page_bytes
+        self.device = torch.device(device)
+        n = max(int(initial_pages), 1)
+        self.data = torch.zeros(n, page_bytes, dtype=torch.uint8, device=self.device)
+        # Stack of free page ids: entries [0, n_free) are free; top of stack is n_free - 1.
+        # Initialised in descending order so the first pages handed out are 0, 1, 2, ...
+        self.free_stack = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=self.device)
+        self.n_free = n
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - self.n_free
+
+    def _grow(self, need: int) -> None:
+        old = self.num_pages
+        new = max(2 * old, old + need - self.n_free)
+        extra = new - old
+        self.data = torch.cat(
+            [self.data, torch.zeros(extra, self.page_bytes, dtype=torch.uint8, device=self.device)]
+        )
+        new_ids = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=self.device)
+        stack = torch.empty(new, dtype=torch.int32, device=self.device)
+        # New pages go below the existing free ids so recently freed (warm) pages are reused first.
+        stack[:extra] = new_ids
+        stack[extra : extra + self.n_free] = self.free_stack[: self.n_free]
+        self.free_stack = stack
+        self.n_free += extra
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Pop ``n`` page ids (int32, on the pool's device)."""
+        if n < 0:
+            raise ValueError(f"PagePool.allocate: n={n} must be >= 0")
+        if n > self.n_free:
+            self._grow(n)
+        self.n_free -= n
+        return self.free_stack[self.n_free : self.n_free + n].clone()
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Push page ids back. Callers guarantee ids are live and distinct (checked in tests)."""
+        n = int(ids.numel())
+        if n == 0:
+            return
+        self.free_stack[self.n_free : self.n_free + n] = ids.to(torch.int32).reshape(-1)
+        self.n_free += n
+
+    def reset(self) -> None:
+        n = self.num_pages
+        self.free_stack = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=self.device)
+        self.n_free = n
+
+    def tier_view(self, record_bytes: int) -> torch.Tensor:
+        """The pool seen as ``[pages, tokens_per_page, record_bytes]`` for one record size."""
+        tpp = self.page_bytes // record_bytes
+        return self.data.as_strided((self.num_pages, tpp, record_bytes), (self.page_bytes, record_bytes, 1))
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.free_stack]

@@ -1,0 +1,78 @@
+"""The byte record of one cached token of one KV head inside a page.
+
+A record is ``[key bytes | value bytes | pad to 4 | position int32 | score fp32]``. Keeping the
+slot metadata inside the record (rather than in side arrays sized for the densest tier) means a
+page's bytes are all payload of its own tier, moving a record during compaction moves its
+metadata with it, and the 4-byte alignment lets kernels read positions and add scores in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hfkv.quant.formats import QuantFormat
+
+META_BYTES = 8  # int32 logical position + fp32 score sum
+
+
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def _as_bytes(x: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    # Size-1 dims keep arbitrary strides through .contiguous(); flatten first so the byte view is legal.
+    flat = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    flat.copy_(x.reshape(-1))
+    return flat.view(torch.uint8).reshape(*lead, x.element_size())
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Key format + value format of one tier, and where each field sits in the record."""
+
+    key: QuantFormat
+    value: QuantFormat
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+    @property
+    def pos_offset(self) -> int:
+        return _align4(self.kv_bytes)
+
+    @property
+    def score_offset(self) -> int:
+        return self.pos_offset + 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.pos_offset + META_BYTES
+
+    def encode(
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, check_finite: bool = True
+    ) -> torch.Tensor:
+        """``k, v [..., D]``, ``pos [...]`` int, ``score [...]`` float -> ``[..., nbytes]`` uint8."""
+        lead = k.shape[:-1]
+        pad = self.pos_offset - self.kv_bytes
+        parts = [self.key.encode(k, check_finite), self.value.encode(v, check_finite)]
+        if pad:
+            parts.append(torch.zeros(*lead, pad, dtype=torch.uint8, device=k.device))
+        parts.append(_as_bytes(pos.to(torch.int32), lead))
+        parts.append(_as_bytes(score.to(torch.float32), lead))
+        return torch.cat(parts, dim=-1)
+
+    def decode_kv(self, rec: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        kb = self.key.nbytes
+        return (
+            self.key.decode(rec[..., :kb], dtype),
+            self.value.decode(rec[..., kb : self.kv_bytes], dtype),
+        )
+
+    def positions(self, rec: torch.Tensor) -> torch.Tensor:
+        return rec[..., self.pos_offset : self.pos_offset + 4].contiguous().view(torch.int32).squeeze(-1)
+
+    def scores(self, rec: torch.Tensor) -> torch.Tensor:
+        return rec[..., self.score_offset : self.score_offset + 4].contiguous().view(torch.float32).squeeze(-1)

@@ -1,0 +1,186 @@
+"""``hfkv demo``: accuracy vs KV memory of the presets on the shipped testbed.
+
+Loads the testbed model (``hfkv.testbed.TESTBED_PATH``), runs each task's shipped test set
+(``--limit`` examples per task) with greedy generation, first with a plain ``DynamicCache``, then
+with each preset of ``--presets`` at each budget of ``--budgets`` (a fresh ``TriStateCache`` per
+``generate`` call), and prints one row per (task, cache): exact-match accuracy, compression ratio
+(KV bytes a DynamicCache would hold for the same tokens / KV bytes held) and decode tokens/s.
+``--presets none`` runs only the DynamicCache rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+DEFAULT_PRESETS = "evict,quant,streaming,arkv,diffkv,hfkv"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the shipped testbed)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task names (default: all testbed tasks)")
+    parser.add_argument("--limit", type=int, default=10, help="examples per task (default: 10)")
+    parser.add_argument(
+        "--presets", default=DEFAULT_PRESETS, help=f"comma-separated presets, or 'none' (default: {DEFAULT_PRESETS})"
+    )
+    parser.add_argument("--budgets", default="128,256", help="comma-separated token budgets (default: 128,256)")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (left padding)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _dynamic_bytes(cache) -> int:
+    total = 0
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if t is not None and hasattr(t, "numel"):
+                    total += t.numel() * t.element_size()
+        return total
+    for name in ("key_cache", "value_cache"):  # older transformers
+        for t in getattr(cache, name, []) or []:
+            total += t.numel() * t.element_size()
+    return total
+
+
+class _StepClock:
+    """A logits processor that timestamps every generation step (first call = end of prefill)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate(model, tok, prompts, cache, max_new_tokens, stop_ids):
+    import torch
+    from transformers import LogitsProcessorList
+
+    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
+    clock = _StepClock()
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop_ids,
+            pad_token_id=tok.pad_token_id,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    new = out[:, enc["input_ids"].shape[1] :]
+    preds = tok.batch_decode(new, skip_special_tokens=True)
+    # Decode throughput: tokens produced by the decode steps (every step after the first) per second.
+    steps = len(clock.times)
+    dt = clock.times[-1] - clock.times[0] if steps > 1 else 0.0
+    return preds, (steps - 1) * len(prompts), dt
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from hfkv.testbed import TESTBED_PATH
+    from hfkv.testbed.tasks import TASKS, load_test_set
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or TESTBED_PATH
+    model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
+
+    task_names = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
+    for t in task_names:
+        if t not in TASKS:
+            raise SystemExit(f"unknown task {t!r}; known: {', '.join(TASKS)}")
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if presets == ["none"] or not presets:
+        presets = []
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+
+    configs: list[tuple[str, str | None, int | None]] = [("DynamicCache", None, None)]
+    if presets:
+        import hfkv
+
+        for name in presets:
+            for b in budgets:
+                configs.append((f"{name}@{b}", name, b))
+
+    rows = []
+    bs = max(1, args.batch_size)
+    for task_name in task_names:
+        task = TASKS[task_name]
+        data = load_test_set(task_name)[: args.limit]
+        for label, preset, budget in configs:
+            correct = 0
+            kv_bytes = dense_bytes = 0
+            n_tok, t_dec = 0, 0.0
+            bar = tqdm(total=len(data), desc=f"{task_name} {label}", leave=False, disable=args.no_progress)
+            for i in range(0, len(data), bs):
+                chunk = data[i : i + bs]
+                if preset is None:
+                    cache = DynamicCache()
+                else:
+                    cfg = hfkv.TriStateConfig.from_preset(preset, budget=budget)
+                    cache = hfkv.TriStateCache(model, cfg)
+                preds, nt, dt = _generate(
+                    model, tok, [r["prompt"] for r in chunk], cache, task.max_new_tokens, stop_ids
+                )
+                n_tok += nt
+                t_dec += dt
+                correct += sum(task.score(p, r["target"]) for p, r in zip(preds, chunk, strict=True))
+                if preset is None:
+                    b = _dynamic_bytes(cache)
+                    kv_bytes += b
+                    dense_bytes += b
+                else:
+                    st = cache.stats()
+                    kv_bytes += int(st.kv_bytes)
+                    dense_bytes += int(st.dense_bytes)
+                bar.update(len(chunk))
+            bar.close()
+            rows.append(
+                {
+                    "task": task_name,
+                    "cache": label,
+                    "n": len(data),
+                    "accuracy": correct / max(1, len(data)),
+                    "compression": dense_bytes / kv_bytes if kv_bytes else float("nan"),
+                    "kv_kib": kv_bytes / 1024 / max(1, len(data)),
+                    "decode_tok_s": n_tok / t_dec if t_dec > 0 else float("nan"),
+                }
+            )
+
+    header = (
+        f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "
+        f"{'decode tok/s':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['task']:<10} {r['cache']:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
+            f"{r['kv_kib']:>10.1f} {r['decode_tok_s']:>13.1f}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

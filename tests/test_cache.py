@@ -1,0 +1,203 @@
+"""TriStateCache inside model.generate, checked against DynamicCache and the policy's own rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hfkv
+from hfkv.states import ORIGINAL, QUANTIZED
+from hfkv.storage import held_bytes
+from tests.models import FAMILIES, left_padded_batch, tiny_model
+
+
+def _generate(model, cache, ids, mask=None, new=12, **kw):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask if mask is not None else torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        past_key_values=cache,
+        pad_token_id=0,
+        **kw,
+    )
+
+
+def _dense(model):
+    return DynamicCache(config=model.config)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_preset_is_token_identical_to_dynamic_cache(family):
+    model = tiny_model(family)
+    ids, mask = left_padded_batch()
+    ref = _generate(model, _dense(model), ids, mask)
+    out = _generate(model, hfkv.TriStateCache(model, "full"), ids, mask)
+    assert torch.equal(out, ref)
+    # logits of a plain forward on the same cache type agree too
+    a = model(input_ids=ids, attention_mask=mask, past_key_values=hfkv.TriStateCache(model, "full")).logits
+    b = model(input_ids=ids, attention_mask=mask, past_key_values=_dense(model)).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_evict_with_budget_above_length_equals_full(family):
+    model = tiny_model(family)
+    ids, mask = left_padded_batch()
+    ref = _generate(model, _dense(model), ids, mask)
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8))
+    assert torch.equal(_generate(model, cache, ids, mask), ref)
+    assert cache.get_seq_length() == ref.shape[1] - 1  # the last token is never fed back
+
+
+@pytest.mark.parametrize("preset", ["full", "evict"])
+def test_beam_search_matches(preset):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(20, 14))
+    ref = _generate(model, _dense(model), ids, mask, num_beams=2)
+    cfg = hfkv.TriStateConfig.from_preset(preset, **({"budget": 4096, "window": 8} if preset == "evict" else {}))
+    out = _generate(model, hfkv.TriStateCache(model, cfg), ids, mask, num_beams=2)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("preset", ["full", "evict"])
+def test_two_generate_calls_on_one_cache(preset):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(3))
+    extra = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    dense = _dense(model)
+    r1 = _generate(model, dense, ids, new=6)
+    r2 = _generate(model, dense, torch.cat([r1, extra], 1), new=6)
+    cfg = hfkv.TriStateConfig.from_preset(preset, **({"budget": 4096, "window": 8} if preset == "evict" else {}))
+    cache = hfkv.TriStateCache(model, cfg)
+    o1 = _generate(model, cache, ids, new=6)
+    o2 = _generate(model, cache, torch.cat([o1, extra], 1), new=6)
+    assert torch.equal(o1, r1) and torch.equal(o2, r2)
+    assert cache.get_seq_length() == r2.shape[1] - 1
+
+
+def _held(layer) -> torch.Tensor:
+    return layer.tiers.counts.sum(-1) + layer.window.count
+
+
+def test_small_budget_manual_loop_equals_generate_and_bound_holds_every_step():
+    model = tiny_model("llama")
+    budget, window = 24, 8
+    cfg = hfkv.TriStateConfig.from_preset("evict", budget=budget, window=window)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    gen = _generate(model, hfkv.TriStateCache(model, cfg), ids, new=20)
+
+    cache = hfkv.TriStateCache(model, cfg)
+    out = model(input_ids=ids, past_key_values=cache)
+    tokens = [out.logits[:, -1].argmax(-1)]
+    for step in range(19):
+        layer = cache.layers[0]
+        assert cache.get_seq_length() == ids.shape[1] + step  # logical, not physical
+        pos = torch.tensor([[ids.shape[1] + step]])
+        out = model(input_ids=tokens[-1][:, None], position_ids=pos, past_key_values=cache)
+        tokens.append(out.logits[:, -1].argmax(-1))
+        for lay in cache.layers:
+            assert int(_held(lay).max()) <= budget
+    assert torch.equal(torch.stack(tokens, 1), gen[:, ids.shape[1] :])
+    assert int(_held(layer).max()) < ids.shape[1] + 19  # it really evicted
+
+
+def test_compressed_presets_run_and_respect_their_shape():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(60, 45, 33))
+    seen = {}
+    for preset, kw in [
+        ("evict", {"budget": 32, "window": 8}),
+        ("quant", {"window": 8}),
+        ("streaming", {"budget": 24}),
+        ("arkv", {"budget": 32, "window": 8, "obs_window": 8}),
+        ("diffkv", {"window": 8, "obs_window": 8}),
+        ("hfkv", {"budget": 32, "window": 8, "obs_window": 8}),
+    ]:
+        cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, **kw))
+        out = _generate(model, cache, ids, mask, new=10)
+        assert out.shape == (3, ids.shape[1] + 10)
+        st = cache.stats()
+        assert st.kv_bytes == sum(held_bytes(layer.held_tensors()) for layer in cache.layers)
+        seen[preset] = (cache, st)
+    # quant keeps nothing original (no sinks configured), evict nothing quantized
+    for layer in seen["quant"][0].layers:
+        assert int(layer.tiers.counts[..., ORIGINAL].sum()) == 0
+        assert int(layer.tiers.counts[..., QUANTIZED].sum()) > 0
+    for layer in seen["evict"][0].layers:
+        assert int(layer.tiers.counts[..., QUANTIZED].sum()) == 0
+    # streaming keeps only sinks (original) + the window
+    for layer in seen["streaming"][0].layers:
+        assert int(layer.tiers.counts[..., ORIGINAL].max()) <= 4
+        assert int(layer.tiers.counts[..., QUANTIZED].sum()) == 0
+
+
+def _per_head_kept(cache) -> list[list[int]]:
+    return [layer.tiers.counts.sum(-1)[0].tolist() for layer in cache.layers]
+
+
+def test_per_head_adaptivity_is_real_and_memory_follows():
+    # a larger init makes attention peaked, as in trained models, so heads differ in what they need
+    model = tiny_model("llama", num_key_value_heads=4, initializer_range=0.2)
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(7))
+    kw = {"window": 8, "obs_window": 16, "page_bytes": 528}  # small pages: bytes track tokens
+    diff = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("diffkv", alpha_l=0.5, **kw))
+    _generate(model, diff, ids, new=8)
+    counts = _per_head_kept(diff)
+    assert any(len(set(c)) > 1 for c in counts), counts
+
+    ada = hfkv.TriStateCache(
+        model, hfkv.TriStateConfig.from_preset("hfkv", budget=40, head_adaptive=True, alpha_h=0, alpha_l=0, **kw)
+    )
+    _generate(model, ada, ids, new=8)
+    counts = _per_head_kept(ada)
+    assert any(len(set(c)) > 1 for c in counts), counts
+
+    # Evicting more means holding fewer bytes, measured from the tensors.
+    keep_all = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("diffkv", alpha_l=0.0, **kw))
+    _generate(model, keep_all, ids, new=8)
+    assert diff.stats().kv_bytes < keep_all.stats().kv_bytes
+    assert diff.stats().dense_bytes == keep_all.stats().dense_bytes
+
+
+def test_stats_dense_bytes_match_dynamic_cache():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(8))
+    dense = _dense(model)
+    _generate(model, dense, ids, new=5)
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("hfkv", budget=32, window=8))
+    _generate(model, cache, ids, new=5)
+    want = sum(held_bytes([layer.keys, layer.values]) for layer in dense.layers)
+    assert cache.stats().dense_bytes == want
+    df = cache.stats().to_dataframe()
+    assert len(df) == 2 * 2 * 2  # layers x rows x heads
+    assert "TriStateCache(" in repr(cache)
+
+
+def test_misuse_errors_are_clear():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 12))
+    cache = hfkv.TriStateCache(model, "hfkv")
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+    assert not cache.is_croppable
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="hfkv.enable"):
+        model(input_ids=ids, past_key_values=cache)
+    hfkv.enable(model)
+    with pytest.raises(ValueError, match="alpha_h"):
+        hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("hfkv", alpha_h=[1.0, 1.0, 1.0]))
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        hfkv.TriStateCache(model, "hfkv")
+
+
+def test_enable_is_idempotent_and_cacheless_forward_delegates():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 12))
+    ref = model(input_ids=ids, use_cache=False).logits
+    hfkv.enable(model)
+    hfkv.enable(model)
+    assert hfkv.is_enabled(model)
+    torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, ref, rtol=0, atol=0)

@@ -1,0 +1,424 @@
+"""Paged tier storage, page pool, window ring and memory accounting (DESIGN §5 "Paged storage").
+
+The core is a stateful test: random appends / removals / score updates / resets / row selections
+on a ``PagedTiers`` with tiny pages, checked after every step against a shadow model (python
+dicts of record bytes per (row, head, tier)) and against the page-accounting invariants.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hfkv.quant.formats import QuantFormat
+from hfkv.storage import PagedTiers, PagePool, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
+
+D = 16
+BF16 = torch.bfloat16
+LAYOUTS = (
+    RecordLayout(QuantFormat("model", D, model_dtype=BF16), QuantFormat("model", D, model_dtype=BF16)),
+    RecordLayout(QuantFormat("int4", D, 8, BF16), QuantFormat("int2", D, 8, BF16)),
+)
+MAX_PER_HEAD = 90  # keeps the per-step checks cheap; pages still fill and empty constantly
+
+
+def test_layout_sizes():
+    assert [lay.nbytes for lay in LAYOUTS] == [72, 36]
+
+
+def _records(lay: RecordLayout, shape: tuple[int, ...], ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    k = torch.randn(*shape, D, generator=gen).to(BF16)
+    v = (torch.randn(*shape, D, generator=gen) * 4).to(BF16)
+    score = torch.randn(*shape, generator=gen) * 10
+    return lay.encode(k, v, ids, score)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def check_page_accounting(pt: PagedTiers) -> None:
+    """(2) no page leaked or freed twice, (3) tables consistent with counts."""
+    pool = pt.pool
+    table = pt.page_table.numpy()
+    counts = pt.counts.numpy()
+    assert pool.data.shape == (pool.num_pages, pool.page_bytes)
+    assert pool.free_stack.numel() == pool.num_pages
+    assert 0 <= pool.n_free <= pool.num_pages
+    owned = table[table >= 0]
+    free = pool.free_stack[: pool.n_free].numpy()
+    every = np.sort(np.concatenate([owned, free]))
+    assert np.array_equal(every, np.arange(pool.num_pages)), "page leaked, duplicated or freed twice"
+    for t, tpp in enumerate(pt.tpp):
+        npages = _ceil_div(counts[..., t], tpp)  # [B, H]
+        col = np.arange(table.shape[-1])
+        lead = col[None, None, :] < npages[..., None]
+        assert (table[:, :, t][lead] >= 0).all()
+        assert (table[:, :, t][~lead] == -1).all()
+    assert pool.pages_in_use == int(pt.pages_per_head().sum()) == owned.size
+
+
+# ----------------------------------------------------------------------------- state machine
+class PagedTiersMachine(RuleBasedStateMachine):
+    @initialize(
+        batch=st.integers(2, 3),
+        heads=st.integers(2, 4),
+        page_bytes=st.sampled_from([72, 144, 216, 300]),
+        initial_pages=st.integers(1, 4),
+    )
+    def setup(self, batch, heads, page_bytes, initial_pages):
+        self.pt = PagedTiers(LAYOUTS, batch, heads, page_bytes, initial_pages=initial_pages)
+        self.shadow = [[[{} for _ in LAYOUTS] for _ in range(heads)] for _ in range(batch)]
+        self.next_id = 1
+        self.gen = torch.Generator().manual_seed(batch * 1000 + heads * 10 + page_bytes)
+
+    # helpers
+    def _slot_ids(self, tier: int) -> list[list[list[int]]]:
+        """Current id of every live slot, per (b, h), read through the public read path."""
+        lay = LAYOUTS[tier]
+        rows, valid = self.pt.read(tier)
+        pos = lay.positions(rows).numpy() if rows.shape[2] else np.zeros(valid.shape, np.int32)
+        cnt = self.pt.counts[..., tier].numpy()
+        return [[pos[b, h, : cnt[b, h]].tolist() for h in range(self.pt.heads)] for b in range(self.pt.batch)]
+
+    # rules
+    @rule(tier=st.integers(0, 1), n=st.integers(0, 8), p=st.sampled_from([0.0, 0.3, 0.8, 1.0]), seed=st.integers())
+    def append(self, tier, n, p, seed):
+        self._append(tier, n, p, seed)
+
+    @rule(tier=st.integers(0, 1), n=st.integers(9, 40), seed=st.integers())
+    def append_burst(self, tier, n, seed):
+        self._append(tier, n, 0.9, seed)
+
+    def _append(self, tier, n, p, seed):
+        pt = self.pt
+        n = max(0, min(n, MAX_PER_HEAD - pt.max_count(tier)))
+        gen = torch.Generator().manual_seed(seed % 2**63)
+        shape = (pt.batch, pt.heads, n)
+        valid = torch.rand(shape, generator=gen) < p
+        ids = torch.arange(self.next_id, self.next_id + valid.numel(), dtype=torch.int64).reshape(shape)
+        self.next_id += valid.numel()
+        recs = _records(LAYOUTS[tier], shape, ids, gen)
+        pt.append(tier, recs, valid)
+        recs_np, valid_np, ids_np = recs.numpy(), valid.numpy(), ids.numpy()
+        for b, h, i in zip(*np.nonzero(valid_np), strict=True):
+            self.shadow[b][h][tier][int(ids_np[b, h, i])] = recs_np[b, h, i].copy()
+
+    @rule(
+        tier=st.integers(0, 1),
+        p_keep=st.sampled_from([0.0, 0.2, 0.6, 0.9, 1.0]),
+        extra=st.integers(0, 3),
+        seed=st.integers(),
+    )
+    def remove(self, tier, p_keep, extra, seed):
+        pt = self.pt
+        ids = self._slot_ids(tier)
+        gen = torch.Generator().manual_seed(seed % 2**63)
+        m = pt.max_count(tier) + extra
+        keep = torch.rand(pt.batch, pt.heads, m, generator=gen) < p_keep
+        if extra:  # slots beyond the count are not live: their keep flags must not matter
+            keep[..., m - extra :] = True
+        pt.remove(tier, keep)
+        keep_np = keep.numpy()
+        for b in range(pt.batch):
+            for h in range(pt.heads):
+                for s, rid in enumerate(ids[b][h]):
+                    if not keep_np[b, h, s]:
+                        del self.shadow[b][h][tier][rid]
+
+    @rule(tier=st.integers(0, 1), extra=st.integers(0, 3), seed=st.integers())
+    def add_scores(self, tier, extra, seed):
+        pt = self.pt
+        lay = LAYOUTS[tier]
+        ids = self._slot_ids(tier)
+        gen = torch.Generator().manual_seed(seed % 2**63)
+        m = pt.max_count(tier) + extra
+        delta = (torch.randn(pt.batch, pt.heads, m, generator=gen) * 3).float()
+        pt.add_scores(tier, delta)
+        d_np = delta.numpy()
+        so = lay.score_offset
+        for b in range(pt.batch):
+            for h in range(pt.heads):
+                for s, rid in enumerate(ids[b][h]):
+                    rec = self.shadow[b][h][tier][rid]
+                    score = rec[so : so + 4].view(np.float32)
+                    score += d_np[b, h, s]  # fp32 + fp32, as the storage does it
+
+    @rule()
+    def reset(self):
+        self.pt.reset()
+        for row in self.shadow:
+            for head in row:
+                for tier in head:
+                    tier.clear()
+
+    @rule(data=st.data())
+    def select_rows(self, data):
+        pt = self.pt
+        index = data.draw(st.lists(st.integers(0, pt.batch - 1), min_size=1, max_size=3), label="index")
+        pt.select_rows(torch.tensor(index, dtype=torch.long))
+        self.shadow = [
+            [[{k: r.copy() for k, r in tier.items()} for tier in self.shadow[b][h]] for h in range(pt.heads)]
+            for b in index
+        ]
+
+    @precondition(lambda self: self.pt.pool.num_pages < 512)  # each call at least doubles the pool
+    @rule()
+    def grow_pool(self):
+        # Demand more than is free: the pool must grow and keep every live page's bytes.
+        pool = self.pt.pool
+        before = pool.num_pages
+        ids = pool.allocate(pool.n_free + 1)
+        assert pool.num_pages >= max(2 * before, before + 1)
+        pool.release(ids)
+
+    # checks after every step
+    @invariant()
+    def storage_matches_shadow(self):
+        pt = self.pt
+        assert pt.counts.shape == (pt.batch, pt.heads, len(LAYOUTS))
+        counts = pt.counts.numpy()
+        for t, lay in enumerate(LAYOUTS):
+            rows, valid = pt.read(t)
+            assert rows.shape[:3] == valid.shape and rows.shape[-1] == lay.nbytes
+            rows_np, valid_np = rows.numpy(), valid.numpy()
+            for b in range(pt.batch):
+                for h in range(pt.heads):
+                    n = int(counts[b, h, t])
+                    exp = self.shadow[b][h][t]
+                    assert n == len(exp)
+                    assert valid_np[b, h, :n].all() and not valid_np[b, h, n:].any()
+                    if not n:
+                        continue
+                    live = rows_np[b, h, :n]
+                    ids = live[:, lay.pos_offset : lay.pos_offset + 4].copy().view(np.int32)[:, 0]
+                    order = np.argsort(ids, kind="stable")
+                    want_ids = sorted(exp)
+                    assert ids[order].tolist() == want_ids, "wrong or duplicated tokens in a head"
+                    # Bit-identical records (K, V, pad, position and score) as a multiset.
+                    want = np.stack([exp[i] for i in want_ids])
+                    assert np.array_equal(live[order], want)
+
+    @invariant()
+    def pages_consistent(self):
+        check_page_accounting(self.pt)
+
+
+PagedTiersMachine.TestCase.settings = settings(
+    max_examples=45,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+TestPagedTiersStateful = PagedTiersMachine.TestCase
+
+
+# ----------------------------------------------------------------------------- memory bound
+def _live_bytes(pt: PagedTiers) -> int:
+    return sum(int(pt.counts[..., t].sum()) * lay.nbytes for t, lay in enumerate(pt.layouts))
+
+
+def _overhead(pt: PagedTiers) -> tuple[int, int, int]:
+    used = pt.pool.pages_in_use * pt.pool.page_bytes
+    meta = held_bytes([pt.counts, pt.page_table, pt.pool.free_stack])
+    return used, _live_bytes(pt), meta
+
+
+def _random_records(pt: PagedTiers, tier: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (pt.batch, pt.heads, n, pt.layouts[tier].nbytes), generator=gen, dtype=torch.uint8)
+
+
+def _fill(pt: PagedTiers, target: int, gen: torch.Generator, p_remove: float) -> None:
+    """Append random amounts to random tiers (with random removals) until every head holds ``target``."""
+    while int(pt.counts.sum(-1).min()) < target:
+        tier = int(torch.randint(0, 2, (), generator=gen))
+        n = int(torch.randint(1, 17, (), generator=gen))
+        need = (target - pt.counts.sum(-1)).clamp_min(0)  # [B, H]
+        valid = torch.rand(pt.batch, pt.heads, n, generator=gen) < 0.8
+        valid &= torch.arange(n) < need.unsqueeze(-1)
+        pt.append(tier, _random_records(pt, tier, n, gen), valid)
+        if float(torch.rand((), generator=gen)) < p_remove:
+            t = int(torch.randint(0, 2, (), generator=gen))
+            keep = torch.rand(pt.batch, pt.heads, pt.max_count(t), generator=gen) < 0.85
+            pt.remove(t, keep)
+        check_page_accounting(pt)
+
+
+def test_memory_bound_small_pages():
+    gen = torch.Generator().manual_seed(0)
+    pt = PagedTiers(LAYOUTS, 2, 4, page_bytes=216, initial_pages=2)
+    assert pt.tpp == [3, 6]
+    pcts = []
+    for _ in range(3):
+        _fill(pt, 256, gen, p_remove=0.3)
+        used, live, meta = _overhead(pt)
+        assert used <= 1.05 * live + meta, (used, live, meta)
+        pcts.append(100.0 * (used + meta - live) / live)
+        # heavy removal, then refill
+        for t in range(2):
+            pt.remove(t, torch.rand(pt.batch, pt.heads, pt.max_count(t), generator=gen) < 0.3)
+        check_page_accounting(pt)
+        used, live, meta = _overhead(pt)
+        assert used <= live + pt.batch * pt.heads * sum((tpp - 1) * lay.nbytes for tpp, lay in zip(pt.tpp, LAYOUTS))
+    used, live, meta = _overhead(pt)
+    pct = pcts[-1]
+    print(f"storage overhead: {pct:.2f}%")
+    print(
+        f"  (head_dim 16, page_bytes 216: pages {used} B + metadata {meta} B over live records {live} B; "
+        f"page waste alone {100.0 * (used - live) / live:.2f}%; pool capacity {pt.pool.num_pages} pages)"
+    )
+
+
+def test_memory_realistic_head_dim_128():
+    hd, g = 128, 32
+    layouts = (
+        RecordLayout(QuantFormat("model", hd, model_dtype=BF16), QuantFormat("model", hd, model_dtype=BF16)),
+        RecordLayout(QuantFormat("int4", hd, g, BF16), QuantFormat("int2", hd, g, BF16)),
+    )
+    assert [lay.nbytes for lay in layouts] == [520, 136]
+    gen = torch.Generator().manual_seed(1)
+    pt = PagedTiers(layouts, 1, 8, page_bytes=4096)
+    assert pt.tpp == [7, 30]
+    _fill(pt, 512, gen, p_remove=0.1)
+    counts = pt.counts
+    expect_pages = sum(int(_ceil_div(counts[..., t], tpp).sum()) for t, tpp in enumerate(pt.tpp))
+    assert pt.pool.pages_in_use == expect_pages
+    used, live, meta = _overhead(pt)
+    assert used == expect_pages * 4096
+    pct = 100.0 * (used + meta - live) / live
+    frac = float(counts[..., 0].sum()) / float(counts.sum())
+    print(f"storage overhead: {pct:.2f}%")
+    print(
+        f"  (head_dim 128 bf16 / int4-int2 g32, page_bytes 4096, 512 tokens x 8 heads, {100 * frac:.0f}% original: "
+        f"pages {used} B + metadata {meta} B over live records {live} B; tail waste per page "
+        f"{4096 % 520} B (original) / {4096 % 136} B (quantized))"
+    )
+
+
+# ----------------------------------------------------------------------------- window ring
+@st.composite
+def ring_scripts(draw):
+    window = draw(st.integers(1, 6))
+    ops = draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("push"), st.integers(0, 2 * window + 2)),
+                st.tuples(st.just("push"), st.just(1)),
+                st.tuples(st.just("score"), st.integers(0, 2**16)),
+            ),
+            min_size=1,
+            max_size=25,
+        )
+    )
+    return draw(st.integers(1, 2)), draw(st.integers(1, 2)), window, ops
+
+
+@settings(max_examples=200, deadline=None)
+@given(ring_scripts())
+def test_window_ring_against_deque(script):
+    batch, heads, window, ops = script
+    hd = 4
+    ring = WindowRing(batch, heads, window, hd, torch.float16, "cpu")
+    ref: collections.deque = collections.deque()  # (pos, k [B,H,D], v, score [B,H])
+    next_pos = 0
+    for op, arg in ops:
+        if op == "score":
+            gen = torch.Generator().manual_seed(arg)
+            delta = torch.randint(-8, 9, (batch, heads, window), generator=gen).float()  # exact sums
+            slots = ring.order().tolist()
+            for j, slot in enumerate(slots):
+                ref[j][3].add_(delta[:, :, slot])
+            ring.add_scores(delta)
+            continue
+        n = arg
+        pos = torch.arange(next_pos, next_pos + n)
+        k = (torch.arange(batch * heads * n * hd, dtype=torch.float32).reshape(batch, heads, n, hd) + next_pos * 100)
+        k = k.to(torch.float16)
+        v = -k
+        next_pos += n
+        out_k, out_v, out_pos, out_score = ring.push(k, v, pos)
+        for i in range(n):
+            ref.append((int(pos[i]), k[:, :, i], v[:, :, i], torch.zeros(batch, heads)))
+        fell = [ref.popleft() for _ in range(max(0, len(ref) - window))]
+        m = len(fell)
+        assert out_pos.tolist() == [f[0] for f in fell]
+        assert out_k.shape == (batch, heads, m, hd) and out_score.shape == (batch, heads, m)
+        for j, f in enumerate(fell):
+            assert torch.equal(out_k[:, :, j], f[1]) and torch.equal(out_v[:, :, j], f[2])
+            assert torch.equal(out_score[:, :, j], f[3])
+        order = ring.order()
+        assert ring.count == len(ref) == order.numel()
+        assert ring.pos[order].tolist() == [r[0] for r in ref]
+        for j, r in enumerate(ref):
+            slot = int(order[j])
+            assert torch.equal(ring.k[:, :, slot], r[1]) and torch.equal(ring.v[:, :, slot], r[2])
+            assert torch.equal(ring.score[:, :, slot], r[3]), "a new slot must start with score 0"
+
+
+def test_window_ring_rejects_empty_window():
+    with pytest.raises(ValueError, match="window"):
+        WindowRing(1, 1, 0, 4, torch.float16, "cpu")
+
+
+# ----------------------------------------------------------------------------- held bytes
+def test_held_bytes_counts_each_storage_once_with_capacity():
+    base = torch.zeros(100, dtype=torch.float32)
+    assert held_bytes([base]) == 400
+    assert held_bytes([base, base[:10], base.view(10, 10), base[50:], base.view(torch.uint8)]) == 400
+    assert held_bytes([base[:3]]) == 400  # a slice holds its whole storage
+    other = torch.zeros(7, dtype=torch.bfloat16)
+    assert held_bytes([base[10:20], other, None, other.view(7, 1)]) == 400 + 14
+    assert held_bytes([]) == 0
+    expanded = torch.zeros(1, 4).expand(1000, 4)  # a broadcast view holds only its 16 bytes
+    assert held_bytes([expanded]) == 16
+
+
+def test_held_bytes_of_paged_tiers_tracks_pool_capacity():
+    pt = PagedTiers(LAYOUTS, 1, 2, page_bytes=216, initial_pages=2)
+    gen = torch.Generator().manual_seed(3)
+    pt.append(1, _random_records(pt, 1, 40, gen), torch.ones(1, 2, 40, dtype=torch.bool))
+    pool = pt.pool
+    assert pool.num_pages >= 14
+    expect = pool.num_pages * 216 + pool.free_stack.numel() * 4 + pt.counts.numel() * 8 + pt.page_table.numel() * 4
+    assert held_bytes(pt.held_tensors()) == expect
+    pt.reset()  # pages return to the free stack; capacity is kept
+    assert pool.n_free == pool.num_pages and held_bytes(pt.held_tensors()) == expect
+
+
+def test_dense_kv_bytes():
+    assert dense_kv_bytes(2, 4, 10, 16, torch.bfloat16) == 2 * 2 * 4 * 10 * 16 * 2
+    assert dense_kv_bytes(1, 1, 0, 128, torch.float32) == 0
+
+
+# ----------------------------------------------------------------------------- misc
+def test_page_size_validation():
+    with pytest.raises(ValueError, match="page_bytes"):
+        PagedTiers(LAYOUTS, 1, 1, page_bytes=64)
+    with pytest.raises(ValueError, match="page_bytes"):
+        PagePool(70)
+    with pytest.raises(ValueError, match="n=-1"):
+        PagePool(72).allocate(-1)
+    with pytest.raises(ValueError, match="record size"):
+        pt = PagedTiers(LAYOUTS, 1, 1, page_bytes=216)
+        pt.append(0, torch.zeros(1, 1, 1, 36, dtype=torch.uint8), torch.ones(1, 1, 1, dtype=torch.bool))
+
+
+def test_select_rows_repeated_rows_get_own_pages():
+    gen = torch.Generator().manual_seed(5)
+    pt = PagedTiers(LAYOUTS, 2, 2, page_bytes=144)
+    pt.append(0, _random_records(pt, 0, 5, gen), torch.ones(2, 2, 5, dtype=torch.bool))
+    before, _ = pt.read(0)
+    pt.select_rows(torch.tensor([1, 1, 0]))
+    check_page_accounting(pt)
+    after, _ = pt.read(0)
+    assert torch.equal(after, before[[1, 1, 0]])
+    pt.remove(0, torch.tensor([[[False] * 5] * 2, [[True] * 5] * 2, [[True] * 5] * 2]))
+    check_page_accounting(pt)
+    rows, _ = pt.read(0)
+    assert torch.equal(rows[1:], before[[1, 0]])
