@@ -258,31 +258,30 @@ class TriStateLayer(CacheLayerMixin):
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
-        parts_k, parts_v, parts_p = [win.k.float()], [win.v.float()], [win.pos.view(1, 1, -1).expand(bsz, heads, -1)]
-        sizes = [win.window]
+        parts = [(win.k, win.v, win.pos.view(1, 1, -1).expand(bsz, heads, -1))]
         for tier, lay in enumerate(self.layouts):
-            rows, valid = self.tiers.read(tier)
-            k, v = lay.decode_kv(rows, torch.float32)
-            # Padding slots hold stale bytes that may decode to NaN, and 0 * NaN would leak into the output.
-            empty = ~valid.unsqueeze(-1)
-            parts_k.append(k.masked_fill(empty, 0.0))
-            parts_v.append(v.masked_fill(empty, 0.0))
-            parts_p.append(torch.where(valid, lay.positions(rows).long(), -1))
-            sizes.append(rows.shape[2])
-        slot_pos = torch.cat(parts_p, -1)
+            kb, vb, pos, valid = self.tiers.read_fields(tier)
+            # Empty slots hold stale bytes; zero them so they decode to finite values (0 * NaN leaks).
+            vb = vb.masked_fill_(~valid.unsqueeze(-1), 0)
+            parts.append(
+                (
+                    lay.key.decode(kb, torch.float32),
+                    lay.value.decode(vb, torch.float32),
+                    torch.where(valid, pos.long(), -1),
+                )
+            )
         q = query.shape[2]
         if mask is None:  # plain causal in logical coordinates
             qpos = torch.arange(self.length - q, self.length, device=self.device)
             mask = (torch.arange(self.length, device=self.device).view(1, -1) <= qpos.view(-1, 1))[None, None]
             mask = mask.expand(bsz, 1, q, self.length)
-        out, probs = slot_attention(query, torch.cat(parts_k, 2), torch.cat(parts_v, 2), slot_pos, mask, scaling)
-        hq = query.shape[1]
-        received = reduce_gqa(probs.reshape(bsz, hq, q, -1), heads, self.cfg.score_reduction).sum(2)
-        w_delta, d0, d1 = torch.split(received, sizes, dim=-1)
+        out, probs = slot_attention(query, parts, mask, scaling)
+        received = reduce_gqa(probs.reshape(bsz, query.shape[1], q, -1), heads, self.cfg.score_reduction).sum(2)
+        w_delta, d0, d1 = torch.split(received, [p[2].shape[-1] for p in parts], dim=-1)
         win.add_scores(w_delta)
-        if sizes[1]:
+        if d0.shape[-1]:
             self.tiers.add_scores(ORIGINAL, d0)
-        if sizes[2]:
+        if d1.shape[-1]:
             self.tiers.add_scores(QUANTIZED, d1)
         return out
 
@@ -312,8 +311,9 @@ class TriStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.tiers.reset()
-            self.window = WindowRing(*self.window.k.shape[:2], self.cfg.window, self.window.k.shape[-1],
-                                     self.dtype, self.device)
+            self.window = WindowRing(
+                *self.window.k.shape[:2], self.cfg.window, self.window.k.shape[-1], self.dtype, self.device
+            )
         self.length, self.steps, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self.cache.invalidate_rho()
@@ -359,7 +359,9 @@ class TriStateCache(DynamicCache):
 
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, TriStateConfig):
-            raise TypeError(f"TriStateCache: config must be a TriStateConfig or preset name, got {type(config).__name__}")
+            raise TypeError(
+                f"TriStateCache: config must be a TriStateConfig or preset name, got {type(config).__name__}"
+            )
         self.config = config
         enable(model)
         text = model.config.get_text_config(decoder=True)
@@ -371,7 +373,7 @@ class TriStateCache(DynamicCache):
         self.alpha_h, self.alpha_l = config.resolve_alpha(n_layers, n_kv)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers: list = []
-        for i, (lt, kw) in enumerate(zip(layer_types, layer_kwargs)):
+        for i, (lt, kw) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if not config.compress:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[lt](**kw))
             elif lt == "full_attention":
@@ -388,7 +390,10 @@ class TriStateCache(DynamicCache):
 
     def __repr__(self) -> str:
         n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)
-        return f"TriStateCache({self.config.summary()}, layers={len(self.layers)}, compressed={n}, len={self.get_seq_length()})"
+        return (
+            f"TriStateCache({self.config.summary()}, layers={len(self.layers)}, compressed={n}, "
+            f"len={self.get_seq_length()})"
+        )
 
     def attention_ready(self) -> bool:
         return self.model_config._attn_implementation == NAME

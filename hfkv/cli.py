@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if getattr(args, "_missing", None):
-        print(f"hfkv {args.command}: {args._missing}; install the matching extra (pip install 'hfkv[all]')",
-              file=sys.stderr)
+        print(
+            f"hfkv {args.command}: {args._missing}; install the matching extra (pip install 'hfkv[all]')",
+            file=sys.stderr,
+        )
         return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 

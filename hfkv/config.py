@@ -178,7 +178,7 @@ class TriStateConfig:
     interval: int = 1
     original: TierFormat = _DEFAULT_TIERS["original"]
     quantized: TierFormat = _DEFAULT_TIERS["quantized"]
-    page_bytes: int = 4096
+    page_bytes: int | None = None  # None: chosen per layer so every tier's records tile pages exactly
     backend: str = "auto"
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -197,13 +197,15 @@ class TriStateConfig:
         for f, lo in (("window", 1), ("sink_tokens", 0), ("obs_window", 1), ("pool_kernel", 1),
                       ("interval", 1), ("page_bytes", 64)):
             v = getattr(self, f)
+            if f == "page_bytes" and v is None:
+                continue
             if not _is_int(v) or v < lo:
                 raise _fail(f"{w}.{f}", v, f"an integer >= {lo}")
             setattr(self, f, int(v))
         if self.pool_kernel % 2 == 0:
             raise _fail(f"{w}.pool_kernel", self.pool_kernel, "odd (1 = no smoothing), so the "
                         "smoothing window is centred on the token")
-        if self.page_bytes % 4:
+        if self.page_bytes is not None and self.page_bytes % 4:
             raise _fail(f"{w}.page_bytes", self.page_bytes, "a multiple of 4")
         for f, allowed in (("score_reduction", SCORE_REDUCTIONS), ("score_mode", SCORE_MODES),
                            ("backend", BACKENDS)):

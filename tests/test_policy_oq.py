@@ -27,7 +27,12 @@ def _naive_oq(probs, key_mask, tau):
             continue
         p = [m / z for m in mass]
         n = len(p)
-        h = -sum(x * math.log(x) for x in p if x > 0)
+        h = 0.0
+        for i, x in enumerate(p):
+            if x > 0:
+                # For p_k near 1 use log1p(-(mass of the other keys) / z) (1 - p_k rounds away).
+                rest = sum(mass[:i] + mass[i + 1 :])
+                h -= x * (math.log1p(-rest / z) if rest < z / 2 else math.log(x))
         mean = sum(p) / n
         v = sum((x - mean) ** 2 for x in p) / n
         if v == 0:

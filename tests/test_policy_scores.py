@@ -219,13 +219,17 @@ def _naive_token_scores(probs, hkv, how, gamma, pool_kernel):
     how=st.sampled_from(["max", "mean", "l2"]),
     gamma=st.sampled_from([0.0, 0.5, 263.81]),
     pool_kernel=st.sampled_from([1, 2, 3, 5]),
+    from_attention=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_token_scores_match_loop(b, hkv, g, t, past, obs_window, how, gamma, pool_kernel, seed):
+def test_token_scores_match_loop(b, hkv, g, t, past, obs_window, how, gamma, pool_kernel, from_attention, seed):
     gen = torch.Generator().manual_seed(seed)
     t_k = t + past
-    query, key = torch.randn(b, hkv * g, t, 4, generator=gen), torch.randn(b, hkv, t_k, 4, generator=gen)
-    probs = observation_probs(query, key, 0.7, None, obs_window)
+    if from_attention:
+        query, key = torch.randn(b, hkv * g, t, 4, generator=gen), torch.randn(b, hkv, t_k, 4, generator=gen)
+        probs = observation_probs(query, key, 0.7, None, obs_window)
+    else:  # arbitrary non-negative values, also on (query, key) pairs that are causally masked
+        probs = torch.rand(b, hkv * g, min(obs_window, t), t_k, generator=gen)
     got = token_scores(probs, hkv, how, gamma=gamma, pool_kernel=pool_kernel)
     want = _naive_token_scores(probs.double(), hkv, how, gamma, pool_kernel)
     assert got.dtype == torch.float32 and got.shape == (b, hkv, t_k)

@@ -50,8 +50,8 @@ def test_kv_recall_structure():
     for r in rows:
         prompt, target = r["prompt"], r["target"]
         assert 750 <= len(prompt) <= 1500
-        assert prompt.endswith(" ") and prompt.rsplit("\n", 1)[1].startswith("? ")
-        key = prompt.rsplit("\n", 1)[1][2:-1]
+        assert prompt.endswith(": ") and prompt.rsplit("\n", 1)[1].startswith("? ")
+        key = prompt.rsplit("\n", 1)[1][2:-2]
         lines = prompt.split("\n")
         recs = [ln for ln in lines if ln.startswith(f"{key}: ")]
         assert recs == [f"{key}: {target}"]  # exactly one record holds the answer
@@ -79,11 +79,12 @@ def test_arith_cot_structure_and_values():
                 env[name] = int(expr) if expr.isdigit() else eval(expr, {}, dict(env))  # noqa: S307
         cot, ans = r["target"].split(" #### ")
         steps = cot.split("; ")
-        last = steps[-1].split(" = ")[0]
+        last = steps[-1].split("=")[0]
         assert r["prompt"].endswith(f"? {last}\n")
         assert int(ans) == env[last]
         for s in steps:
-            v, sym, num, res = s.split(" = ")
+            head, num, res = s.split(" = ")
+            v = head.split("=")[0]
             assert eval(num) == int(res) == env[v]  # noqa: S307
             assert 0 <= int(res) <= 99
 
@@ -91,18 +92,18 @@ def test_arith_cot_structure_and_values():
 def test_scorers_accept_target_reject_perturbations():
     kv = TASKS["kv_recall"]
     assert kv.score("48213", "48213")
-    assert kv.score("48213\n? abcd 1", "48213")
+    assert kv.score("48213\n? abcd: 1", "48213")
     assert not kv.score("48214", "48213")
     assert not kv.score("4821", "48213")
     assert not kv.score("482130", "48213")
     assert not kv.score("", "48213")
     assert kv_recall_extract(" 0042x") == "0042"
     ar = TASKS["arith_cot"]
-    t = "a = k+5 = 12+5 = 17; b = a-q = 17-7 = 10 #### 10"
+    t = "a=k+5 = 12+5 = 17; b=a-q = 17-7 = 10 #### 10"
     assert ar.score(t, t)
     assert ar.score("a = 1+9 = 10 #### 10", t)  # only the final answer counts
-    assert not ar.score("a = k+5 = 12+5 = 17; b = a-q = 17-7 = 10 #### 11", t)
-    assert not ar.score("a = k+5 = 12+5 = 17; b = a-q = 17-7 = 10", t)
+    assert not ar.score("a=k+5 = 12+5 = 17; b=a-q = 17-7 = 10 #### 11", t)
+    assert not ar.score("a=k+5 = 12+5 = 17; b=a-q = 17-7 = 10", t)
     assert not ar.score("#### 100", t)
     assert arith_cot_extract("x #### 7 #### 8") == "7"
     for name, task in TASKS.items():
@@ -153,7 +154,7 @@ ROUND_TRIP = [
     "hello world",
     "  two  spaces \n\nand newlines\n",
     "kqzt: 48213\n? kqzt 48213\n",
-    "a = k+5 = 12+5 = 17; #### 17",
+    "a=k+5 = 12+5 = 17; #### 17",
     "punct: !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~",
     " ",
     "\n",

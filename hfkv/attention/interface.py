@@ -63,7 +63,9 @@ def hfkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     """The ``"hfkv"`` attention function: a pending compressing layer computes, else the delegate does."""
     layer = _PENDING.get()
     if layer is None:
-        return _delegate_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return _delegate_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     _PENDING.set(None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -36,9 +36,7 @@ class PagePool:
         old = self.num_pages
         new = max(2 * old, old + need - self.n_free)
         extra = new - old
-        self.data = torch.cat(
-            [self.data, torch.zeros(extra, self.page_bytes, dtype=torch.uint8, device=self.device)]
-        )
+        self.data = torch.cat([self.data, torch.zeros(extra, self.page_bytes, dtype=torch.uint8, device=self.device)])
         new_ids = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=self.device)
         stack = torch.empty(new, dtype=torch.int32, device=self.device)
         # New pages go below the existing free ids so recently freed (warm) pages are reused first.

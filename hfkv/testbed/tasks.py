@@ -11,8 +11,8 @@ be ``target`` followed by the stop string ``"\\n"``. One character is one token 
     the river holds a quiet lamp near the old road
     mbwa: 9041
     ...
-    ? hrxo 771203          <- answered questions (records from anywhere in the context)
-    ? kqzt                 <- final question: the prompt ends with "? kqzt "
+    ? hrxo: 771203         <- answered questions (records from anywhere in the context)
+    ? kqzt:                <- final question: the prompt ends with "? kqzt: "
 
     target: "48213"
 
@@ -31,7 +31,7 @@ be ``target`` followed by the stop string ``"\\n"``. One character is one token 
     c=b+31
     ? c
 
-    target: "a = k+5 = 12+5 = 17; b = a-q = 17-7 = 10; c = b+31 = 10+31 = 41 #### 41"
+    target: "a=k+5 = 12+5 = 17; b=a-q = 17-7 = 10; c=b+31 = 10+31 = 41 #### 41"
 
   Each step restates its definition, substitutes the values (the previous step's result, written
   earlier in the chain of thought, and named constants defined in the prompt) and computes; every
@@ -84,14 +84,20 @@ def kv_recall_example(
     n_questions: int = 4,
     chars_per_record: int = 42,
     early_frac: float = 1 / 3,
+    question_frac: float | None = None,
 ) -> dict:
     """One kv_recall example of about ``length`` prompt characters.
 
-    Returns ``prompt``, ``target`` and ``supervise``: the (start, end) character spans of the
+    ``question_frac`` (training only) asks about that fraction of the records instead of
+    ``n_questions``. Returns ``prompt``, ``target`` and ``supervise``: the (start, end) character spans of the
     prompt that hold answers (the values of the answered questions), used for training.
     """
     total = _pick_len(rng, length)
-    n_rec = max(n_questions + 2, round(total / chars_per_record))
+    if question_frac is None:
+        n_rec = max(n_questions + 2, round(total / chars_per_record))
+    else:  # training: ask about a fraction of the records (denser supervision)
+        n_rec = max(3, round(total / chars_per_record))
+        n_questions = min(n_rec - 1, max(1, round(question_frac * n_rec)))
     keys: list[str] = []
     seen: set[str] = set()
     while len(keys) < n_rec:
@@ -101,7 +107,7 @@ def kv_recall_example(
             keys.append(k)
     values = [str(rng.randint(10 ** (d - 1), 10**d - 1)) for d in (rng.randint(4, 6) for _ in keys)]
     records = [f"{k}: {v}" for k, v in zip(keys, values, strict=True)]
-    q_chars = n_questions * 13
+    q_chars = n_questions * 14
     body_target = max(0, total - q_chars)
     rec_chars = sum(len(r) + 1 for r in records)
     fillers: list[str] = []
@@ -130,10 +136,10 @@ def kv_recall_example(
     prompt = "".join(line + "\n" for line in lines)
     supervise = []
     for i in others:
-        prompt += f"? {keys[i]} "
+        prompt += f"? {keys[i]}: "
         supervise.append((len(prompt), len(prompt) + len(values[i]) + 1))  # value and "\n"
         prompt += values[i] + "\n"
-    prompt += f"? {keys[final]} "
+    prompt += f"? {keys[final]}: "
     return {"prompt": prompt, "target": values[final], "supervise": supervise}
 
 
@@ -188,7 +194,7 @@ def arith_cot_example(
         op = rng.choice(ops)
         res = a_val + b_val if op == "+" else a_val - b_val
         defs_s.append(f"{v}={a_name}{op}{b_name}")
-        cot.append(f"{v} = {a_name}{op}{b_name} = {a_val}{op}{b_val} = {res}")
+        cot.append(f"{v}={a_name}{op}{b_name} = {a_val}{op}{b_val} = {res}")
         prev_name, prev_val = v, res
     # Filler lines go anywhere; definitions keep their order (constants first, then the chain).
     defs = defs_c + defs_s

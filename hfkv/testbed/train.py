@@ -72,8 +72,12 @@ def kv_length(step: int, total: int, rng: random.Random, max_len: int) -> int:
 def build_example(task: str, rng: random.Random, step: int, total: int, max_len: int) -> tuple[list, list]:
     if task == "kv_recall":
         length = kv_length(step, total, rng, max_len)
-        nq = rng.randint(3, 10)
-        ex = TASKS[task].example(rng, length=length, n_questions=nq)
+        if rng.random() < 0.6:  # dense: many records, most of them asked (more supervised tokens)
+            cpr = rng.randint(16, 40)
+            frac = min(rng.uniform(0.4, 1.0), 40 * cpr / length)
+            ex = TASKS[task].example(rng, length=length, chars_per_record=cpr, question_frac=frac)
+        else:  # like the test sets
+            ex = TASKS[task].example(rng, length=length, n_questions=rng.randint(3, 10))
     else:
         ex = TASKS[task].example(rng, steps=(2, 9), consts=(2, 6), filler=(0, 10) if rng.random() < 0.8 else (0, 2))
     prompt, target = ex["prompt"], ex["target"] + "\n"
