@@ -201,3 +201,58 @@ def test_enable_is_idempotent_and_cacheless_forward_delegates():
     hfkv.enable(model)
     assert hfkv.is_enabled(model)
     torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, ref, rtol=0, atol=0)
+
+
+def test_gemma_sliding_layers_stay_uncompressed():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+        sliding_window=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9))
+    ref = _generate(model, DynamicCache(config=model.config), ids, new=8)
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8))
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    assert kinds == {"TriStateLayer", "DynamicSlidingWindowLayer"}
+    assert torch.equal(_generate(model, cache, ids, new=8), ref)
+    squeezed = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=24, window=8))
+    _generate(model, squeezed, ids, new=8)
+    for layer in squeezed.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            assert layer.keys.shape[2] > 0  # untouched by hfkv
+        else:
+            assert int(_held(layer).max()) <= 24
+
+
+@pytest.mark.parametrize("op", ["select", "repeat"])
+def test_batch_surgery_matches_dynamic_cache(op):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(20, 14, 9))
+    dense = _dense(model)
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=4))
+    for c in (dense, cache):
+        model(input_ids=ids, attention_mask=mask, past_key_values=c)
+        if op == "select":
+            c.batch_select_indices(torch.tensor([2, 0]))
+        else:
+            c.batch_repeat_interleave(2)
+    keep = [2, 0] if op == "select" else [0, 0, 1, 1, 2, 2]
+    nxt = torch.randint(3, 128, (len(keep), 1), generator=torch.Generator().manual_seed(2))
+    am = torch.cat([mask[keep], torch.ones(len(keep), 1, dtype=mask.dtype)], 1)
+    pos = am.long().cumsum(-1)[:, -1:] - 1
+    a = model(input_ids=nxt, attention_mask=am, position_ids=pos, past_key_values=dense).logits
+    b = model(input_ids=nxt, attention_mask=am, position_ids=pos, past_key_values=cache).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
