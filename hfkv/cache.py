@@ -260,9 +260,7 @@ class TriStateLayer(CacheLayerMixin):
         bsz, heads = win.k.shape[:2]
         parts = [(win.k, win.v, win.pos.view(1, 1, -1).expand(bsz, heads, -1))]
         for tier, lay in enumerate(self.layouts):
-            kb, vb, pos, valid = self.tiers.read_fields(tier)
-            # Empty slots hold stale bytes; zero them so they decode to finite values (0 * NaN leaks).
-            vb = vb.masked_fill_(~valid.unsqueeze(-1), 0)
+            kb, vb, pos, valid = self.tiers.read_fields(tier)  # empty slots read zeros (null page)
             parts.append(
                 (
                     lay.key.decode(kb, torch.float32),

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hfkv.quant.formats import QuantFormat
+from hfkv.storage.pool import NULL_PAGE, RESERVED_PAGES
 from hfkv.storage import PagedTiers, PagePool, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
 
 D = 16
@@ -50,11 +51,12 @@ def check_page_accounting(pt: PagedTiers) -> None:
     counts = pt.counts.numpy()
     assert pool.data.shape == (pool.num_pages, pool.page_bytes)
     assert pool.free_stack.numel() == pool.num_pages
-    assert 0 <= pool.n_free <= pool.num_pages
+    assert 0 <= pool.n_free <= pool.num_pages - RESERVED_PAGES
     owned = table[table >= 0]
     free = pool.free_stack[: pool.n_free].numpy()
     every = np.sort(np.concatenate([owned, free]))
-    assert np.array_equal(every, np.arange(pool.num_pages)), "page leaked, duplicated or freed twice"
+    assert np.array_equal(every, np.arange(RESERVED_PAGES, pool.num_pages)), "page leaked, duplicated or freed twice"
+    assert not pool.data[NULL_PAGE].any(), "the null page must stay zero (padded reads decode it)"
     for t, tpp in enumerate(pt.tpp):
         npages = _ceil_div(counts[..., t], tpp)  # [B, H]
         col = np.arange(table.shape[-1])
@@ -266,7 +268,7 @@ def test_memory_bound_small_pages():
         used, live, meta = _overhead(pt)
         assert used <= 1.05 * live + meta, (used, live, meta)
         # geometric growth keeps the pool's capacity within 2x of the peak demand
-        assert pt.pool.num_pages <= 2 * peak
+        assert pt.pool.num_pages - RESERVED_PAGES <= 2 * peak
         # heavy removal, then refill
         for t in range(2):
             pt.remove(t, torch.rand(pt.batch, pt.heads, pt.max_count(t), generator=gen) < 0.3)
@@ -356,7 +358,7 @@ def test_window_ring_against_deque(script):
             continue
         n = arg
         pos = torch.arange(next_pos, next_pos + n)
-        k = (torch.arange(batch * heads * n * hd, dtype=torch.float32).reshape(batch, heads, n, hd) + next_pos * 100)
+        k = torch.arange(batch * heads * n * hd, dtype=torch.float32).reshape(batch, heads, n, hd) + next_pos * 100
         k = k.to(torch.float16)
         v = -k
         next_pos += n
@@ -406,7 +408,7 @@ def test_held_bytes_of_paged_tiers_tracks_pool_capacity():
     expect = pool.num_pages * 216 + pool.free_stack.numel() * 4 + pt.counts.numel() * 8 + pt.page_table.numel() * 4
     assert held_bytes(pt.held_tensors()) == expect
     pt.reset()  # pages return to the free stack; capacity is kept
-    assert pool.n_free == pool.num_pages and held_bytes(pt.held_tensors()) == expect
+    assert pool.n_free == pool.num_pages - RESERVED_PAGES and held_bytes(pt.held_tensors()) == expect
 
 
 def test_dense_kv_bytes():
@@ -440,3 +442,40 @@ def test_select_rows_repeated_rows_get_own_pages():
     check_page_accounting(pt)
     rows, _ = pt.read(0)
     assert torch.equal(rows[1:], before[[1, 0]])
+
+
+def test_read_fields_and_meta_agree_with_records_and_pad_with_finite_values():
+    """The attention path's page-wise gather and the policy's metadata gather see exactly the live records."""
+    gen = torch.Generator().manual_seed(5)
+    pt = PagedTiers(LAYOUTS, 2, 3, page_bytes=216, initial_pages=1)
+
+    def encoded(tier: int, n: int) -> torch.Tensor:  # real encodings: the only bytes storage ever holds
+        lay = LAYOUTS[tier]
+        k, v = (
+            torch.randn(2, 3, n, lay.key.head_dim, generator=gen),
+            torch.randn(2, 3, n, lay.key.head_dim, generator=gen),
+        )
+        return lay.encode(k, v, torch.randint(0, 1000, (2, 3, n), generator=gen), torch.rand(2, 3, n, generator=gen))
+
+    for step in range(30):
+        tier = step % 2
+        pt.append(tier, encoded(tier, 7), torch.rand(2, 3, 7, generator=gen) < 0.7)
+        if step % 3 == 2:
+            pt.remove(tier, torch.rand(2, 3, pt.max_count(tier), generator=gen) < 0.6)
+    for tier, lay in enumerate(LAYOUTS):
+        rows, valid = pt.read(tier)
+        kb, vb, pos, valid_f = pt.read_fields(tier)
+        m = rows.shape[2]
+        assert torch.equal(valid_f[..., :m], valid) and not valid_f[..., m:].any()
+        k = lay.key.nbytes
+        assert torch.equal(kb[..., :m, :][valid], rows[..., :k][valid])
+        assert torch.equal(vb[..., :m, :][valid], rows[..., k : lay.kv_bytes][valid])
+        assert torch.equal(pos[..., :m][valid], lay.positions(rows)[valid])
+        mpos, mscore, mvalid = pt.read_meta(tier)
+        assert torch.equal(mvalid, valid)
+        assert torch.equal(mpos[valid], lay.positions(rows)[valid])
+        assert torch.equal(mscore[valid], lay.scores(rows)[valid])
+        # padding (null page, zeroed pages, stale records of the same tier) decodes to finite values;
+        # 0 * NaN in the attention's probs @ V would leak otherwise
+        assert torch.isfinite(lay.value.decode(vb, torch.float32)).all()
+        assert torch.isfinite(lay.key.decode(kb, torch.float32)).all()

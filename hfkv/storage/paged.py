@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hfkv.storage.pool import PagePool
+from hfkv.storage.pool import NULL_PAGE, SCRATCH_PAGE, PagePool
 from hfkv.storage.record import RecordLayout
 
 
@@ -128,6 +128,7 @@ class PagedTiers:
         if total:
             self._ensure_table_width(int(new_pages.max()))
             ids = self.pool.allocate(total)
+            self.pool.data[ids.long()] = 0  # a reused page may hold another tier's bytes
             owner = torch.repeat_interleave(torch.arange(bsz * heads, device=self.device), need)
             start = torch.cumsum(need, 0) - need
             col = old_pages[owner] + torch.arange(total, device=self.device) - start[owner]
@@ -167,70 +168,70 @@ class PagedTiers:
         self.counts[..., tier] = new
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
-        """Add ``delta [B, H, M]`` (fp32) to the score sums of live slots ``[0, count)``."""
+        """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)``; empty slots hit the scratch page."""
         lay = self.layouts[tier]
-        cnt = self.counts[..., tier]
-        s = torch.arange(delta.shape[-1], device=self.device)
-        b, h, i = (s < cnt.unsqueeze(-1)).nonzero(as_tuple=True)
+        page, off = self._slot_pages(tier, delta.shape[-1])
+        page = torch.where(page < 0, SCRATCH_PAGE, page)
         col = self._meta_column(tier, lay.score_offset, torch.float32)
-        col.index_put_(self._locate(tier, b, h, i), delta[b, h, i].float(), accumulate=True)
+        col.index_put_((page, off), delta.float(), accumulate=True)
 
     # ------------------------------------------------------------------- reads
+    def _slot_pages(self, tier: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page and in-page offset of slots ``[0, m)`` of every head; ``-1`` pages for slots past the count."""
+        tpp = self.tpp[tier]
+        s = torch.arange(m, device=self.device)
+        col = (s // tpp).clamp_max(self.page_table.shape[-1] - 1)  # slots past the table are empty anyway
+        page = torch.where(s < self.counts[..., tier].unsqueeze(-1), self.page_table[:, :, tier, col].long(), -1)
+        return page, (s % tpp).expand_as(page)
+
     def max_count(self, tier: int) -> int:
         return int(self.counts[..., tier].max()) if self.counts.numel() else 0
 
-    def read(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Records of every live slot, padded: ``([B, H, M, record_bytes] uint8, valid [B, H, M])``."""
-        lay, tpp = self.layouts[tier], self.tpp[tier]
+    def _read_pages(self, tier: int, m: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m = self.max_count(tier) if m is None else m
-        cnt = self.counts[..., tier]
-        s = torch.arange(m, device=self.device)
-        valid = s < cnt.unsqueeze(-1)
-        page = self.page_table[:, :, tier, s // tpp].long().clamp_min(0)
-        rows = self.pool.tier_view(lay.nbytes)[page, (s % tpp).expand_as(page)]
-        return rows, valid
+        page, off = self._slot_pages(tier, m)
+        valid = page >= 0
+        return torch.where(valid, page, NULL_PAGE), off, valid
+
+    def read(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records of every live slot, padded: ``([B, H, M, record_bytes] uint8, valid [B, H, M])``.
+
+        Padding slots read the all-zero null page, so they decode to zeros.
+        """
+        page, off, valid = self._read_pages(tier, m)
+        return self.pool.tier_view(self.layouts[tier].nbytes)[page, off], valid
 
     def _meta_column(self, tier: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
         lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
-        return self.pool.data.view(dtype).as_strided(
-            (self.pool.num_pages, tpp), (pb // 4, lay.nbytes // 4), offset // 4
-        )
+        size, stride = (self.pool.num_pages, tpp), (pb // 4, lay.nbytes // 4)
+        return self.pool.data.view(dtype).as_strided(size, stride, offset // 4)
 
     def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``."""
-        lay, tpp = self.layouts[tier], self.tpp[tier]
-        m = self.max_count(tier) if m is None else m
-        s = torch.arange(m, device=self.device)
-        valid = s < self.counts[..., tier].unsqueeze(-1)
-        page = self.page_table[:, :, tier, s // tpp].long().clamp_min(0)
-        off = (s % tpp).expand_as(page)
+        lay = self.layouts[tier]
+        page, off, valid = self._read_pages(tier, m)
         pos = self._meta_column(tier, lay.pos_offset, torch.int32)[page, off]
         score = self._meta_column(tier, lay.score_offset, torch.float32)[page, off]
         return pos, score, valid
 
-    def _field_view(self, tier: int, offset: int, nbytes: int) -> torch.Tensor:
-        lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
-        return self.pool.data.as_strided((self.pool.num_pages, tpp, nbytes), (pb, lay.nbytes, 1), offset)
+    def read_fields(self, tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Key bytes, value bytes and positions of every slot of every head, gathered page by page.
 
-    def read_fields(self, tier: int, m: int | None = None):
-        """Key bytes, value bytes and positions of every live slot, each gathered straight from the pool.
-
-        Returns ``(key_bytes [B, H, M, kb], value_bytes [B, H, M, vb], pos [B, H, M] int32, valid)``.
-        Gathering fields separately avoids re-copying slices of whole records before decoding.
+        Returns ``(key_bytes [B, H, M, kb], value_bytes [B, H, M, vb], pos [B, H, M] int32, valid)`` with
+        ``M = pages * tokens_per_page``. A head's slots are a prefix of its pages, so copying whole pages
+        (one ``index_select`` of contiguous rows, as paged-attention kernels do) replaces a per-byte
+        gather. Slots past a head's count hold zeros (null page, zeroed on allocation) or stale records
+        of the same tier, so they always decode to finite values; ``valid`` masks them.
         """
         lay, tpp = self.layouts[tier], self.tpp[tier]
-        m = self.max_count(tier) if m is None else m
-        s = torch.arange(m, device=self.device)
-        valid = s < self.counts[..., tier].unsqueeze(-1)
-        page = self.page_table[:, :, tier, s // tpp].long().clamp_min(0)
-        off = (s % tpp).expand_as(page)
+        bsz, heads = self.batch, self.heads
+        npages = int(_ceil_div(self.counts[..., tier], tpp).max()) if self.counts.numel() else 0
+        pages = self.page_table[:, :, tier, :npages].long().clamp_min(NULL_PAGE)  # -1 -> null page
+        rows = self.pool.data.index_select(0, pages.reshape(-1))[:, : tpp * lay.nbytes]
+        rec = rows.reshape(bsz, heads, npages * tpp, lay.nbytes)
         kb, vb = lay.key.nbytes, lay.value.nbytes
-        return (
-            self._field_view(tier, 0, kb)[page, off],
-            self._field_view(tier, kb, vb)[page, off],
-            self._meta_column(tier, lay.pos_offset, torch.int32)[page, off],
-            valid,
-        )
+        valid = torch.arange(npages * tpp, device=self.device) < self.counts[..., tier].unsqueeze(-1)
+        return rec[..., :kb], rec[..., kb : kb + vb], lay.positions(rec), valid
 
     def gather(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Records of the given live slots, ``[len(s), record_bytes]``."""

@@ -4,11 +4,20 @@ Pages are handed out in bulk: the caller asks for ``n`` pages at once (the sum o
 demands) and slices the returned ids with a cumsum, so allocation for all heads of a layer is
 one stack pop, not a loop. The pool grows geometrically, keeping the amortised cost of growth
 constant per page and the capacity within 2x of the peak demand.
+
+Two pages are reserved and never handed out: ``NULL_PAGE`` stays all zeros, so a padded read of
+an empty slot decodes to finite zeros without masking; ``SCRATCH_PAGE`` absorbs score updates
+aimed at empty slots, so a whole padded ``[B, H, M]`` block can be updated in one scatter
+without first selecting the live slots (a host sync).
 """
 
 from __future__ import annotations
 
 import torch
+
+NULL_PAGE = 0
+SCRATCH_PAGE = 1
+RESERVED_PAGES = 2
 
 
 class PagePool:
@@ -17,12 +26,11 @@ class PagePool:
             raise ValueError(f"PagePool.page_bytes={page_bytes} must be a positive multiple of 4")
         self.page_bytes = page_bytes
         self.device = torch.device(device)
-        n = max(int(initial_pages), 1)
+        n = max(int(initial_pages), 1) + RESERVED_PAGES
         self.data = torch.zeros(n, page_bytes, dtype=torch.uint8, device=self.device)
         # Stack of free page ids: entries [0, n_free) are free; top of stack is n_free - 1.
-        # Initialised in descending order so the first pages handed out are 0, 1, 2, ...
-        self.free_stack = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=self.device)
-        self.n_free = n
+        self.free_stack = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self.reset()
 
     @property
     def num_pages(self) -> int:
@@ -30,7 +38,8 @@ class PagePool:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - self.n_free
+        """Pages owned by heads (the reserved pages are not counted here, but are held)."""
+        return self.num_pages - self.n_free - RESERVED_PAGES
 
     def _grow(self, need: int) -> None:
         old = self.num_pages
@@ -63,9 +72,12 @@ class PagePool:
         self.n_free += n
 
     def reset(self) -> None:
+        """Every page back on the stack, in descending order so the lowest ids are handed out first."""
         n = self.num_pages
-        self.free_stack = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=self.device)
-        self.n_free = n
+        self.free_stack[: n - RESERVED_PAGES] = torch.arange(
+            n - 1, RESERVED_PAGES - 1, -1, dtype=torch.int32, device=self.device
+        )
+        self.n_free = n - RESERVED_PAGES
 
     def tier_view(self, record_bytes: int) -> torch.Tensor:
         """The pool seen as ``[pages, tokens_per_page, record_bytes]`` for one record size."""

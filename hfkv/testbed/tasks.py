@@ -85,6 +85,8 @@ def kv_recall_example(
     chars_per_record: int = 42,
     early_frac: float = 1 / 3,
     question_frac: float | None = None,
+    key_len: int = 4,
+    key_chars: str = string.ascii_lowercase,
 ) -> dict:
     """One kv_recall example of about ``length`` prompt characters.
 
@@ -101,7 +103,7 @@ def kv_recall_example(
     keys: list[str] = []
     seen: set[str] = set()
     while len(keys) < n_rec:
-        k = "".join(rng.choice(string.ascii_lowercase) for _ in range(4))
+        k = "".join(rng.choice(key_chars) for _ in range(key_len))
         if k not in seen:
             seen.add(k)
             keys.append(k)
