@@ -256,3 +256,17 @@ def test_batch_surgery_matches_dynamic_cache(op):
     a = model(input_ids=nxt, attention_mask=am, position_ids=pos, past_key_values=dense).logits
     b = model(input_ids=nxt, attention_mask=am, position_ids=pos, past_key_values=cache).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_keeps_causality_by_slot_position():
+    """A prompt fed in chunks (multi-token forwards on a non-empty cache) gives the same logits."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(11))
+    ref = model(input_ids=ids, past_key_values=_dense(model)).logits
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8))
+    outs = [model(input_ids=ids[:, s : s + 15], past_key_values=cache).logits for s in range(0, 45, 15)]
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 45
+    # 45 tokens, 8 in the window, the rest in the original tier, nothing lost
+    layer = cache.layers[0]
+    assert layer.window.count == 8 and int(layer.tiers.counts[..., ORIGINAL].min()) == 37
