@@ -96,6 +96,19 @@ def test_classify_matches_reference(case):
     _run_both(case)
 
 
+@pytest.mark.parametrize("partial_max", [0, 10**9])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(case=policy_cases(with_budget=True))
+def test_sort_and_partial_topk_selection_both_match_reference(monkeypatch, partial_max, case):
+    """The few-picks top-k path and the full-sort path must pick exactly the same slots."""
+    import hfkv.policy.unified as unified
+
+    monkeypatch.setattr(unified, "_PARTIAL_SELECT_MAX", partial_max)
+    _run_both(case)
+
+
 def _check_invariants(case, got):
     state, sink, scores = case["state"], case["sink"], case["scores"]
     # No promotion; sinks never change.

@@ -78,18 +78,28 @@ def _ordered_key(scores: Tensor) -> Tensor:
     return ordered.to(torch.int64)
 
 
+_PARTIAL_SELECT_MAX = 16  # up to this many picks per row, a top-k (O(N)) replaces the sort
+
+
 def _select_lowest(scores: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
     """For each row of ``[R, M]`` select the ``k[r]`` lowest-scored eligible entries.
 
-    Order: score, then column index (stable sort). ``k`` must not exceed the number of eligible
-    entries of the row. Returns a bool ``[R, M]``.
+    Order: score, then column index. ``k`` must not exceed the number of eligible entries of the
+    row. Returns a bool ``[R, M]``. The key ``(score, column)`` is packed into one unique int64,
+    so a partial top-k gives exactly the stable sort's answer: during decode usually one token
+    per step crosses a cap, and that must not cost a full re-sort.
     """
-    key = _ordered_key(scores)
-    # Ineligible entries go after every eligible one (ordered keys are < 2^31).
-    key = torch.where(eligible, key, torch.full_like(key, 1 << 32))
-    order = torch.sort(key, dim=-1, stable=True).indices
     m = scores.shape[-1]
-    take = torch.arange(m, device=scores.device) < k.unsqueeze(-1)  # [R, M] in sorted order
+    key = _ordered_key(scores) + (1 << 31)  # [0, 2^32)
+    key = torch.where(eligible, key, torch.full_like(key, 1 << 32))  # ineligible after all eligible
+    key = key * m + torch.arange(m, device=scores.device)
+    kmax = int(k.max()) if k.numel() else 0
+    if kmax <= _PARTIAL_SELECT_MAX:
+        order = torch.topk(key, kmax, dim=-1, largest=False, sorted=True).indices
+        take = torch.arange(kmax, device=scores.device) < k.unsqueeze(-1)
+    else:
+        order = torch.sort(key, dim=-1).indices
+        take = torch.arange(m, device=scores.device) < k.unsqueeze(-1)  # [R, M] in sorted order
     sel = torch.zeros_like(eligible).scatter_(-1, order, take)
     return sel & eligible
 
