@@ -52,6 +52,9 @@ class TriStateLayer(CacheLayerMixin):
         self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
         self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
         self.steps = 0
+        # Per-tier score increments of the decode steps since the last policy run: slots only move
+        # when the policy runs, so increments are kept dense here and folded into the records then.
+        self._score_delta: list[torch.Tensor | None] = [None, None]
         self._chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
@@ -76,7 +79,7 @@ class TriStateLayer(CacheLayerMixin):
             )
 
         self.layouts = (layout(cfg.original), layout(cfg.quantized))
-        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device)
+        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval - 1)
         self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device)
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
@@ -130,15 +133,18 @@ class TriStateLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------ internals
     def _ingest(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """New tokens enter the window; those pushed out enter the original tier (padding is dropped)."""
-        ok, ov, opos, oscore = self.window.push(k, v, pos)
+        """New tokens enter the window; those pushed out enter the original tier."""
+        self._to_original(*self.window.push(k, v, pos))
+
+    def _to_original(self, ok: torch.Tensor, ov: torch.Tensor, opos: torch.Tensor, oscore: torch.Tensor) -> None:
+        """Tokens leaving the window enter the original tier; padding is dropped here."""
         m = opos.numel()
         if m == 0:
             return
         bsz, heads = ok.shape[:2]
         valid = (opos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
         b, h, i = valid.nonzero(as_tuple=True)
-        rec = self.layouts[ORIGINAL].encode(ok[b, h, i], ov[b, h, i], opos[i], oscore[b, h, i])
+        rec = self.layouts[ORIGINAL].encode(ok[b, h, i], ov[b, h, i], opos[i], oscore[b, h, i], check_finite=False)
         self.tiers.append_flat(ORIGINAL, b, h, rec)
 
     def _held(self) -> torch.Tensor:
@@ -147,7 +153,7 @@ class TriStateLayer(CacheLayerMixin):
     def _maybe_run_policy(self) -> None:
         self.steps += 1
         cfg = self.cfg
-        due = self.steps % cfg.interval == 0
+        due = self.steps % cfg.interval == 0 or self.window.count == self.window.capacity
         if not due and cfg.budget is not None:
             held = self._held()
             if cfg.head_adaptive:
@@ -182,8 +188,15 @@ class TriStateLayer(CacheLayerMixin):
             rho,
         )
 
+    def _flush_scores(self) -> None:
+        for tier in range(len(self._score_delta)):
+            self._flush_scores_of(tier)
+
     def run_policy(self) -> None:
         """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
+        self._flush_scores()
+        if self.window.count > self.cfg.window:  # batched window exits (interval > 1)
+            self._to_original(*self.window.pop_oldest(self.window.count - self.cfg.window))
         pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
         pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
         m0 = pos0.shape[-1]
@@ -206,7 +219,7 @@ class TriStateLayer(CacheLayerMixin):
             rec = tiers.gather(ORIGINAL, b, h, s)
             lay0, lay1 = self.layouts
             k, v = lay0.decode_kv(rec, torch.float32)
-            tiers.append_flat(QUANTIZED, b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec)))
+            tiers.append_flat(QUANTIZED, b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec), False))
         if bool((v0 & (new0 != ORIGINAL)).any()):
             tiers.remove(ORIGINAL, new0 == ORIGINAL)
 
@@ -275,19 +288,28 @@ class TriStateLayer(CacheLayerMixin):
             mask = mask.expand(bsz, 1, q, self.length)
         out, probs = slot_attention(query, parts, mask, scaling)
         received = reduce_gqa(probs.reshape(bsz, query.shape[1], q, -1), heads, self.cfg.score_reduction).sum(2)
-        w_delta, d0, d1 = torch.split(received, [p[2].shape[-1] for p in parts], dim=-1)
+        w_delta, *tier_deltas = torch.split(received, [p[2].shape[-1] for p in parts], dim=-1)
         win.add_scores(w_delta)
-        if d0.shape[-1]:
-            self.tiers.add_scores(ORIGINAL, d0)
-        if d1.shape[-1]:
-            self.tiers.add_scores(QUANTIZED, d1)
+        for tier, d in enumerate(tier_deltas):
+            acc = self._score_delta[tier]
+            if acc is None or acc.shape != d.shape:  # tiers changed since the last fold
+                self._flush_scores_of(tier)
+                self._score_delta[tier] = d.clone()
+            else:
+                acc += d
         return out
+
+    def _flush_scores_of(self, tier: int) -> None:
+        if self._score_delta[tier] is not None:
+            self.tiers.add_scores(tier, self._score_delta[tier])
+            self._score_delta[tier] = None
 
     # ------------------------------------------------------- batch surgery
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         index = index.to(self.device)
+        self._flush_scores()
         self.window.select_rows(index)
         self.tiers.select_rows(index)
         for name in ("pad_end", "sink_end", "oq"):
@@ -309,16 +331,19 @@ class TriStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.tiers.reset()
-            self.window = WindowRing(
-                *self.window.k.shape[:2], self.cfg.window, self.window.k.shape[-1], self.dtype, self.device
-            )
+            bsz, heads, _, dim = self.window.k.shape
+            self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval - 1)
+        self._score_delta = [None, None]
         self.length, self.steps, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self.cache.invalidate_rho()
 
     # ------------------------------------------------------------- memory
     def held_tensors(self) -> list[torch.Tensor]:
-        return [*self.window.held_tensors(), *self.tiers.held_tensors()] if self.is_initialized else []
+        if not self.is_initialized:
+            return []
+        pending = [d for d in self._score_delta if d is not None]
+        return [*self.window.held_tensors(), *self.tiers.held_tensors(), *pending]
 
     def layer_stats(self) -> LayerStats:
         if not self.is_initialized:

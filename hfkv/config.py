@@ -175,7 +175,9 @@ class TriStateConfig:
     budget: int | None = 1024
     slack: float = 0.75
     head_adaptive: bool = True
-    interval: int = 1
+    # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
+    # every step. Batching is what keeps the per-step cost of the torch backend low.
+    interval: int = 16
     original: TierFormat = _DEFAULT_TIERS["original"]
     quantized: TierFormat = _DEFAULT_TIERS["quantized"]
     page_bytes: int | None = None  # None: chosen per layer so every tier's records tile pages exactly
@@ -478,8 +480,9 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
                   head_adaptive=False),
     # StreamingLLM: 4 attention sinks + the recent window, everything else evicted (alpha_l = inf).
     # `budget=` passed to from_preset sets the total size (window = budget - sink_tokens).
+    # interval 1: without a budget nothing else would stop the ring from holding interval - 1 extra tokens.
     "streaming": dict(sink_tokens=4, window=_STREAMING_TOTAL - 4, alpha_h=math.inf, alpha_l=math.inf,
-                      budget=None, oq_ratios=False, head_adaptive=False),
+                      budget=None, oq_ratios=False, head_adaptive=False, interval=1),
     # Paper-faithful ARKV: thresholds off (alpha 0: every token is a candidate for `original`), hard
     # per-head budget with slack 0.75 (IV-F), per-layer OQ ratios with the tuned tau, fp8 tier
     # (V-H: "fp8 occupied half the memory of bfloat16"), W = observation window = 32 (V-E).
@@ -493,7 +496,8 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
     # (configs/papers/diffkv/*.yaml use 128).
     "diffkv": dict(alpha_h=1.0, alpha_l=0.02, budget=None, oq_ratios=False, head_adaptive=False, window=64,
                    obs_window=64, score_reduction="max", score_mode="mean",
-                   original=TierFormat("int8", "int4", 32), quantized=TierFormat("int4", "int2", 32)),
+                   original=TierFormat("int8", "int4", 32), quantized=TierFormat("int4", "int2", 32),
+                   interval=1),  # DiffKV re-evaluates significance every step
     # The unified policy: the dataclass defaults.
     "hfkv": dict(),
 }

@@ -41,13 +41,13 @@ def slot_attention(
     hkv = parts[0][0].shape[1]
     g = hq // hkv
     qf = query.float().reshape(bsz, hkv, g * q, d) * scaling
-    logits = []
-    for keys, _, pos in parts:
-        lg = torch.matmul(qf, keys.float().transpose(-1, -2)).view(bsz, hkv, g, q, -1)
-        logits.append(lg.masked_fill(~_allowed(pos, mask).unsqueeze(2), float("-inf")))
-    probs = torch.softmax(torch.cat(logits, -1), dim=-1).nan_to_num_(0.0)  # all-masked rows: padding queries
+    logits = torch.cat([torch.matmul(qf, keys.float().transpose(-1, -2)) for keys, _, _ in parts], -1)
+    allowed = _allowed(torch.cat([pos for _, _, pos in parts], -1), mask)  # one gather for all parts
+    logits = logits.view(bsz, hkv, g, q, -1).masked_fill_(~allowed.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # all-masked rows: padding queries
+    sizes = [pos.shape[-1] for _, _, pos in parts]
     out = None
-    for p, (_, values, _) in zip(torch.split(probs, [lg.shape[-1] for lg in logits], -1), parts, strict=True):
+    for p, (_, values, _) in zip(torch.split(probs, sizes, -1), parts, strict=True):
         o = torch.matmul(p.reshape(bsz, hkv, g * q, -1), values.float())
         out = o if out is None else out + o
     return out.view(bsz, hq, q, d).transpose(1, 2).to(query.dtype), probs

@@ -9,6 +9,7 @@ metadata with it, and the 4-byte alignment lets kernels read positions and add s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -35,19 +36,19 @@ class RecordLayout:
     key: QuantFormat
     value: QuantFormat
 
-    @property
+    @cached_property
     def kv_bytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
 
-    @property
+    @cached_property
     def pos_offset(self) -> int:
         return _align4(self.kv_bytes)
 
-    @property
+    @cached_property
     def score_offset(self) -> int:
         return self.pos_offset + 4
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.pos_offset + META_BYTES
 

@@ -1,10 +1,12 @@
-"""The dense window of the most recent W tokens of one layer, kept in the model dtype.
+"""The dense window of the most recent tokens of one layer, kept in the model dtype.
 
-New tokens always land here first; a token leaves only when W newer ones have arrived, and only
-then is its tier decided (DESIGN §3: window -> original | quantized | evicted). A ring keeps the
-decode step O(1) in copies: the slot of the oldest token is overwritten in place.
+New tokens always land here first; a token leaves only when at least W newer ones have arrived,
+and only then is its tier decided (DESIGN §3: window -> original | quantized | evicted). A ring
+keeps the decode step O(1) in copies. Its capacity is ``W + extra``: with ``extra = interval - 1``
+tokens leave in one batch when the policy runs (``pop_oldest``) instead of one encode-and-append
+per step; tokens past W stay full precision until then and count against the budget.
 Every row of a batch shares one logical timeline (left padding is part of it), so positions
-are one ``[W]`` vector; scores are per (row, head).
+are one ``[capacity]`` vector (``-1`` = empty slot); scores are per (row, head).
 """
 
 from __future__ import annotations
@@ -13,49 +15,63 @@ import torch
 
 
 class WindowRing:
-    def __init__(self, batch: int, heads: int, window: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        window: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        extra: int = 0,
+    ) -> None:
         if window < 1:
             raise ValueError(f"TriStateConfig.window={window} must be >= 1")
         self.window = window
-        self.k = torch.zeros(batch, heads, window, head_dim, dtype=dtype, device=device)
+        self.capacity = window + max(0, int(extra))
+        cap = self.capacity
+        self.k = torch.zeros(batch, heads, cap, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((window,), -1, dtype=torch.int64, device=device)
-        self.score = torch.zeros(batch, heads, window, dtype=torch.float32, device=device)
-        self.filled = 0  # tokens ever pushed; the ring holds min(filled, W) of them
-
-    @property
-    def count(self) -> int:
-        return min(self.filled, self.window)
+        self.pos = torch.full((cap,), -1, dtype=torch.int64, device=device)
+        self.score = torch.zeros(batch, heads, cap, dtype=torch.float32, device=device)
+        self.start = 0  # ring slot of the oldest token
+        self.count = 0  # tokens held
 
     def order(self) -> torch.Tensor:
         """Ring slots from oldest to newest."""
-        n, w = self.count, self.window
-        start = self.filled - n
-        return (torch.arange(start, start + n, device=self.pos.device)) % w
+        return (self.start + torch.arange(self.count, device=self.pos.device)) % self.capacity
+
+    def _take(self, slots: torch.Tensor):
+        return self.k[:, :, slots], self.v[:, :, slots], self.pos[slots], self.score[:, :, slots]
+
+    def pop_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Remove and return the ``n`` oldest tokens ``(k, v [B, H, n, D], pos [n], score [B, H, n])``."""
+        n = max(0, min(n, self.count))
+        slots = (self.start + torch.arange(n, device=self.pos.device)) % self.capacity
+        out = self._take(slots)
+        self.pos[slots] = -1
+        self.score[:, :, slots] = 0.0
+        self.start = (self.start + n) % self.capacity
+        self.count -= n
+        return out
 
     def push(
         self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add ``n`` tokens (``k, v [B, H, n, D]``, ``pos [n]``); return the tokens pushed out, oldest first.
 
-        Returns ``(k, v, pos [m], score [B, H, m])`` with ``m = max(0, count + n - W)``.
+        One token only pushes out the oldest when the ring is at capacity; several tokens (a
+        prompt or chunk) leave the newest ``W`` in the ring and return everything older.
         """
-        n, w = k.shape[2], self.window
-        overflow = max(0, self.count + n - w)
+        n = k.shape[2]
         if n == 1:
-            slot = self.filled % w
-            take = slice(slot, slot + overflow)
-            out = (
-                self.k[:, :, take].clone(),
-                self.v[:, :, take].clone(),
-                self.pos[take].clone(),
-                self.score[:, :, take].clone(),
-            )
+            out = self.pop_oldest(1) if self.count == self.capacity else self._take(self.order()[:0])
+            slot = (self.start + self.count) % self.capacity
             self.k[:, :, slot] = k[:, :, 0]
             self.v[:, :, slot] = v[:, :, 0]
             self.pos[slot] = pos[0]
             self.score[:, :, slot] = 0.0
-            self.filled += 1
+            self.count += 1
             return out
         order = self.order()
         all_k = torch.cat([self.k[:, :, order], k.to(self.k.dtype)], dim=2)
@@ -63,20 +79,21 @@ class WindowRing:
         all_pos = torch.cat([self.pos[order], pos.to(self.pos.dtype)])
         zeros = torch.zeros(*self.score.shape[:2], n, dtype=torch.float32, device=self.score.device)
         all_score = torch.cat([self.score[:, :, order], zeros], dim=2)
-        keep = min(w, all_pos.numel())
+        keep = min(self.window, all_pos.numel())
+        out_n = all_pos.numel() - keep
         self.k.zero_()
         self.v.zero_()
         self.pos.fill_(-1)
         self.score.zero_()
-        self.k[:, :, :keep] = all_k[:, :, -keep:]
-        self.v[:, :, :keep] = all_v[:, :, -keep:]
-        self.pos[:keep] = all_pos[-keep:]
-        self.score[:, :, :keep] = all_score[:, :, -keep:]
-        self.filled = keep
-        return all_k[:, :, :overflow], all_v[:, :, :overflow], all_pos[:overflow], all_score[:, :, :overflow]
+        self.k[:, :, :keep] = all_k[:, :, out_n:]
+        self.v[:, :, :keep] = all_v[:, :, out_n:]
+        self.pos[:keep] = all_pos[out_n:]
+        self.score[:, :, :keep] = all_score[:, :, out_n:]
+        self.start, self.count = 0, keep
+        return all_k[:, :, :out_n], all_v[:, :, :out_n], all_pos[:out_n], all_score[:, :, :out_n]
 
     def add_scores(self, delta: torch.Tensor) -> None:
-        """``delta [B, H, W]`` aligned with ring slots (unused slots are ignored)."""
+        """``delta [B, H, capacity]`` aligned with ring slots (empty slots receive zeros)."""
         self.score += delta
 
     def select_rows(self, index: torch.Tensor) -> None:
