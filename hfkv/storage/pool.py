@@ -2,8 +2,9 @@
 
 Pages are handed out in bulk: the caller asks for ``n`` pages at once (the sum of many heads'
 demands) and slices the returned ids with a cumsum, so allocation for all heads of a layer is
-one stack pop, not a loop. The pool grows geometrically, keeping the amortised cost of growth
-constant per page and the capacity within 2x of the peak demand.
+one stack pop, not a loop. The pool grows geometrically by ``GROWTH`` (1.25x): the amortised
+cost of growth stays constant per page while the capacity — which ``CacheStats.kv_bytes``
+reports, because it is held — stays within 25% of the peak demand.
 
 Two pages are reserved and never handed out: ``NULL_PAGE`` stays all zeros, so a padded read of
 an empty slot decodes to finite zeros without masking; ``SCRATCH_PAGE`` absorbs score updates
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+GROWTH = 1.25
 NULL_PAGE = 0
 SCRATCH_PAGE = 1
 RESERVED_PAGES = 2
@@ -43,7 +45,7 @@ class PagePool:
 
     def _grow(self, need: int) -> None:
         old = self.num_pages
-        new = max(2 * old, old + need - self.n_free)
+        new = max(int(old * GROWTH) + 1, old + need - self.n_free)
         extra = new - old
         self.data = torch.cat([self.data, torch.zeros(extra, self.page_bytes, dtype=torch.uint8, device=self.device)])
         new_ids = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=self.device)
