@@ -113,7 +113,9 @@ def main() -> None:
     ap.add_argument("--short-context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps timings stable on a shared machine)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 keeps timings stable on a shared machine)"
+    )
     ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_cache_figures.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
