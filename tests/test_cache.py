@@ -270,3 +270,17 @@ def test_chunked_prefill_keeps_causality_by_slot_position():
     # 45 tokens, 8 in the window, the rest in the original tier, nothing lost
     layer = cache.layers[0]
     assert layer.window.count == 8 and int(layer.tiers.counts[..., ORIGINAL].min()) == 37
+
+
+def test_full_preset_on_an_eager_model_stays_bit_identical():
+    """The delegate of an eager model is the model's own eager function, with the eager mask."""
+    model = tiny_model("llama", attn_implementation="eager")
+    ids, mask = left_padded_batch(lengths=(20, 13))
+    ref_logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = _generate(model, _dense(model), ids, mask)
+    out = _generate(model, hfkv.TriStateCache(model, "full"), ids, mask)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, ref_logits, rtol=0, atol=0)
+    # and a compressing preset runs on it too
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=4))
+    assert torch.equal(_generate(model, cache, ids, mask), ref)
