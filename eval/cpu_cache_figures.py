@@ -87,8 +87,10 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
 
 
 @torch.inference_mode()
-def decode_step_time(model, cache, context: int, steps: int, chunk: int = 1024) -> float:
-    """Fill ``cache`` to ``context`` tokens (chunked prefill), then time greedy single-token steps."""
+def decode_step_time(model, cache, context: int, steps: int, chunk: int = 1024) -> tuple[float, float]:
+    """Fill ``cache`` to ``context`` tokens (chunked prefill), then time greedy single-token steps.
+
+    Returns ``(median, mean)`` seconds per step; the mean includes the batched policy runs."""
     ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(2))
     out = None
     for s in range(0, context, chunk):
@@ -100,8 +102,8 @@ def decode_step_time(model, cache, context: int, steps: int, chunk: int = 1024) 
         out = model(input_ids=tok, position_ids=torch.tensor([[context + i]]), past_key_values=cache)
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
-    times = sorted(times[2:])  # drop warm-up steps, report the median
-    return times[len(times) // 2]
+    times = sorted(times[2:])  # drop warm-up steps
+    return times[len(times) // 2], sum(times) / len(times)
 
 
 def main() -> None:
