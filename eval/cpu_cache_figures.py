@@ -131,12 +131,21 @@ def main() -> None:
         print(f"memory: prompt {args.prompt} + {args.new_tokens} new tokens")
         result["memory"] = memory_table(model, args.prompt, args.new_tokens, args.budget)
     for label, ctx in (("long", args.long_context), ("short", args.short_context)):
-        dyn = decode_step_time(model, DynamicCache(config=model.config), ctx, args.steps)
-        hf = decode_step_time(model, make_cache(model, "hfkv", args.budget), ctx, args.steps)
-        result[f"decode_{label}"] = {"context": ctx, "dynamic_ms": dyn * 1e3, "hfkv_ms": hf * 1e3, "speedup": dyn / hf}
+        dyn, dyn_mean = decode_step_time(model, DynamicCache(config=model.config), ctx, args.steps)
+        hf, hf_mean = decode_step_time(model, make_cache(model, "hfkv", args.budget), ctx, args.steps)
+        result[f"decode_{label}"] = {
+            "context": ctx,
+            "dynamic_ms_median": dyn * 1e3,
+            "hfkv_ms_median": hf * 1e3,
+            "speedup_median": dyn / hf,
+            "dynamic_ms_mean": dyn_mean * 1e3,
+            "hfkv_ms_mean": hf_mean * 1e3,
+            "speedup_mean": dyn_mean / hf_mean,
+        }
         print(
-            f"decode @ {ctx}: DynamicCache {dyn * 1e3:.2f} ms/step, hfkv(budget {args.budget}) "
-            f"{hf * 1e3:.2f} ms/step -> {dyn / hf:.2f}x",
+            f"decode @ {ctx}: DynamicCache {dyn * 1e3:.2f} ms/step (mean {dyn_mean * 1e3:.2f}), "
+            f"hfkv(budget {args.budget}) {hf * 1e3:.2f} ms/step (mean {hf_mean * 1e3:.2f}) -> "
+            f"{dyn / hf:.2f}x median, {dyn_mean / hf_mean:.2f}x mean",
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
