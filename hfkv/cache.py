@@ -93,6 +93,9 @@ class TriStateLayer(CacheLayerMixin):
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Called once per forward before any layer runs: a forward that raised half-way must not
+        # leave its pending layer behind for this one.
+        set_pending(None)
         request_logical_mask()
         return self.length + query_length, 0
 

@@ -284,3 +284,13 @@ def test_full_preset_on_an_eager_model_stays_bit_identical():
     # and a compressing preset runs on it too
     cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=4))
     assert torch.equal(_generate(model, cache, ids, mask), ref)
+
+
+def test_a_forward_that_raised_half_way_does_not_poison_the_next():
+    model = tiny_model("llama")
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=4))
+    ids = torch.randint(3, 128, (1, 10))
+    model(input_ids=ids, past_key_values=cache)
+    hfkv.attention.interface.set_pending(cache.layers[0])  # as if an exception struck between update and attention
+    model(input_ids=ids[:, :1], position_ids=torch.tensor([[10]]), past_key_values=cache)
+    assert cache.get_seq_length() == 11
