@@ -10,7 +10,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hfkv.testbed import TESTBED_PATH  # noqa: E402
 from hfkv.testbed import tasks as T  # noqa: E402
 from hfkv.testbed.tasks import TASKS, TEST_SEEDS, TEST_SIZE, arith_cot_extract, kv_recall_extract  # noqa: E402
 
@@ -166,70 +165,74 @@ def test_tokenizer_round_trip(tmp_path):
 
     from hfkv.testbed.tokenizer import save_tokenizer
 
-    for path in (TESTBED_PATH, tmp_path / "tok"):
-        if path != TESTBED_PATH:
-            save_tokenizer(path)
-        tok = AutoTokenizer.from_pretrained(str(path))
-        assert tok.padding_side == "left"
-        assert len(tok) == 100
-        for s in ROUND_TRIP:
-            ids = tok(s)["input_ids"]
-            assert ids[0] == tok.bos_token_id
-            assert len(ids) == len(s) + 1  # one token per character
-            assert tok.decode(ids, skip_special_tokens=True) == s
-            assert tok.decode(ids[1:]) == s
-        batch = tok(["ab", "abcd"], padding=True)
-        assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2
-        assert batch["attention_mask"][0] == [0, 0, 1, 1, 1]
+    path = tmp_path / "tok"
+    save_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert tok.padding_side == "left"
+    assert len(tok) == 100
+    for s in ROUND_TRIP:
+        ids = tok(s)["input_ids"]
+        assert ids[0] == tok.bos_token_id
+        assert len(ids) == len(s) + 1  # one token per character
+        assert tok.decode(ids, skip_special_tokens=True) == s
+        assert tok.decode(ids[1:]) == s
+    batch = tok(["ab", "abcd"], padding=True)
+    assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2
+    assert batch["attention_mask"][0] == [0, 0, 1, 1, 1]
 
 
-# ---------------------------------------------------------------- shipped model
+# ----------------------------------------------------------------- training
+# No trained testbed is shipped yet (the CPU budget of the first attempt ran out before the model
+# learned content-based lookup; see eval/testbed/NOTES.md). What is shipped is the recipe: this
+# test runs it end to end at toy size and loads the result offline the way the demo will.
 
 
-@pytest.fixture(scope="module")
-def testbed():
+def test_training_script_saves_a_model_that_loads_offline_and_generates(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    model = AutoModelForCausalLM.from_pretrained(TESTBED_PATH)
-    model.eval()
-    tok = AutoTokenizer.from_pretrained(TESTBED_PATH)
-    return model, tok
+    from hfkv.testbed import train
 
-
-def test_shipped_model_files_and_size(testbed):
-    model, _ = testbed
-    files = list(Path(TESTBED_PATH).iterdir())
-    names = {f.name for f in files}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
-    assert sum(f.stat().st_size for f in files if f.is_file()) <= 20 * 1024 * 1024
-    cfg = model.config
-    assert cfg.model_type == "llama"
-    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
-    assert cfg.max_position_embeddings >= 4096
-
-
-# The shipped checkpoint does not meet the accuracy targets yet (see hfkv/testbed/model/README.md:
-# the CPU training budget ran out before the content-based recall circuit formed). Set this to True
-# when a retrained model is shipped; strict xfail makes the test fail loudly once it passes.
-MODEL_MEETS_TARGETS = False
-
-
-@pytest.mark.xfail(
-    not MODEL_MEETS_TARGETS, reason="shipped testbed checkpoint is under-trained (see its model card)", strict=True
-)
-@pytest.mark.parametrize("name", sorted(TASKS))
-def test_shipped_model_answers_shipped_examples(testbed, name):
-    import torch
-
-    model, tok = testbed
-    task = TASKS[name]
-    rows = [json.loads(line) for line in Path(T.test_set_path(name)).read_text().splitlines()][:3]
-    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
-    for r in rows:
-        enc = tok(r["prompt"], return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=task.max_new_tokens, do_sample=False, eos_token_id=stop_ids)
-        pred = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        assert task.score(pred, r["target"]), (pred, r["target"])
+    out = tmp_path / "model"
+    rc = train.main(
+        [
+            "--out",
+            str(out),
+            "--steps",
+            "3",
+            "--tokens",
+            "256",
+            "--max-len",
+            "300",
+            "--layers",
+            "1",
+            "--hidden",
+            "64",
+            "--intermediate",
+            "128",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--threads",
+            "1",
+            "--eval-every",
+            "1000",
+            "--eval-n",
+            "1",
+            "--warmup",
+            "1",
+            "--log",
+            str(tmp_path / "train.log"),
+        ]
+    )
+    assert rc in (0, None)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    row = json.loads(Path(T.test_set_path("kv_recall")).read_text().splitlines()[0])
+    enc = tok(row["prompt"][:200], return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 5
+    assert isinstance(tok.decode(gen[0], skip_special_tokens=True), str)

@@ -94,6 +94,14 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or TESTBED_PATH
+    presets = [p.strip() for p in args.presets.split(",") if p.strip() and p.strip() != "none"]
+    if not os.path.exists(os.path.join(path, "config.json")):
+        # No trained testbed is shipped yet (eval/testbed/NOTES.md): show the cache mechanics on a
+        # random-weight model instead of accuracy, and say so.
+        from hfkv.random_demo import run_random_demo
+
+        print(f"no trained testbed model at {path}; running the random-weight stand-in demo\n")
+        return run_random_demo(presets, budget=int(args.budgets.split(",")[-1]))
     model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
     model.eval()
     tok = AutoTokenizer.from_pretrained(path)

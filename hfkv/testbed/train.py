@@ -65,7 +65,7 @@ def kv_length(step: int, total: int, rng: random.Random, max_len: int) -> int:
     p = step / max(1, total)
     if p < 0.3 or rng.random() < 0.5:
         return rng.randint(120, 400)
-    hi = int(400 + (max_len - 400) * min(1.0, (p - 0.3) / 0.45))
+    hi = max(400, int(400 + (max_len - 400) * min(1.0, (p - 0.3) / 0.45)))  # max_len < 400: stay at 400
     return rng.randint(max(400, hi // 2), hi)
 
 
