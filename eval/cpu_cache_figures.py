@@ -87,23 +87,36 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
 
 
 @torch.inference_mode()
-def decode_step_time(model, cache, context: int, steps: int, chunk: int = 1024) -> tuple[float, float]:
-    """Fill ``cache`` to ``context`` tokens (chunked prefill), then time greedy single-token steps.
-
-    Returns ``(median, mean)`` seconds per step; the mean includes the batched policy runs."""
+def _fill(model, cache, context: int, chunk: int = 1024) -> torch.Tensor:
+    """Fill ``cache`` to ``context`` tokens (chunked prefill); return the next greedy token."""
     ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(2))
     out = None
     for s in range(0, context, chunk):
         out = model(input_ids=ids[:, s : s + chunk], past_key_values=cache)
-    tok = out.logits[:, -1:].argmax(-1)
-    times = []
+    return out.logits[:, -1:].argmax(-1)
+
+
+@torch.inference_mode()
+def interleaved_decode_times(model, caches: dict, context: int, steps: int) -> dict[str, tuple[float, float]]:
+    """Time single-token decode steps of several caches at ``context``, interleaved step by step.
+
+    Interleaving exposes every cache to the same machine state (a shared VM drifts by 20-30% over a
+    minute), so the ratios are trustworthy even when the absolute times move. Returns
+    ``{name: (median, mean)}`` seconds per step; the mean includes the batched policy runs.
+    """
+    toks = {name: _fill(model, cache, context) for name, cache in caches.items()}
+    times: dict[str, list[float]] = {name: [] for name in caches}
     for i in range(steps + 2):
-        t0 = time.perf_counter()
-        out = model(input_ids=tok, position_ids=torch.tensor([[context + i]]), past_key_values=cache)
-        tok = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[2:])  # drop warm-up steps
-    return times[len(times) // 2], sum(times) / len(times)
+        for name, cache in caches.items():
+            t0 = time.perf_counter()
+            out = model(input_ids=toks[name], position_ids=torch.tensor([[context + i]]), past_key_values=cache)
+            toks[name] = out.logits[:, -1:].argmax(-1)
+            times[name].append(time.perf_counter() - t0)
+    result = {}
+    for name, ts in times.items():
+        ts = sorted(ts[2:])  # drop warm-up steps
+        result[name] = (ts[len(ts) // 2], sum(ts) / len(ts))
+    return result
 
 
 def main() -> None:
@@ -131,8 +144,13 @@ def main() -> None:
         print(f"memory: prompt {args.prompt} + {args.new_tokens} new tokens")
         result["memory"] = memory_table(model, args.prompt, args.new_tokens, args.budget)
     for label, ctx in (("long", args.long_context), ("short", args.short_context)):
-        dyn, dyn_mean = decode_step_time(model, DynamicCache(config=model.config), ctx, args.steps)
-        hf, hf_mean = decode_step_time(model, make_cache(model, "hfkv", args.budget), ctx, args.steps)
+        timed = interleaved_decode_times(
+            model,
+            {"dynamic": make_cache(model, "dynamic", args.budget), "hfkv": make_cache(model, "hfkv", args.budget)},
+            ctx,
+            args.steps,
+        )
+        (dyn, dyn_mean), (hf, hf_mean) = timed["dynamic"], timed["hfkv"]
         result[f"decode_{label}"] = {
             "context": ctx,
             "dynamic_ms_median": dyn * 1e3,

@@ -165,9 +165,8 @@ class QuantFormat:
         dtype = dtype or self.model_dtype
         if data.shape[-1] != self.nbytes:
             raise ValueError(f"QuantFormat.decode: last dim {data.shape[-1]} != nbytes {self.nbytes}")
-        data = data.contiguous()
         if self.name == "model":
-            return _view(data, self.model_dtype).to(dtype)
+            return _view(data.contiguous(), self.model_dtype).to(dtype)
         d = self.head_dim
         if self.name == "fp8":
             codes = _view(data[..., :d], torch.float8_e4m3fn).float()
@@ -177,7 +176,7 @@ class QuantFormat:
         lead = data.shape[:-1]
         g = self.groups
         # One table lookup per byte yields its 8/b codes as floats (fewer ops than shift + mask + cast).
-        codes = torch.nn.functional.embedding(data[..., :nb].long(), _code_table(self.bits, data.device))
+        codes = torch.nn.functional.embedding(data[..., :nb].int(), _code_table(self.bits, data.device))
         meta = _view(data[..., nb:], torch.float16).float()
         x = torch.addcmul(meta[..., g:, None], codes.view(*lead, g, self.group_size), meta[..., :g, None])
         return x.view(*lead, d).to(dtype)
