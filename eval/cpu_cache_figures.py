@@ -58,7 +58,7 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
     ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
     rows = []
     for name in ["dynamic", *PRESETS]:
-        kw = {} if name in ("quant", "diffkv") else {"budget": budget}
+        kw = {} if name in ("dynamic", "quant", "diffkv") else {"budget": budget}
         cache = (
             DynamicCache(config=model.config)
             if name == "dynamic"
@@ -136,7 +136,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build_model()
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
         "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
