@@ -136,7 +136,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build_model()
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
         "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
