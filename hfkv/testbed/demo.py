@@ -177,9 +177,11 @@ def run(args) -> int:
     print(header)
     print("-" * len(header))
     for r in rows:
+        speed = r["decode_tok_s"]
+        speed = f"{speed:>13.1f}" if speed == speed else f"{'-':>13}"  # NaN: no decode step happened
         print(
             f"{r['task']:<10} {r['cache']:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
-            f"{r['kv_kib']:>10.1f} {r['decode_tok_s']:>13.1f}"
+            f"{r['kv_kib']:>10.1f} {speed}"
         )
     return 0
 
