@@ -187,52 +187,47 @@ def test_tokenizer_round_trip(tmp_path):
 # test runs it end to end at toy size and loads the result offline the way the demo will.
 
 
-def test_training_script_saves_a_model_that_loads_offline_and_generates(tmp_path):
+@pytest.fixture(scope="module")
+def toy_model_dir(tmp_path_factory):
+    from hfkv.testbed import train
+
+    out = tmp_path_factory.mktemp("testbed") / "model"
+    rc = train.main(
+        ["--out", str(out), "--steps", "3", "--tokens", "256", "--max-len", "300", "--layers", "1",
+         "--hidden", "64", "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--threads", "1",
+         "--eval-every", "1000", "--eval-n", "1", "--warmup", "1", "--log", str(out.parent / "train.log")]
+    )  # fmt: skip
+    assert rc in (0, None)
+    return out
+
+
+def test_training_script_saves_a_model_that_loads_offline_and_generates(toy_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfkv.testbed import train
-
-    out = tmp_path / "model"
-    rc = train.main(
-        [
-            "--out",
-            str(out),
-            "--steps",
-            "3",
-            "--tokens",
-            "256",
-            "--max-len",
-            "300",
-            "--layers",
-            "1",
-            "--hidden",
-            "64",
-            "--intermediate",
-            "128",
-            "--heads",
-            "2",
-            "--kv-heads",
-            "1",
-            "--threads",
-            "1",
-            "--eval-every",
-            "1000",
-            "--eval-n",
-            "1",
-            "--warmup",
-            "1",
-            "--log",
-            str(tmp_path / "train.log"),
-        ]
-    )
-    assert rc in (0, None)
-    model = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     row = json.loads(Path(T.test_set_path("kv_recall")).read_text().splitlines()[0])
     enc = tok(row["prompt"][:200], return_tensors="pt")
     with torch.no_grad():
-        gen = model.generate(**enc, max_new_tokens=5, do_sample=False)
+        gen = model.generate(**enc, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert gen.shape[1] == enc["input_ids"].shape[1] + 5
     assert isinstance(tok.decode(gen[0], skip_special_tokens=True), str)
+
+
+def test_demo_runs_presets_on_a_testbed_model(toy_model_dir, capsys):
+    """The demo's preset rows go through TriStateCache inside generate (a toy model: no accuracy claim)."""
+    import argparse
+
+    from hfkv.testbed import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    args = p.parse_args(["--model", str(toy_model_dir), "--limit", "1", "--presets", "evict,hfkv", "--budgets", "96",
+                         "--no-progress"])  # fmt: skip
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    for task in TASKS:
+        for cache in ("DynamicCache", "evict@96", "hfkv@96"):
+            assert any(line.startswith(task) and cache in line for line in out.splitlines()), (task, cache, out)
