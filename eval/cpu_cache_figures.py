@@ -18,33 +18,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import hfkv
-from hfkv.storage import held_bytes
+from hfkv.random_demo import build_random_model, dense_bytes
 
 PRESETS = ["evict", "quant", "streaming", "arkv", "diffkv", "hfkv"]
 
 
-def build_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=16384,
-        initializer_range=0.1,  # peaked attention, closer to a trained model than the 0.02 default
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def dense_bytes_of(cache: DynamicCache) -> int:
-    return sum(held_bytes([layer.keys, layer.values]) for layer in cache.layers if layer.keys is not None)
+def build_model(seed: int = 0):
+    return build_random_model(layers=8, hidden=512, heads=8, kv_heads=2, vocab=1024, max_positions=16384, seed=seed)
 
 
 def make_cache(model, name: str, budget: int):
@@ -68,7 +51,7 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
         model.generate(ids, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
         secs = time.perf_counter() - t0
         if name == "dynamic":
-            kv = dense = dense_bytes_of(cache)
+            kv = dense = dense_bytes(cache)
         else:
             st = cache.stats()
             kv, dense = st.kv_bytes, st.dense_bytes

@@ -12,26 +12,36 @@ import time
 import torch
 
 
-def build_random_model(seed: int = 0):
+def build_random_model(
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    seed: int = 0,
+):
+    """A random-weight Llama that never stops early (no EOS), for mechanics and speed, not accuracy."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        initializer_range=0.1,  # peaked attention, so the policies have something to separate
+        hidden_size=hidden,
+        intermediate_size=hidden * 43 // 16,  # ~2.7x, as Llama
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        initializer_range=0.1,  # peaked attention, closer to a trained model than the 0.02 default
     )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None
     return model
 
 
-def _dense_bytes(cache) -> int:
+def dense_bytes(cache) -> int:
+    """Bytes a DynamicCache holds, read from its tensors."""
     from hfkv.storage import held_bytes
 
     return sum(held_bytes([layer.keys, layer.values]) for layer in cache.layers if layer.keys is not None)
@@ -65,7 +75,7 @@ def run_random_demo(presets: list[str], budget: int, prompt_len: int = 768, new_
             model.generate(ids, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
             tps = new_tokens / (time.perf_counter() - t0)
             if name == "dynamic":
-                kv = _dense_bytes(cache)
+                kv = dense_bytes(cache)
                 print(f"{name:<10} {kv:>12,} {1.0:>6.2f}x {'-':>7} {'all':>9} {'-':>10} {'-':>8} {tps:>7.1f}")
                 continue
             st = cache.stats()
