@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -34,10 +36,12 @@ FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # q/k norm
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),  # fused qkv
 }
+# Sliding-window family: not in FAMILIES (its sliding layers stay uncompressed, tested on their own).
+SLIDING_FAMILIES = {"gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 32, "sliding_window": 16})}
 
 
 def tiny_model(family: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra = {**FAMILIES, **SLIDING_FAMILIES}[family]
     torch.manual_seed(seed)
     cfg = cfg_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(cfg).to(dtype).eval()

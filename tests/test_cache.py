@@ -204,24 +204,9 @@ def test_enable_is_idempotent_and_cacheless_forward_delegates():
 
 
 def test_gemma_sliding_layers_stay_uncompressed():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    torch.manual_seed(0)
-    cfg = Gemma2Config(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=128,
-        sliding_window=16,
-        max_position_embeddings=512,
-        pad_token_id=0,
-    )
-    model = Gemma2ForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
+    model = tiny_model("gemma2", num_hidden_layers=4)  # alternating sliding / full layers
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9))
     ref = _generate(model, DynamicCache(config=model.config), ids, new=8)
     cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8))
