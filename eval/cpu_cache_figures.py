@@ -21,7 +21,8 @@ import torch
 from transformers import DynamicCache
 
 import hfkv
-from hfkv.random_demo import build_random_model, dense_bytes
+from hfkv.random_model import build_random_model
+from hfkv.storage import dynamic_cache_bytes
 
 PRESETS = ["evict", "quant", "streaming", "arkv", "diffkv", "hfkv"]
 
@@ -51,7 +52,7 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
         model.generate(ids, max_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
         secs = time.perf_counter() - t0
         if name == "dynamic":
-            kv = dense = dense_bytes(cache)
+            kv = dense = dynamic_cache_bytes(cache)
         else:
             st = cache.stats()
             kv, dense = st.kv_bytes, st.dense_bytes

@@ -109,8 +109,7 @@ def _normalize_alpha(where: str, v: Any) -> tuple[Alpha, tuple[int, ...]]:
     if all(_is_real(x) for x in v):
         return [num(f"{where}[{i}]", x) for i, x in enumerate(v)], (len(v),)
     if not all(isinstance(x, (list, tuple)) for x in v):
-        raise _fail(where, v, "either a list of numbers (per layer) or a list of lists (per layer and "
-                              "head), not a mix")
+        raise _fail(where, v, "either a list of numbers (per layer) or a list of lists (per layer and head), not a mix")
     widths = [len(row) for row in v]
     if widths[0] == 0 or len(set(widths)) != 1:
         raise _fail(where, v, f"a rectangular [layer][head] table (row lengths are {widths})")
@@ -196,8 +195,14 @@ class TriStateConfig:
         for f in ("compress", "oq_ratios", "head_adaptive"):
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
-        for f, lo in (("window", 1), ("sink_tokens", 0), ("obs_window", 1), ("pool_kernel", 1),
-                      ("interval", 1), ("page_bytes", 64)):
+        for f, lo in (
+            ("window", 1),
+            ("sink_tokens", 0),
+            ("obs_window", 1),
+            ("pool_kernel", 1),
+            ("interval", 1),
+            ("page_bytes", 64),
+        ):
             v = getattr(self, f)
             if f == "page_bytes" and v is None:
                 continue
@@ -205,12 +210,14 @@ class TriStateConfig:
                 raise _fail(f"{w}.{f}", v, f"an integer >= {lo}")
             setattr(self, f, int(v))
         if self.pool_kernel % 2 == 0:
-            raise _fail(f"{w}.pool_kernel", self.pool_kernel, "odd (1 = no smoothing), so the "
-                        "smoothing window is centred on the token")
+            raise _fail(
+                f"{w}.pool_kernel",
+                self.pool_kernel,
+                "odd (1 = no smoothing), so the smoothing window is centred on the token",
+            )
         if self.page_bytes is not None and self.page_bytes % 4:
             raise _fail(f"{w}.page_bytes", self.page_bytes, "a multiple of 4")
-        for f, allowed in (("score_reduction", SCORE_REDUCTIONS), ("score_mode", SCORE_MODES),
-                           ("backend", BACKENDS)):
+        for f, allowed in (("score_reduction", SCORE_REDUCTIONS), ("score_mode", SCORE_MODES), ("backend", BACKENDS)):
             v = getattr(self, f)
             if not isinstance(v, str) or v not in allowed:
                 raise _fail(f"{w}.{f}", v, f"one of {allowed}")
@@ -249,28 +256,38 @@ class TriStateConfig:
                 if vl > vh:
                     sl = "".join(f"[{i}]" for i in idx[: len(ls)])
                     sh = "".join(f"[{i}]" for i in idx[: len(hs)])
-                    raise ValueError(f"{w}.alpha_l{sl}={vl!r} must be <= alpha_h{sh}={vh!r} (elementwise): "
-                                     "a token cannot be evicted for scoring above the full-precision bar")
+                    raise ValueError(
+                        f"{w}.alpha_l{sl}={vl!r} must be <= alpha_h{sh}={vh!r} (elementwise): "
+                        "a token cannot be evicted for scoring above the full-precision bar"
+                    )
 
     def _validate_budget(self, w: str) -> None:
         b = self.budget
         if b is None:
             for f in ("oq_ratios", "head_adaptive"):
                 if getattr(self, f):
-                    raise _fail(f"{w}.{f}", True, "false when budget is None (it divides the budget); "
-                                "set a budget or turn it off")
+                    raise _fail(
+                        f"{w}.{f}",
+                        True,
+                        "false when budget is None (it divides the budget); set a budget or turn it off",
+                    )
             return
         if not _is_int(b):
             raise _fail(f"{w}.budget", b, "an integer number of tokens per KV head, or None")
         self.budget = b = int(b)
         if b <= self.window + self.sink_tokens:
-            raise _fail(f"{w}.budget", b, f"> window + sink_tokens = {self.window + self.sink_tokens} "
-                        "(the budget includes the window)")
+            raise _fail(
+                f"{w}.budget",
+                b,
+                f"> window + sink_tokens = {self.window + self.sink_tokens} (the budget includes the window)",
+            )
         kept = math.floor(self.slack * (b - self.window))
         if kept < self.sink_tokens:
-            raise ValueError(f"{w}.slack={self.slack!r} with budget={b} and window={self.window} keeps "
-                             f"floor(slack * (budget - window)) = {kept} tokens, fewer than "
-                             f"sink_tokens={self.sink_tokens}; raise slack or budget")
+            raise ValueError(
+                f"{w}.slack={self.slack!r} with budget={b} and window={self.window} keeps "
+                f"floor(slack * (budget - window)) = {kept} tokens, fewer than "
+                f"sink_tokens={self.sink_tokens}; raise slack or budget"
+            )
 
     # ------------------------------------------------------------------ model-dependent checks
     def resolve_alpha(self, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,12 +300,15 @@ class TriStateConfig:
         bad = (lo > h).nonzero()
         if len(bad):
             i, j = (int(x) for x in bad[0])
-            raise ValueError(f"TriStateConfig.alpha_l={lo[i, j].item()!r} at layer {i}, head {j} must be "
-                             f"<= alpha_h={h[i, j].item()!r} (elementwise)")
+            raise ValueError(
+                f"TriStateConfig.alpha_l={lo[i, j].item()!r} at layer {i}, head {j} must be "
+                f"<= alpha_h={h[i, j].item()!r} (elementwise)"
+            )
         return h, lo
 
-    def validate_for_model(self, num_layers: int, num_kv_heads: int,
-                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def validate_for_model(
+        self, num_layers: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Check what needs the model's shape; returns the resolved alpha tables."""
         tables = self.resolve_alpha(num_layers, num_kv_heads)
         if not _is_int(head_dim) or head_dim < 1:
@@ -298,8 +318,10 @@ class TriStateConfig:
                 tier: TierFormat = getattr(self, f)
                 used = [x for x in (tier.key, tier.value) if x in INT_FORMATS]
                 if used and head_dim % tier.group_size:
-                    raise ValueError(f"TriStateConfig.{f}.group_size={tier.group_size} must divide "
-                                     f"head_dim={head_dim} (groups of one token and head, used by {tier})")
+                    raise ValueError(
+                        f"TriStateConfig.{f}.group_size={tier.group_size} must divide "
+                        f"head_dim={head_dim} (groups of one token and head, used by {tier})"
+                    )
         return tables
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -385,11 +407,17 @@ class TriStateConfig:
             if "budget" in overrides:
                 total = overrides.pop("budget")
                 if not _is_int(total) or not _is_int(sinks) or total <= sinks:
-                    raise _fail("TriStateConfig.budget", total, f"an integer > sink_tokens={sinks!r} "
-                                "(for the streaming preset, budget is the total cache size)")
+                    raise _fail(
+                        "TriStateConfig.budget",
+                        total,
+                        f"an integer > sink_tokens={sinks!r} "
+                        "(for the streaming preset, budget is the total cache size)",
+                    )
                 if "window" in overrides and overrides["window"] != total - sinks:
-                    raise ValueError(f"streaming: window={overrides['window']!r} contradicts budget={total} "
-                                     f"(window = budget - sink_tokens = {total - sinks}); give one of them")
+                    raise ValueError(
+                        f"streaming: window={overrides['window']!r} contradicts budget={total} "
+                        f"(window = budget - sink_tokens = {total - sinks}); give one of them"
+                    )
                 overrides["window"] = total - sinks
             elif "window" not in overrides:
                 overrides["window"] = _STREAMING_TOTAL - sinks if _is_int(sinks) else values["window"]
@@ -409,9 +437,13 @@ class TriStateConfig:
         if self.sink_tokens:
             parts.append(f"sinks={self.sink_tokens}")
         parts.append(f"budget={self.budget if self.budget is not None else 'none'}")
-        parts += [f"alpha_h={_alpha_str(self.alpha_h)}", f"alpha_l={_alpha_str(self.alpha_l)}",
-                  f"orig={self.original}", f"quant={self.quantized}",
-                  f"oq={'on' if self.oq_ratios else 'off'}"]
+        parts += [
+            f"alpha_h={_alpha_str(self.alpha_h)}",
+            f"alpha_l={_alpha_str(self.alpha_l)}",
+            f"orig={self.original}",
+            f"quant={self.quantized}",
+            f"oq={'on' if self.oq_ratios else 'off'}",
+        ]
         if self.gamma:
             parts.append(f"gamma={self.gamma:g}")
         if self.head_adaptive:
@@ -428,19 +460,25 @@ def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _alpha_table(f: str, v: Alpha, num_layers: int, num_kv_heads: int) -> torch.Tensor:
-    expected = (f"a scalar, a list of {num_layers} values (one per layer) or a "
-                f"{num_layers} x {num_kv_heads} table (layers x KV heads)")
+    expected = (
+        f"a scalar, a list of {num_layers} values (one per layer) or a "
+        f"{num_layers} x {num_kv_heads} table (layers x KV heads)"
+    )
     if not isinstance(v, list):
         return torch.full((num_layers, num_kv_heads), float(v), dtype=torch.float32)
     if not isinstance(v[0], list):
         if len(v) != num_layers:
-            raise ValueError(f"TriStateConfig.{f} has {len(v)} per-layer values but the model has "
-                             f"{num_layers} layers; expected {expected}")
+            raise ValueError(
+                f"TriStateConfig.{f} has {len(v)} per-layer values but the model has "
+                f"{num_layers} layers; expected {expected}"
+            )
         return torch.tensor(v, dtype=torch.float32)[:, None].expand(num_layers, num_kv_heads).clone()
     shape = (len(v), len(v[0]))
     if shape != (num_layers, num_kv_heads):
-        raise ValueError(f"TriStateConfig.{f} is a {shape[0]} x {shape[1]} table but the model has "
-                         f"{num_layers} layers x {num_kv_heads} KV heads; expected {expected}")
+        raise ValueError(
+            f"TriStateConfig.{f} is a {shape[0]} x {shape[1]} table but the model has "
+            f"{num_layers} layers x {num_kv_heads} KV heads; expected {expected}"
+        )
     return torch.tensor(v, dtype=torch.float32)
 
 
@@ -462,8 +500,9 @@ _ARKV_GAMMA = 263.81
 # ARKV scores tokens by mean + gamma * variance over the observing queries, averages the query heads of
 # a GQA group and smooths with avg_pool1d(kernel_size=5) ("averaged across heads, smoothed,
 # GQA-aligned", Algorithm 1; kernel size from arkv/calculator.py). Its baselines share that scorer.
-_ARKV_SCORING: dict[str, Any] = dict(score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA,
-                                     pool_kernel=5, window=32, obs_window=32)
+_ARKV_SCORING: dict[str, Any] = dict(
+    score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA, pool_kernel=5, window=32, obs_window=32
+)
 _STREAMING_TOTAL = 1024
 
 _PRESET_VALUES: dict[str, dict[str, Any]] = {
@@ -476,34 +515,65 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
     # With budget=B it is ARKV's "quant" baseline, which the paper runs in fp8 (V-C: "all tokens are in
     # fp8 form"); we keep the K4V2 default tier and document that ARKV's exact baseline is
     # from_preset("quant", budget=B, quantized={"key": "fp8", "value": "fp8"}).
-    "quant": dict(_ARKV_SCORING, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False,
-                  head_adaptive=False),
+    "quant": dict(_ARKV_SCORING, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False, head_adaptive=False),
     # StreamingLLM: 4 attention sinks + the recent window, everything else evicted (alpha_l = inf).
     # `budget=` passed to from_preset sets the total size (window = budget - sink_tokens).
     # interval 1: without a budget nothing else would stop the ring from holding interval - 1 extra tokens.
-    "streaming": dict(sink_tokens=4, window=_STREAMING_TOTAL - 4, alpha_h=math.inf, alpha_l=math.inf,
-                      budget=None, oq_ratios=False, head_adaptive=False, interval=1),
+    "streaming": dict(
+        sink_tokens=4,
+        window=_STREAMING_TOTAL - 4,
+        alpha_h=math.inf,
+        alpha_l=math.inf,
+        budget=None,
+        oq_ratios=False,
+        head_adaptive=False,
+        interval=1,
+    ),
     # Paper-faithful ARKV: thresholds off (alpha 0: every token is a candidate for `original`), hard
     # per-head budget with slack 0.75 (IV-F), per-layer OQ ratios with the tuned tau, fp8 tier
     # (V-H: "fp8 occupied half the memory of bfloat16"), W = observation window = 32 (V-E).
     # Budgets evaluated in the paper: 512, 1024, 2048.
-    "arkv": dict(_ARKV_SCORING, alpha_h=0.0, alpha_l=0.0, budget=1024, oq_ratios=True, tau=_ARKV_TAU,
-                 quantized=TierFormat("fp8", "fp8", 32), head_adaptive=False),
+    "arkv": dict(
+        _ARKV_SCORING,
+        alpha_h=0.0,
+        alpha_l=0.0,
+        budget=1024,
+        oq_ratios=True,
+        tau=_ARKV_TAU,
+        quantized=TierFormat("fp8", "fp8", 32),
+        head_adaptive=False,
+    ),
     # Paper-faithful DiffKV (section 4, 7.2): max over the query heads of a GQA group, mean received
     # attention, W = 64, thresholds of Llama3-8B (alpha_h 1, alpha_l 0.02), K8V4 / K4V2 tiers, no budget.
     # Deviation: DiffKV quantises each key/value vector as one group (group = head_dim = 128 for the
     # models it evaluates); we keep group 32 so the preset runs on any head_dim divisible by 32
     # (configs/papers/diffkv/*.yaml use 128).
-    "diffkv": dict(alpha_h=1.0, alpha_l=0.02, budget=None, oq_ratios=False, head_adaptive=False, window=64,
-                   obs_window=64, score_reduction="max", score_mode="mean",
-                   original=TierFormat("int8", "int4", 32), quantized=TierFormat("int4", "int2", 32),
-                   interval=1),  # DiffKV re-evaluates significance every step
+    "diffkv": dict(
+        alpha_h=1.0,
+        alpha_l=0.02,
+        budget=None,
+        oq_ratios=False,
+        head_adaptive=False,
+        window=64,
+        obs_window=64,
+        score_reduction="max",
+        score_mode="mean",
+        original=TierFormat("int8", "int4", 32),
+        quantized=TierFormat("int4", "int2", 32),
+        interval=1,
+    ),  # DiffKV re-evaluates significance every step
     # The unified policy: the dataclass defaults.
     "hfkv": dict(),
 }
 assert tuple(_PRESET_VALUES) == PRESETS
 
 __all__ = [
-    "BACKENDS", "FORMAT_NAMES", "INT_FORMATS", "PRESETS", "SCORE_MODES", "SCORE_REDUCTIONS",
-    "TierFormat", "TriStateConfig",
+    "BACKENDS",
+    "FORMAT_NAMES",
+    "INT_FORMATS",
+    "PRESETS",
+    "SCORE_MODES",
+    "SCORE_REDUCTIONS",
+    "TierFormat",
+    "TriStateConfig",
 ]

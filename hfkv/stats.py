@@ -64,7 +64,6 @@ class CacheStats:
             tot = {n: sum(map(sum, getattr(ls, n))) for n in ("window", *STATE_NAMES)}
             lines.append(
                 f"  layer {ls.layer:>3}: len={ls.logical_length:>6} kv={ls.kv_bytes:>12,}B "
-                f"dense={ls.dense_bytes:>12,}B "
-                + " ".join(f"{k}={v}" for k, v in tot.items())
+                f"dense={ls.dense_bytes:>12,}B " + " ".join(f"{k}={v}" for k, v in tot.items())
             )
         return "\n".join(lines)

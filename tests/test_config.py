@@ -36,7 +36,8 @@ def test_preset_files_match_code(name: str) -> None:
     path = CONFIGS / "presets" / f"{name}.yaml"
     assert path.exists(), "run `python configs/regenerate.py`"
     assert TriStateConfig.from_yaml(path) == TriStateConfig.from_preset(name), (
-        f"{path} drifted from from_preset({name!r}); run `python configs/regenerate.py`")
+        f"{path} drifted from from_preset({name!r}); run `python configs/regenerate.py`"
+    )
 
 
 def test_no_stale_preset_files() -> None:
@@ -62,7 +63,8 @@ def test_preset_values() -> None:
     hfkv = TriStateConfig.from_preset("hfkv")
     assert dataclasses.replace(hfkv, name="custom") == TriStateConfig()
     assert hfkv.summary() == (
-        "hfkv: W=32 budget=1024 alpha_h=1.0 alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive")
+        "hfkv: W=32 budget=1024 alpha_h=1.0 alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
+    )
 
 
 def test_streaming_budget_sets_window() -> None:
@@ -85,7 +87,8 @@ def test_overrides_and_unknown_preset() -> None:
     cfg = TriStateConfig.from_preset("arkv", budget=512, quantized={"group_size": 64})
     assert cfg.budget == 512 and cfg.quantized == TierFormat("fp8", "fp8", 64) and cfg.name == "arkv"
     assert TriStateConfig.from_dict({"preset": "diffkv", "quantized": {"key": "int8"}}).quantized == (
-        TierFormat("int8", "int2", 32))
+        TierFormat("int8", "int2", 32)
+    )
     with pytest.raises(ValueError) as e:
         TriStateConfig.from_preset("h2o")
     assert "h2o" in str(e.value) and all(p in str(e.value) for p in PRESETS)
@@ -110,8 +113,11 @@ def test_overrides_revalidate() -> None:
 PAPER_FILES = sorted((CONFIGS / "papers").glob("*/*.yaml"))
 
 DIFFKV_ALPHAS = {  # DiffKV section 7.2, Parameter Calibration
-    "llama3-8b": (1.0, 0.02), "llama3-70b": (1.0, 0.0), "qwen2.5-7b": (0.04, 0.04),
-    "qwen2.5-32b": (3.0, 0.0), "qwq-32b": (3.0, 0.0),
+    "llama3-8b": (1.0, 0.02),
+    "llama3-70b": (1.0, 0.0),
+    "qwen2.5-7b": (0.04, 0.04),
+    "qwen2.5-32b": (3.0, 0.0),
+    "qwq-32b": (3.0, 0.0),
 }
 
 
@@ -236,8 +242,9 @@ def test_bad_yaml_rejected(text: str, tmp_path: Path) -> None:
 
 def test_yaml_round_trip_of_rich_config(tmp_path: Path) -> None:
     provenance = {"study": "s1", "trial": 7, "metrics": {"kl": 0.0123, "mem": [1, 2]}}
-    cfg = TriStateConfig(name="calibrated", alpha_h=[[1.0, INF], [2.5, 0.0]], alpha_l=[0.01, 0.0],
-                         sink_tokens=2, provenance=provenance)
+    cfg = TriStateConfig(
+        name="calibrated", alpha_h=[[1.0, INF], [2.5, 0.0]], alpha_l=[0.01, 0.0], sink_tokens=2, provenance=provenance
+    )
     path = cfg.to_yaml(tmp_path / "sub" / "c.yaml", header="calibrated\nby a test")
     text = path.read_text()
     assert text.startswith("# calibrated\n# by a test\n") and ".inf" in text
@@ -272,8 +279,10 @@ def test_resolve_alpha_broadcasting() -> None:
     assert torch.equal(h, torch.tensor(table)) and torch.allclose(lo[:, 1], torch.tensor([0.1, 0.2, 0.3]))
 
 
-@pytest.mark.parametrize("alpha,text", [([1.0, 2.0], "2 per-layer values"), ([[1.0] * 4] * 3, "3 x 4 table"),
-                                        ([[1.0] * 2] * 4, "4 x 2 table")])
+@pytest.mark.parametrize(
+    "alpha,text",
+    [([1.0, 2.0], "2 per-layer values"), ([[1.0] * 4] * 3, "3 x 4 table"), ([[1.0] * 2] * 4, "4 x 2 table")],
+)
 def test_resolve_alpha_shape_errors(alpha: list, text: str) -> None:
     cfg = TriStateConfig(alpha_h=alpha, alpha_l=0.0)
     with pytest.raises(ValueError) as e:
@@ -323,13 +332,24 @@ def _alphas(draw: st.DrawFn) -> tuple:
     return h, [[min(x, draw(_pos)) for x in row] for row in h]
 
 
-_yaml_scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
-                         st.floats(allow_nan=False), st.text(max_size=8))
-_provenance = st.dictionaries(st.text(max_size=8), st.recursive(
-    _yaml_scalar, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=5), c, max_size=3)),
-    max_leaves=6), max_size=4)
-_tier = st.builds(TierFormat, st.sampled_from(FORMAT_NAMES), st.sampled_from(FORMAT_NAMES),
-                  st.sampled_from([1, 2, 8, 16, 32, 64, 128, 256]))
+_yaml_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(10**6), 10**6), st.floats(allow_nan=False), st.text(max_size=8)
+)
+_provenance = st.dictionaries(
+    st.text(max_size=8),
+    st.recursive(
+        _yaml_scalar,
+        lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=5), c, max_size=3)),
+        max_leaves=6,
+    ),
+    max_size=4,
+)
+_tier = st.builds(
+    TierFormat,
+    st.sampled_from(FORMAT_NAMES),
+    st.sampled_from(FORMAT_NAMES),
+    st.sampled_from([1, 2, 8, 16, 32, 64, 128, 256]),
+)
 
 
 @st.composite
@@ -338,16 +358,28 @@ def valid_configs(draw: st.DrawFn) -> TriStateConfig:
     budget = draw(st.one_of(st.none(), st.integers(window + 2 * sinks + 2, 4096)))
     alpha_h, alpha_l = draw(_alphas())
     return TriStateConfig(
-        name=draw(st.text(min_size=1, max_size=12)), compress=draw(st.booleans()), window=window,
-        sink_tokens=sinks, obs_window=draw(st.integers(1, 128)),
-        score_reduction=draw(st.sampled_from(["max", "mean", "l2"])), score_mode=draw(st.sampled_from(["mean", "sum"])),
-        gamma=draw(st.floats(0, 1e4)), pool_kernel=draw(st.sampled_from([1, 3, 5, 7])),
+        name=draw(st.text(min_size=1, max_size=12)),
+        compress=draw(st.booleans()),
+        window=window,
+        sink_tokens=sinks,
+        obs_window=draw(st.integers(1, 128)),
+        score_reduction=draw(st.sampled_from(["max", "mean", "l2"])),
+        score_mode=draw(st.sampled_from(["mean", "sum"])),
+        gamma=draw(st.floats(0, 1e4)),
+        pool_kernel=draw(st.sampled_from([1, 3, 5, 7])),
         oq_ratios=budget is not None and draw(st.booleans()),
         tau=tuple(draw(st.lists(st.floats(0.01, 100), min_size=3, max_size=3))),
-        alpha_h=alpha_h, alpha_l=alpha_l, budget=budget, slack=draw(st.floats(0.5, 1.0)),
-        head_adaptive=budget is not None and draw(st.booleans()), interval=draw(st.integers(1, 16)),
-        original=draw(_tier), quantized=draw(_tier), page_bytes=4 * draw(st.integers(16, 4096)),
-        backend=draw(st.sampled_from(["auto", "torch", "triton"])), provenance=draw(_provenance),
+        alpha_h=alpha_h,
+        alpha_l=alpha_l,
+        budget=budget,
+        slack=draw(st.floats(0.5, 1.0)),
+        head_adaptive=budget is not None and draw(st.booleans()),
+        interval=draw(st.integers(1, 16)),
+        original=draw(_tier),
+        quantized=draw(_tier),
+        page_bytes=4 * draw(st.integers(16, 4096)),
+        backend=draw(st.sampled_from(["auto", "torch", "triton"])),
+        provenance=draw(_provenance),
     )
 
 

@@ -1,9 +1,17 @@
 """Storage of one layer: a dense window ring and paged tiers over one byte pool."""
 
-from hfkv.storage.memory import dense_kv_bytes, held_bytes
+from hfkv.storage.memory import dense_kv_bytes, dynamic_cache_bytes, held_bytes
 from hfkv.storage.paged import PagedTiers
 from hfkv.storage.pool import PagePool
 from hfkv.storage.record import RecordLayout
 from hfkv.storage.window import WindowRing
 
-__all__ = ["PagePool", "PagedTiers", "RecordLayout", "WindowRing", "dense_kv_bytes", "held_bytes"]
+__all__ = [
+    "PagePool",
+    "PagedTiers",
+    "RecordLayout",
+    "WindowRing",
+    "dense_kv_bytes",
+    "dynamic_cache_bytes",
+    "held_bytes",
+]

@@ -29,3 +29,8 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def dense_kv_bytes(batch: int, heads: int, length: int, head_dim: int, dtype: torch.dtype) -> int:
     """What DynamicCache holds for one layer: keys and values ``[B, H, length, D]`` in ``dtype``."""
     return 2 * batch * heads * length * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes a transformers ``DynamicCache`` holds, read from its layers' key and value tensors."""
+    return sum(held_bytes([layer.keys, layer.values]) for layer in cache.layers if layer.keys is not None)

@@ -15,36 +15,25 @@ import os
 import time
 
 DEFAULT_PRESETS = "evict,quant,streaming,arkv,diffkv,hfkv"
+DEFAULT_BUDGETS = "80,160"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the shipped testbed)")
     parser.add_argument("--tasks", default=None, help="comma-separated task names (default: all testbed tasks)")
-    parser.add_argument("--limit", type=int, default=10, help="examples per task (default: 10)")
+    parser.add_argument("--limit", type=int, default=100, help="examples per task (default: 100, the whole test set)")
     parser.add_argument(
         "--presets", default=DEFAULT_PRESETS, help=f"comma-separated presets, or 'none' (default: {DEFAULT_PRESETS})"
     )
-    parser.add_argument("--budgets", default="128,256", help="comma-separated token budgets (default: 128,256)")
-    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (left padding)")
+    parser.add_argument(
+        "--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated token budgets (default: {DEFAULT_BUDGETS})"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=25, help="prompts per generate call (left padding; default 25)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _dynamic_bytes(cache) -> int:
-    total = 0
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        for layer in layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if t is not None and hasattr(t, "numel"):
-                    total += t.numel() * t.element_size()
-        return total
-    for name in ("key_cache", "value_cache"):  # older transformers
-        for t in getattr(cache, name, []) or []:
-            total += t.numel() * t.element_size()
-    return total
 
 
 class _StepClock:
@@ -82,11 +71,65 @@ def _generate(model, tok, prompts, cache, max_new_tokens, stop_ids):
     return preds, (steps - 1) * len(prompts), dt
 
 
+def evaluate(
+    model,
+    tok,
+    task_name: str,
+    data: list[dict],
+    preset: str | None = None,
+    budget: int | None = None,
+    batch_size: int = 25,
+    progress: str | None = None,
+) -> dict:
+    """Greedy exact-match accuracy of ``model`` on ``data`` with a ``DynamicCache`` (``preset`` None)
+    or a fresh ``TriStateCache(preset, budget)`` per batch; with the KV bytes held vs dense, and
+    the decode speed."""
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from hfkv.storage import dynamic_cache_bytes
+    from hfkv.testbed.tasks import TASKS
+
+    task = TASKS[task_name]
+    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
+    correct = kv_bytes = dense_bytes = n_tok = 0
+    t_dec = 0.0
+    bs = max(1, batch_size)
+    bar = tqdm(total=len(data), desc=progress, leave=False, disable=progress is None)
+    for i in range(0, len(data), bs):
+        chunk = data[i : i + bs]
+        if preset is None:
+            cache = DynamicCache()
+        else:
+            import hfkv
+
+            cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=budget))
+        preds, nt, dt = _generate(model, tok, [r["prompt"] for r in chunk], cache, task.max_new_tokens, stop_ids)
+        n_tok += nt
+        t_dec += dt
+        correct += sum(task.score(p, r["target"]) for p, r in zip(preds, chunk, strict=True))
+        if preset is None:
+            kv_bytes += dynamic_cache_bytes(cache)
+            dense_bytes += dynamic_cache_bytes(cache)
+        else:
+            st = cache.stats()
+            kv_bytes += int(st.kv_bytes)
+            dense_bytes += int(st.dense_bytes)
+        bar.update(len(chunk))
+    bar.close()
+    return {
+        "n": len(data),
+        "accuracy": correct / max(1, len(data)),
+        "compression": dense_bytes / kv_bytes if kv_bytes else float("nan"),
+        "kv_kib": kv_bytes / 1024 / max(1, len(data)),
+        "decode_tok_s": n_tok / t_dec if t_dec > 0 else float("nan"),
+    }
+
+
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hfkv.testbed import TESTBED_PATH
     from hfkv.testbed.tasks import TASKS, load_test_set
@@ -94,19 +137,15 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or TESTBED_PATH
-    presets = [p.strip() for p in args.presets.split(",") if p.strip() and p.strip() != "none"]
     if not os.path.exists(os.path.join(path, "config.json")):
-        # No trained testbed is shipped yet (eval/testbed/NOTES.md): show the cache mechanics on a
-        # random-weight model instead of accuracy, and say so.
-        from hfkv.random_demo import run_random_demo
-
-        print(f"no trained testbed model at {path}; running the random-weight stand-in demo\n")
-        return run_random_demo(presets, budget=int(args.budgets.split(",")[-1]))
+        raise SystemExit(
+            f"--model: no model at {path!r} (expected config.json, safetensors and tokenizer files); "
+            "the testbed ships in hfkv/testbed/model, or train one with `python -m hfkv.testbed.train`"
+        )
     model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
     model.eval()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
 
     task_names = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
     for t in task_names:
@@ -118,57 +157,23 @@ def run(args) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
 
     configs: list[tuple[str, str | None, int | None]] = [("DynamicCache", None, None)]
-    if presets:
-        import hfkv
-
-        for name in presets:
-            for b in budgets:
-                configs.append((f"{name}@{b}", name, b))
+    configs += [(f"{name}@{b}", name, b) for name in presets for b in budgets]
 
     rows = []
-    bs = max(1, args.batch_size)
     for task_name in task_names:
-        task = TASKS[task_name]
         data = load_test_set(task_name)[: args.limit]
         for label, preset, budget in configs:
-            correct = 0
-            kv_bytes = dense_bytes = 0
-            n_tok, t_dec = 0, 0.0
-            bar = tqdm(total=len(data), desc=f"{task_name} {label}", leave=False, disable=args.no_progress)
-            for i in range(0, len(data), bs):
-                chunk = data[i : i + bs]
-                if preset is None:
-                    cache = DynamicCache()
-                else:
-                    cfg = hfkv.TriStateConfig.from_preset(preset, budget=budget)
-                    cache = hfkv.TriStateCache(model, cfg)
-                preds, nt, dt = _generate(
-                    model, tok, [r["prompt"] for r in chunk], cache, task.max_new_tokens, stop_ids
-                )
-                n_tok += nt
-                t_dec += dt
-                correct += sum(task.score(p, r["target"]) for p, r in zip(preds, chunk, strict=True))
-                if preset is None:
-                    b = _dynamic_bytes(cache)
-                    kv_bytes += b
-                    dense_bytes += b
-                else:
-                    st = cache.stats()
-                    kv_bytes += int(st.kv_bytes)
-                    dense_bytes += int(st.dense_bytes)
-                bar.update(len(chunk))
-            bar.close()
-            rows.append(
-                {
-                    "task": task_name,
-                    "cache": label,
-                    "n": len(data),
-                    "accuracy": correct / max(1, len(data)),
-                    "compression": dense_bytes / kv_bytes if kv_bytes else float("nan"),
-                    "kv_kib": kv_bytes / 1024 / max(1, len(data)),
-                    "decode_tok_s": n_tok / t_dec if t_dec > 0 else float("nan"),
-                }
+            r = evaluate(
+                model,
+                tok,
+                task_name,
+                data,
+                preset,
+                budget,
+                batch_size=args.batch_size,
+                progress=f"{task_name} {label}" if not args.no_progress else None,
             )
+            rows.append({"task": task_name, "cache": label, **r})
 
     header = (
         f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "

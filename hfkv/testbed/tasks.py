@@ -2,41 +2,47 @@
 
 Every task is deterministic by seed (a private ``random.Random``, never global state) and returns
 examples ``{"prompt": str, "target": str}``. The model's continuation of ``prompt`` is expected to
-be ``target`` followed by the stop string ``"\\n"``. One character is one token (see
-``hfkv.testbed.tokenizer``), so lengths in characters are lengths in tokens (plus one ``<s>``).
+be ``target`` followed by the stop string ``"\\n"``. Lengths are in tokens of the testbed tokenizer
+(``hfkv.testbed.tokenizer``: one token per word, key, one- or two-digit number or symbol).
 
 ``kv_recall`` -- long-context key-value recall::
 
-    kqzt: 48213
+    - bofe 4821
     the river holds a quiet lamp near the old road
-    mbwa: 9041
+    - tazi 9041
     ...
-    ? hrxo: 771203         <- answered questions (records from anywhere in the context)
-    ? kqzt:                <- final question: the prompt ends with "? kqzt: "
+    ? tazi 9041            <- answered questions (records from anywhere in the context)
+    ? bofe                 <- final question: the prompt ends with the key
 
-    target: "48213"
+    target: " 4821"
 
-  The keys are unique random 4-letter strings, the values 4-6 digit numbers; the record asked by the
-  final question lies in the first third of the context (``early_frac``) and is asked nowhere else,
-  so a cache that evicted (or badly quantized) that record cannot answer.
-  Extraction: the first run of digits of the prediction's first line.
+  Keys are distinct words of ``KEY_WORDS`` (one token each), values 4-digit numbers (two tokens);
+  the record asked by the final question lies in the first third of the context (``early_frac``)
+  and is asked nowhere else, so a cache that evicted (or badly quantized) that record cannot
+  answer. Extraction: the first run of digits of the prediction's first line.
 
 ``arith_cot`` -- multi-step arithmetic with a generated chain of thought::
 
-    q=7
+    let q = 7
     the green kettle sings        <- filler lines (optional)
-    k=12
-    a=k+5
-    b=a-q
-    c=b+31
+    let k = 3
+    let a = k + 5
+    let b = a - q
+    let c = b + 4
     ? c
 
-    target: "a=k+5 = 12+5 = 17; b=a-q = 17-7 = 10; c=b+31 = 10+31 = 41 #### 41"
+    target: " a = k + 5 ; k = 3 ; a = 3 + 5 = 8 ; b = a - q ; q = 7 ; b = 8 - 7 = 1 ; c = b + 4 ; c = 1 + 4 = 5 #### 5"
 
-  Each step restates its definition, substitutes the values (the previous step's result, written
-  earlier in the chain of thought, and named constants defined in the prompt) and computes; every
-  intermediate value stays in 0..99. The prediction must end with ``#### <answer>`` as in GSM8K.
-  Extraction: the number after the first ``####`` of the prediction.
+  Each step restates its definition, recalls the named constants it uses (defined in the prompt,
+  possibly far back), substitutes the values (those and the previous step's result) and computes;
+  every intermediate value stays in 0..``max_value``. Recalling ``k = 3`` is the same lookup as
+  restating a definition (the token after ``k =``); substituting without it would need the name
+  fetched from a few tokens back *and* looked up in one step, which a tiny model does not learn.
+  The prediction must end with ``#### <answer>`` as in GSM8K. Extraction: the number after the
+  first ``####``.
+
+Examples also carry ``segments``: the prompt and target cut into ``(text, supervised)`` pieces,
+supervised where the text is predictable (answers), which the training script uses for its loss.
 
 Test sets: ``python -m hfkv.testbed.tasks --write eval/tasks`` writes ``testbed_<task>.jsonl``
 (``TEST_SEEDS`` / ``TEST_SIZE`` / each task's ``test_kwargs``) and a manifest.
@@ -49,28 +55,40 @@ import json
 import os
 import random
 import re
-import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-STOP = "\n"
+from hfkv.testbed.tokenizer import FILLER_WORDS, KEY_WORDS, count_tokens
 
-FILLER_WORDS = (
-    "the a an of in on at to from with near under over and or but old new small large quiet loud "
-    "green blue red dark bright cold warm river stone lamp road house tree field cloud wind rain "
-    "bird fish door window garden bridge tower ship market song story kettle letter paper candle "
-    "walks holds keeps finds carries watches sings opens turns waits rests grows falls moves"
-).split()
+STOP = "\n"
 
 
 def _filler_line(rng: random.Random) -> str:
     return " ".join(rng.choice(FILLER_WORDS) for _ in range(rng.randint(3, 9)))
 
 
-def _pick_len(rng: random.Random, length: int | tuple[int, int] | list[int]) -> int:
-    if isinstance(length, (tuple, list)):
-        return rng.randint(int(length[0]), int(length[1]))
-    return int(length)
+def _pick(rng: random.Random, value: int | tuple[int, int] | list[int]) -> int:
+    if isinstance(value, (tuple, list)):
+        return rng.randint(int(value[0]), int(value[1]))
+    return int(value)
+
+
+def _interleave(rng: random.Random, items: list[str], fillers: list[str], shuffle: bool) -> list[str]:
+    """``items`` (shuffled or in order) with ``fillers`` at random places."""
+    if shuffle:
+        out = items + fillers
+        rng.shuffle(out)
+        return out
+    slots = sorted(rng.randint(0, len(items)) for _ in fillers)
+    out: list[str] = []
+    k = 0
+    for j, item in enumerate(items + [None]):
+        while k < len(slots) and slots[k] == j:
+            out.append(fillers[k])
+            k += 1
+        if item is not None:
+            out.append(item)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,69 +98,47 @@ def _pick_len(rng: random.Random, length: int | tuple[int, int] | list[int]) -> 
 
 def kv_recall_example(
     rng: random.Random,
-    length: int | tuple[int, int] = (800, 1400),
+    length: int | tuple[int, int] = (400, 640),
     n_questions: int = 4,
-    chars_per_record: int = 42,
+    tokens_per_record: int = 16,
     early_frac: float = 1 / 3,
     question_frac: float | None = None,
-    key_len: int = 4,
-    key_chars: str = string.ascii_lowercase,
 ) -> dict:
-    """One kv_recall example of about ``length`` prompt characters.
+    """One kv_recall example of about ``length`` prompt tokens (any length works, e.g. 4000).
 
-    ``question_frac`` (training only) asks about that fraction of the records instead of
-    ``n_questions``. Returns ``prompt``, ``target`` and ``supervise``: the (start, end) character spans of the
-    prompt that hold answers (the values of the answered questions), used for training.
+    ``question_frac`` (training) asks about that fraction of the records instead of
+    ``n_questions`` (denser supervision).
     """
-    total = _pick_len(rng, length)
+    total = _pick(rng, length)
     if question_frac is None:
-        n_rec = max(n_questions + 2, round(total / chars_per_record))
-    else:  # training: ask about a fraction of the records (denser supervision)
-        n_rec = max(3, round(total / chars_per_record))
+        n_rec = max(n_questions + 2, round(total / tokens_per_record))
+    else:
+        n_rec = max(3, round(total / tokens_per_record))
         n_questions = min(n_rec - 1, max(1, round(question_frac * n_rec)))
-    keys: list[str] = []
-    seen: set[str] = set()
-    while len(keys) < n_rec:
-        k = "".join(rng.choice(key_chars) for _ in range(key_len))
-        if k not in seen:
-            seen.add(k)
-            keys.append(k)
-    values = [str(rng.randint(10 ** (d - 1), 10**d - 1)) for d in (rng.randint(4, 6) for _ in keys)]
-    records = [f"{k}: {v}" for k, v in zip(keys, values, strict=True)]
-    q_chars = n_questions * 14
-    body_target = max(0, total - q_chars)
-    rec_chars = sum(len(r) + 1 for r in records)
+    n_rec = min(n_rec, len(KEY_WORDS))
+    keys = rng.sample(KEY_WORDS, n_rec)
+    values = [str(rng.randint(1000, 9999)) for _ in keys]
+    records = [f"- {k} {v}" for k, v in zip(keys, values, strict=True)]
+    body_target = max(0, total - 6 * n_questions)
+    used = sum(count_tokens(r) + 1 for r in records)
     fillers: list[str] = []
-    fill_chars = 0
-    while rec_chars + fill_chars < body_target:
+    while used < body_target:
         line = _filler_line(rng)
         fillers.append(line)
-        fill_chars += len(line) + 1
-    items = [(True, i) for i in range(n_rec)] + [(False, j) for j in range(len(fillers))]
-    rng.shuffle(items)
-    lines: list[str] = []
-    offsets: dict[int, int] = {}
-    pos = 0
-    for is_rec, idx in items:
-        line = records[idx] if is_rec else fillers[idx]
-        if is_rec:
-            offsets[idx] = pos
-        lines.append(line)
-        pos += len(line) + 1
-    body_len = pos
-    early = [i for i in range(n_rec) if offsets[i] < early_frac * body_len]
-    if not early:
-        early = [min(range(n_rec), key=lambda i: offsets[i])]
+        used += count_tokens(line) + 1
+    lines = _interleave(rng, records, fillers, shuffle=True)
+    where = {line: i for i, line in enumerate(lines)}
+    order = sorted(range(n_rec), key=lambda i: where[records[i]])
+    early = order[: max(1, int(early_frac * n_rec))]
     final = rng.choice(early)
     others = rng.sample([i for i in range(n_rec) if i != final], n_questions - 1)
-    prompt = "".join(line + "\n" for line in lines)
-    supervise = []
+    segments = [("".join(line + "\n" for line in lines), False)]
     for i in others:
-        prompt += f"? {keys[i]}: "
-        supervise.append((len(prompt), len(prompt) + len(values[i]) + 1))  # value and "\n"
-        prompt += values[i] + "\n"
-    prompt += f"? {keys[final]}: "
-    return {"prompt": prompt, "target": values[final], "supervise": supervise}
+        segments += [(f"? {keys[i]}", False), (f" {values[i]}\n", True)]
+    segments.append((f"? {keys[final]}", False))
+    target = f" {values[final]}"
+    prompt = "".join(t for t, _ in segments)
+    return {"prompt": prompt, "target": target, "segments": segments + [(target + STOP, True)]}
 
 
 _DIGITS = re.compile(r"\d+")
@@ -164,56 +160,56 @@ CHAIN_NAMES = "abcdefghij"
 
 def arith_cot_example(
     rng: random.Random,
-    steps: int | tuple[int, int] = (4, 8),
-    consts: int | tuple[int, int] = (3, 5),
+    steps: int | tuple[int, int] = (3, 6),
+    consts: int | tuple[int, int] = 0,
     filler: int | tuple[int, int] = (4, 8),
     const_prob: float = 0.5,
+    max_const: int = 9,
+    max_value: int = 99,
+    recall: bool = True,
 ) -> dict:
-    """One arith_cot example: named constants, a chain of ``steps`` operations, filler lines."""
-    n_steps = min(_pick_len(rng, steps), len(CHAIN_NAMES))
-    n_consts = min(_pick_len(rng, consts), len(CONST_NAMES))
-    n_fill = _pick_len(rng, filler)
+    """One arith_cot example: named constants, a chain of ``steps`` operations, filler lines.
+
+    ``recall=False`` drops the recalled constants from the chain of thought (the format of the
+    first training stages of the shipped model; harder, see the module docstring)."""
+    n_steps = min(_pick(rng, steps), len(CHAIN_NAMES))
+    n_consts = min(_pick(rng, consts), len(CONST_NAMES))
     names = rng.sample(CONST_NAMES, n_consts)
-    cval = {c: rng.randint(2, 49) for c in names}
-    defs_c = [f"{c}={cval[c]}" for c in names]
-    defs_s: list[str] = []
+    cval = {c: rng.randint(1, max_const) for c in names}
+    defs = [f"let {c} = {cval[c]}" for c in names]
     cot: list[str] = []
     prev_name, prev_val = None, None
     for i in range(n_steps):
         v = CHAIN_NAMES[i]
-        if i == 0:
+        if i > 0:
+            a_name, a_val = prev_name, prev_val
+        elif names:
             a_name = rng.choice(names)
             a_val = cval[a_name]
         else:
-            a_name, a_val = prev_name, prev_val
-        if rng.random() < const_prob:
+            a_val = rng.randint(1, 9)
+            a_name = str(a_val)
+        if names and rng.random() < const_prob:
             b_name = rng.choice(names)
             b_val = cval[b_name]
         else:
             b_val = rng.randint(1, 9)
             b_name = str(b_val)
-        ops = [o for o, r in (("+", a_val + b_val), ("-", a_val - b_val)) if 0 <= r <= 99]
+        ops = [o for o, r in (("+", a_val + b_val), ("-", a_val - b_val)) if 0 <= r <= max_value]
         op = rng.choice(ops)
         res = a_val + b_val if op == "+" else a_val - b_val
-        defs_s.append(f"{v}={a_name}{op}{b_name}")
-        cot.append(f"{v}={a_name}{op}{b_name} = {a_val}{op}{b_val} = {res}")
+        defs.append(f"let {v} = {a_name} {op} {b_name}")
+        if recall:
+            recalls = [f"{c} = {cval[c]}" for c in dict.fromkeys((a_name, b_name)) if c in cval]
+            cot.append(" ; ".join([f"{v} = {a_name} {op} {b_name}", *recalls, f"{v} = {a_val} {op} {b_val} = {res}"]))
+        else:
+            cot.append(f"{v} = {a_name} {op} {b_name} = {a_val} {op} {b_val} = {res}")
         prev_name, prev_val = v, res
-    # Filler lines go anywhere; definitions keep their order (constants first, then the chain).
-    defs = defs_c + defs_s
-    slots = sorted(rng.randint(0, len(defs)) for _ in range(n_fill))
-    lines: list[str] = []
-    k = 0
-    for j, d in enumerate(defs):
-        while k < len(slots) and slots[k] == j:
-            lines.append(_filler_line(rng))
-            k += 1
-        lines.append(d)
-    while k < len(slots):
-        lines.append(_filler_line(rng))
-        k += 1
+    fillers = [_filler_line(rng) for _ in range(_pick(rng, filler))]
+    lines = _interleave(rng, defs, fillers, shuffle=False)  # definitions keep their order
     prompt = "".join(line + "\n" for line in lines) + f"? {prev_name}\n"
-    target = "; ".join(cot) + f" #### {prev_val}"
-    return {"prompt": prompt, "target": target, "supervise": []}
+    target = " " + " ; ".join(cot) + f" #### {prev_val}"
+    return {"prompt": prompt, "target": target, "segments": [(prompt, False), (target + STOP, True)]}
 
 
 _HASH = re.compile(r"####\s*(-?\d+)")
@@ -233,7 +229,7 @@ def arith_cot_extract(text: str) -> str | None:
 @dataclass(frozen=True)
 class Task:
     name: str
-    example: Callable[..., dict]  # (rng, **knobs) -> {"prompt", "target", "supervise"}
+    example: Callable[..., dict]  # (rng, **knobs) -> {"prompt", "target", "segments"}
     extract: Callable[[str], str | None]
     max_new_tokens: int
     test_kwargs: dict = field(default_factory=dict)
@@ -259,15 +255,15 @@ TASKS: dict[str, Task] = {
         "kv_recall",
         kv_recall_example,
         kv_recall_extract,
-        max_new_tokens=8,
-        test_kwargs={"length": (800, 1400), "n_questions": 4},
+        max_new_tokens=4,
+        test_kwargs={"length": (400, 640), "n_questions": 4},
     ),
     "arith_cot": Task(
         "arith_cot",
         arith_cot_example,
         arith_cot_extract,
-        max_new_tokens=200,
-        test_kwargs={"steps": (4, 8), "consts": (3, 5), "filler": (4, 8)},
+        max_new_tokens=128,
+        test_kwargs={"steps": (3, 6), "consts": 0, "filler": (4, 8)},
     ),
 }
 
