@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="tokens per batch (approximate)")
     p.add_argument("--max-len", type=int, default=720, help="longest kv_recall context (tokens)")
     p.add_argument(
-        "--no-prev-token-init",
+        "--no-prev-token-init",  # the name predates the induction head; the log's args say prev_token_init
         dest="prev_token_init",
         action="store_false",
         help="start from a plain random init (see init_induction_circuit)",
