@@ -287,22 +287,15 @@ def batch_losses(model, x, y, kind) -> tuple[torch.Tensor, dict]:
     return loss, stats
 
 
-@torch.no_grad()
-def greedy_accuracy(model, tok, rows, task_name: str, max_new_tokens: int) -> float:
-    """Exact-match accuracy of greedy generation (plain DynamicCache), batch size 1."""
-    task = TASKS[task_name]
-    nl = VOCAB["\n"]
-    ok = 0
+def greedy_accuracy(model, tok, rows, task_name: str) -> float:
+    """Exact-match accuracy of greedy generation with a plain DynamicCache, one prompt at a time
+    (the demo's evaluation, so the log and ``hfkv demo`` measure the same thing)."""
+    from hfkv.testbed.demo import evaluate
+
     model.eval()
-    for r in rows:
-        enc = tok(r["prompt"], return_tensors="pt")
-        out = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[nl, EOS_ID], pad_token_id=PAD_ID
-        )
-        pred = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        ok += task.score(pred, r["target"])
+    acc = evaluate(model, tok, task_name, rows, batch_size=1)["accuracy"]
     model.train()
-    return ok / max(1, len(rows))
+    return acc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,9 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         last = step == args.steps - 1 or step == args.stop_at
         timeout = args.max_minutes and (time.time() - t0) > args.max_minutes * 60
         if (step > 0 and step % args.eval_every == 0) or last or timeout:
-            accs = {
-                name: greedy_accuracy(model, tok, rows, name, TASKS[name].max_new_tokens) for name, rows in held.items()
-            }
+            accs = {name: greedy_accuracy(model, tok, rows, name) for name, rows in held.items()}
             log(
                 f"eval step {step}: "
                 + " ".join(f"{k} {v:.3f}" for k, v in accs.items())
