@@ -51,11 +51,16 @@ class TriStateLayer(CacheLayerMixin):
         self.pad_end: torch.Tensor | None = None  # [B] leading padding tokens per row
         self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
         self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
-        self.steps = 0
+        self.steps_since_policy = 0
         # Per-tier score increments of the decode steps since the last policy run: slots only move
         # when the policy runs, so increments are kept dense here and folded into the records then.
         self._score_delta: list[torch.Tensor | None] = [None, None]
-        self._chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._chunk: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
+        # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
+        self._tier_peak = 0
+        # (tier versions, slot index of the tiers' slots) for attention, rebuilt when a tier changes.
+        self._slot_plan: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -124,10 +129,9 @@ class TriStateLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        pos = torch.arange(self.length, self.length + q, device=self.device)
-        self._chunk = (key_states, value_states, pos)
+        self._chunk = (key_states, value_states, self.length)
         if self.length > 0:
-            self._ingest(key_states, value_states, pos)
+            self._ingest(key_states, value_states, self.length)
         self.length += q
         if self.length > q:
             self._maybe_run_policy()
@@ -135,9 +139,9 @@ class TriStateLayer(CacheLayerMixin):
         return key_states, value_states
 
     # ------------------------------------------------------------ internals
-    def _ingest(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """New tokens enter the window; those pushed out enter the original tier."""
-        self._to_original(*self.window.push(k, v, pos))
+        self._to_original(*self.window.push(k, v, start))
 
     def _to_original(self, ok: torch.Tensor, ov: torch.Tensor, opos: torch.Tensor, oscore: torch.Tensor) -> None:
         """Tokens leaving the window enter the original tier; padding is dropped here."""
@@ -149,20 +153,22 @@ class TriStateLayer(CacheLayerMixin):
         b, h, i = valid.nonzero(as_tuple=True)
         rec = self.layouts[ORIGINAL].encode(ok[b, h, i], ov[b, h, i], opos[i], oscore[b, h, i], check_finite=False)
         self.tiers.append_flat(ORIGINAL, b, h, rec)
+        self._refresh_tier_peak()
 
-    def _held(self) -> torch.Tensor:
-        return self.tiers.counts.sum(-1) + self.window.count
+    def _refresh_tier_peak(self) -> None:
+        held = self.tiers.counts.sum(-1)  # [B, H]
+        held = held.sum(-1) if self.cfg.head_adaptive else held
+        self._tier_peak = int(held.max()) if held.numel() else 0
 
     def _maybe_run_policy(self) -> None:
-        self.steps += 1
+        self.steps_since_policy += 1
         cfg = self.cfg
-        due = self.steps % cfg.interval == 0 or self.window.count == self.window.capacity
+        # A full ring (W + interval - 1 tokens) means `interval` steps since the last batched exit.
+        due = self.steps_since_policy >= cfg.interval or self.window.count == self.window.capacity
         if not due and cfg.budget is not None:
-            held = self._held()
-            if cfg.head_adaptive:
-                due = bool((held.sum(-1) > cfg.budget * held.shape[1]).any())
-            else:
-                due = bool((held > cfg.budget).any())
+            # Between policy runs only the window grows, by the same count in every head.
+            heads = self.window.k.shape[1] if cfg.head_adaptive else 1
+            due = self._tier_peak + heads * self.window.count > heads * cfg.budget
         if due:
             self.run_policy()
 
@@ -197,6 +203,7 @@ class TriStateLayer(CacheLayerMixin):
 
     def run_policy(self) -> None:
         """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
+        self.steps_since_policy = 0
         self._flush_scores()
         if self.window.count > self.cfg.window:  # batched window exits (interval > 1)
             self._to_original(*self.window.pop_oldest(self.window.count - self.cfg.window))
@@ -211,6 +218,7 @@ class TriStateLayer(CacheLayerMixin):
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
         self._apply(new[..., :m0], new[..., m0:], v0, v1)
+        self._refresh_tier_peak()
 
     def _apply(self, new0: torch.Tensor, new1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor) -> None:
         tiers = self.tiers
@@ -236,9 +244,10 @@ class TriStateLayer(CacheLayerMixin):
     def _prefill(self, module, query, mask, scaling) -> torch.Tensor:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        k, v, pos = self._chunk
+        k, v, _ = self._chunk
         self._chunk = None
         bsz, heads, t, _ = k.shape
+        pos = torch.arange(t, device=self.device)
         cfg = self.cfg
         out = sdpa_attention_forward(module, query, k, v, mask, scaling=scaling)[0]
         w = min(cfg.obs_window, t)
@@ -268,30 +277,35 @@ class TriStateLayer(CacheLayerMixin):
                 if i.numel():
                     rec = self.layouts[tier].encode(k[b, h, i], v[b, h, i], i, sc[b, h, i])
                     self.tiers.append_flat(tier, b, h, rec)
+        self._refresh_tier_peak()
         return out
+
+    def _tier_slot_index(self, positions: list[torch.Tensor]) -> torch.Tensor:
+        """``[B, H, M0 + M1]`` logical position + 1 of every tier slot (0 = empty), cached per tier version."""
+        versions = tuple(self.tiers.versions)
+        if self._slot_plan is None or self._slot_plan[0] != versions:
+            self._slot_plan = (versions, torch.cat(positions, -1) + 1)
+        return self._slot_plan[1]
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
-        parts = [(win.k, win.v, win.pos.view(1, 1, -1).expand(bsz, heads, -1))]
+        parts, positions = [(win.k, win.v)], []
         for tier, lay in enumerate(self.layouts):
-            kb, vb, pos, valid = self.tiers.read_fields(tier)  # empty slots read zeros (null page)
-            parts.append(
-                (
-                    lay.key.decode(kb, torch.float32),
-                    lay.value.decode(vb, torch.float32),
-                    torch.where(valid, pos.long(), -1),
-                )
-            )
+            rec, pos = self.tiers.read_slots(tier)  # empty slots decode to finite values (null page)
+            parts.append(lay.decode_kv(rec, torch.float32))
+            positions.append(pos)
+        slot_index = torch.cat([(win.pos + 1).expand(bsz, heads, -1), self._tier_slot_index(positions)], -1)
         q = query.shape[2]
         if mask is None:  # plain causal in logical coordinates
             qpos = torch.arange(self.length - q, self.length, device=self.device)
             mask = (torch.arange(self.length, device=self.device).view(1, -1) <= qpos.view(-1, 1))[None, None]
             mask = mask.expand(bsz, 1, q, self.length)
-        out, probs = slot_attention(query, parts, mask, scaling)
-        received = reduce_gqa(probs.reshape(bsz, query.shape[1], q, -1), heads, self.cfg.score_reduction).sum(2)
-        w_delta, *tier_deltas = torch.split(received, [p[2].shape[-1] for p in parts], dim=-1)
+        out, probs = slot_attention(query, parts, slot_index, mask, scaling)
+        received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
+        received = received.squeeze(2) if q == 1 else received.sum(2)
+        w_delta, *tier_deltas = torch.split(received, [k.shape[2] for k, _ in parts], dim=-1)
         win.add_scores(w_delta)
         for tier, d in enumerate(tier_deltas):
             acc = self._score_delta[tier]
@@ -315,6 +329,7 @@ class TriStateLayer(CacheLayerMixin):
         self._flush_scores()
         self.window.select_rows(index)
         self.tiers.select_rows(index)
+        self._refresh_tier_peak()
         for name in ("pad_end", "sink_end", "oq"):
             t = getattr(self, name)
             if t is not None:
@@ -337,7 +352,9 @@ class TriStateLayer(CacheLayerMixin):
             bsz, heads, _, dim = self.window.k.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval - 1)
         self._score_delta = [None, None]
-        self.length, self.steps, self.score_start = 0, 0, 0
+        self._slot_plan = None
+        self._tier_peak = 0
+        self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self.cache.invalidate_rho()
 
@@ -346,7 +363,8 @@ class TriStateLayer(CacheLayerMixin):
         if not self.is_initialized:
             return []
         pending = [d for d in self._score_delta if d is not None]
-        return [*self.window.held_tensors(), *self.tiers.held_tensors(), *pending]
+        plan = [self._slot_plan[1]] if self._slot_plan is not None else []
+        return [*self.window.held_tensors(), *self.tiers.held_tensors(), *pending, *plan]
 
     def layer_stats(self) -> LayerStats:
         if not self.is_initialized:

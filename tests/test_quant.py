@@ -110,12 +110,13 @@ def _fp16_bytes(v: float) -> list[int]:
     return list(struct.pack("<e", v))
 
 
-def test_int2_bit_layout_little_end_first():
+def test_int2_bit_layout_planar_little_end_first():
     fmt = QuantFormat("int2", 8, 8)
     x = torch.tensor([0.0, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.0])  # min 0, max 3 -> scale 1, codes = x
     enc = fmt.encode(x).tolist()
-    assert enc[0] == 0b11100100  # codes [0, 1, 2, 3]: element i at bits [2i, 2i + 2)
-    assert enc[1] == 0b00011011  # codes [3, 2, 1, 0]
+    # Byte j holds elements j, j + 2, j + 4, j + 6; element j + 2p at bits [2p, 2p + 2).
+    assert enc[0] == 0b01111000  # codes of elements 0, 2, 4, 6: [0, 2, 3, 1]
+    assert enc[1] == 0b00101101  # codes of elements 1, 3, 5, 7: [1, 3, 2, 0]
     assert enc[2:] == _fp16_bytes(1.0) + _fp16_bytes(0.0)  # scale, zero (fp16 little endian)
 
 
@@ -127,8 +128,8 @@ def test_int4_bit_layout_and_meta():
     enc = fmt.encode(x).tolist()
     codes = c0 + c1
     assert len(enc) == fmt.nbytes == 8 + 2 * 2 + 2 * 2
-    assert enc[:8] == [codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(8)]
-    assert enc[0] == 0xF0  # element 0 in the low nibble
+    assert enc[:8] == [codes[i] | (codes[i + 8] << 4) for i in range(8)]  # planes: element j low, j + 8 high
+    assert enc[0] == 0x50  # element 0 (code 0) in the low nibble, element 8 (code 5) in the high one
     # all scales (fp16, one per group), then all zeros
     assert enc[8:] == _fp16_bytes(2.0) + _fp16_bytes(0.5) + _fp16_bytes(-4.0) + _fp16_bytes(1.0)
     assert torch.equal(fmt.decode(fmt.encode(x), torch.float32), x)

@@ -7,6 +7,9 @@ One joint softmax over all slots of a head, computed in fp32. Keys and values of
 never concatenated (that would copy the whole cache every step); only the small logits are.
 The probabilities are returned because they are the decode-time significance scores
 (DESIGN §3), a by-product rather than a second pass.
+
+This runs once per layer per decode step, so it is written in as few tensor operations as the
+math allows: on CPU each operation costs microseconds of dispatch regardless of its size.
 """
 
 from __future__ import annotations
@@ -14,40 +17,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
-SlotPart = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, values [B, Hkv, S, D]; pos [B, Hkv, S]
-
-
-def _allowed(slot_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, Hkv, q, S]``: may query i see slot s? Gathers the logical mask at each slot's position."""
-    bsz, hkv, s = slot_pos.shape
-    m = mask[:, 0].to(torch.bool)  # [B, q, L]
-    q, length = m.shape[1], m.shape[2]
-    idx = slot_pos.clamp(0, length - 1).unsqueeze(2).expand(bsz, hkv, q, s)
-    allowed = torch.gather(m.unsqueeze(1).expand(bsz, hkv, q, length), 3, idx)
-    return allowed & (slot_pos >= 0).unsqueeze(2)
+KVPart = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, Hkv, S_i, D]
 
 
 def slot_attention(
-    query: torch.Tensor, parts: Sequence[SlotPart], mask: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    parts: Sequence[KVPart],
+    slot_index: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over per-head slot sets split in parts (window, tiers).
 
-    query ``[B, Hq, q, D]``; each part ``(keys [B, Hkv, S_i, D], values, slot_pos [B, Hkv, S_i])`` with
-    ``slot_pos = -1`` for empty slots (their values must be finite); mask ``[B, 1, q, L]`` bool in
-    logical coordinates. Returns ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``.
+    query ``[B, Hq, q, D]``; each part ``(keys [B, Hkv, S_i, D], values)``; ``slot_index [B, Hkv, sum S_i]``
+    int64 is each slot's logical position + 1, with 0 for an empty slot (whose keys and values must
+    be finite); mask ``[B, 1, q, L]`` bool in logical coordinates. Returns
+    ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``.
     """
     bsz, hq, q, d = query.shape
     hkv = parts[0][0].shape[1]
     g = hq // hkv
-    qf = query.float().reshape(bsz, hkv, g * q, d) * scaling
-    logits = torch.cat([torch.matmul(qf, keys.float().transpose(-1, -2)) for keys, _, _ in parts], -1)
-    allowed = _allowed(torch.cat([pos for _, _, pos in parts], -1), mask)  # one gather for all parts
-    logits = logits.view(bsz, hkv, g, q, -1).masked_fill_(~allowed.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # all-masked rows: padding queries
-    sizes = [pos.shape[-1] for _, _, pos in parts]
-    out = None
-    for p, (_, values, _) in zip(torch.split(probs, sizes, -1), parts, strict=True):
-        o = torch.matmul(p.reshape(bsz, hkv, g * q, -1), values.float())
-        out = o if out is None else out + o
+    qf = query.reshape(bsz, hkv, g * q, d).float() * scaling
+    logits = torch.cat([torch.matmul(qf, keys.float().transpose(-1, -2)) for keys, _ in parts], -1)
+    # Column 0 of the padded mask is False: empty slots (index 0) are never attended.
+    m = F.pad(mask[:, 0].to(torch.bool), (1, 0), value=False)  # [B, q, L + 1]
+    s = slot_index.shape[-1]
+    allowed = torch.gather(m.unsqueeze(1).expand(bsz, hkv, q, -1), 3, slot_index.unsqueeze(2).expand(bsz, hkv, q, s))
+    logits = torch.where(allowed.unsqueeze(2), logits.view(bsz, hkv, g, q, s), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if q > 1:  # a padding query of a chunk may see no slot at all: zeros, not NaN
+        probs = probs.nan_to_num_(0.0)
+    flat = probs.view(bsz, hkv, g * q, s)
+    out, start = None, 0
+    for _, values in parts:
+        n = values.shape[2]
+        o = torch.matmul(flat[..., start : start + n], values.float())
+        out = o if out is None else out.add_(o)
+        start += n
     return out.view(bsz, hq, q, d).transpose(1, 2).to(query.dtype), probs

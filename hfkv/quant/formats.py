@@ -8,7 +8,11 @@ Integer formats (DiffKV / KIVI style): per group of ``group_size`` elements of o
 ``scale = (max - min) / (2^b - 1)`` and ``zero = min``, both stored as fp16 after the packed
 codes. Codes are computed against the *stored* (fp16-rounded) scale and zero, and the scale is
 rounded up, so the round-trip error stays within ``scale / 2`` plus fp16 rounding of ``zero``.
-Codes are packed little-end first: element ``i`` of a byte occupies bits ``[i*b, (i+1)*b)``.
+Codes are packed in planes, little end first: with ``per = 8 / b`` codes per byte and
+``P = head_dim / per``, byte ``j`` holds elements ``j, j + P, .., j + (per-1)P`` and element
+``j + pP`` occupies bits ``[p*b, (p+1)*b)``. Unpacking then is one mask or shift per plane over
+contiguous bytes, each plane a contiguous run of elements — no interleaving copy on the decode
+path, which runs every step (KIVI and the DiffKV kernels pack the same way for the same reason).
 
 fp8 (ARKV's tier): e4m3 codes with one fp32 scale per token and head (``amax / 448``); fp32
 because an fp16 scale underflows for small-magnitude heads.
@@ -27,32 +31,26 @@ FP8_MAX = 448.0
 _FP16_MAX = 65504.0
 
 
-def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.view(dtype)`` for a byte slice whose storage offset may not be aligned to ``dtype``."""
-    t = t.contiguous()
-    if t.storage_offset() % torch.empty((), dtype=dtype).element_size():
-        t = t.clone()  # a fresh storage starts aligned
-    return t.view(dtype)
+def aligned_records(rec: torch.Tensor) -> torch.Tensor:
+    """``rec [..., R]`` uint8 as a tensor whose rows can be viewed as 2- and 4-byte words.
+
+    That needs a contiguous last dim, ``R`` a multiple of 4 and a 4-aligned start; gathered
+    pages already are, anything else (a single record, an odd-sized field) is copied once.
+    """
+    r = rec.shape[-1]
+    if rec.stride(-1) == 1 and r % 4 == 0 and rec.storage_offset() % 4 == 0 and all(
+        st % 4 == 0 for st in rec.stride()[:-1]
+    ):
+        return rec
+    out = torch.zeros(*rec.shape[:-1], (r + 3) // 4 * 4, dtype=torch.uint8, device=rec.device)
+    out[..., :r] = rec
+    return out
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
     # A NaN/Inf would silently poison the shared group scale of 31 neighbours; fail loudly instead.
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{what}: cannot quantize non-finite values (NaN or Inf found in input)")
-
-
-_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _code_table(bits: int, device: torch.device) -> torch.Tensor:
-    """``[256, 8 // bits]`` fp32: the codes packed in each byte value, little end first."""
-    key = (bits, torch.device(device))
-    if key not in _TABLES:
-        per = 8 // bits
-        byte = torch.arange(256, dtype=torch.int32).unsqueeze(-1)
-        shifts = torch.arange(per, dtype=torch.int32) * bits
-        _TABLES[key] = ((byte >> shifts) & ((1 << bits) - 1)).float().to(device)
-    return _TABLES[key]
 
 
 @dataclass(frozen=True)
@@ -155,30 +153,63 @@ class QuantFormat:
         per = 8 // b
         if per == 1:
             return codes
-        c = codes.reshape(*codes.shape[:-1], self.head_dim // per, per).to(torch.int32)
-        shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * b
-        return (c << shifts).sum(-1).to(torch.uint8)
+        planes = codes.reshape(*codes.shape[:-1], per, self.head_dim // per).to(torch.int32)
+        shifts = (torch.arange(per, device=codes.device, dtype=torch.int32) * b).unsqueeze(-1)
+        return (planes << shifts).sum(-2).to(torch.uint8)
 
     # ------------------------------------------------------------------ decode
     def decode(self, data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[..., nbytes]`` uint8 -> ``[..., head_dim]`` in ``dtype`` (default: model dtype)."""
-        dtype = dtype or self.model_dtype
         if data.shape[-1] != self.nbytes:
             raise ValueError(f"QuantFormat.decode: last dim {data.shape[-1]} != nbytes {self.nbytes}")
+        return self.decode_at(aligned_records(data), 0, dtype)
+
+    def aligned_at(self, offset: int) -> bool:
+        """Whether a field at byte ``offset`` of a 4-aligned record can be read through dtype views."""
         if self.name == "model":
-            return _view(data.contiguous(), self.model_dtype).to(dtype)
-        d = self.head_dim
+            return offset % torch.empty((), dtype=self.model_dtype).element_size() == 0
         if self.name == "fp8":
-            codes = _view(data[..., :d], torch.float8_e4m3fn).float()
-            scale = _view(data[..., d:], torch.float32)
+            return (offset + self.head_dim) % 4 == 0
+        return (offset + self.head_dim * self.bits // 8) % 2 == 0
+
+    def decode_at(self, rec: torch.Tensor, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode the field at byte ``offset`` of every record in ``rec [..., R]`` without copying records.
+
+        The decode step reads whole pages, so its records arrive as one byte tensor; reading each
+        field through a dtype view of that tensor (instead of slicing, making contiguous and
+        re-viewing) saves a copy of the tier per step. ``rec`` must satisfy :func:`aligned_records`
+        and the field :meth:`aligned_at` ``offset``.
+        """
+        dtype = dtype or self.model_dtype
+        d = self.head_dim
+        if self.name == "model":
+            es = torch.empty((), dtype=self.model_dtype).element_size()
+            return rec.view(self.model_dtype)[..., offset // es : offset // es + d].to(dtype)
+        if self.name == "fp8":
+            codes = rec[..., offset : offset + d].view(torch.float8_e4m3fn).float()
+            scale = rec.view(torch.float32)[..., (offset + d) // 4, None]
             return (codes * scale).to(dtype)
-        nb = d * self.bits // 8
-        lead = data.shape[:-1]
-        g = self.groups
-        # One table lookup per byte yields its 8/b codes as floats (fewer ops than shift + mask + cast).
-        codes = torch.nn.functional.embedding(data[..., :nb].int(), _code_table(self.bits, data.device))
-        meta = _view(data[..., nb:], torch.float16).float()
-        x = torch.addcmul(meta[..., g:, None], codes.view(*lead, g, self.group_size), meta[..., :g, None])
+        b, nb, g = self.bits, d * self.bits // 8, self.groups
+        lead = rec.shape[:-1]
+        if b < 8 and offset % 4 == 0 and nb % 4 == 0:
+            # Unpack four bytes at a time: masks and shifts on int32 words give each byte's plane p
+            # in place, so a plane is one op over a quarter of the elements (and no strided bytes).
+            words = rec.view(torch.int32)[..., offset // 4 : (offset + nb) // 4]
+            m = (1 << b) - 1
+            mask = int.from_bytes(bytes([m] * 4), "little", signed=True)
+            planes = [words & mask, *((words >> (p * b)) & mask for p in range(1, 8 // b))]
+            codes = torch.cat(planes, -1).view(torch.uint8)
+        else:
+            codes = rec[..., offset : offset + nb].contiguous()
+            if b < 8:
+                m, per = (1 << b) - 1, 8 // b
+                codes = torch.cat([codes & m, *((codes >> (p * b)) & m for p in range(1, per))], -1)
+        # ``float()`` of a strided fp16 slice gives a contiguous fp32 tensor: broadcasting a strided
+        # operand is the slow path of elementwise ops.
+        meta = rec.view(torch.float16)
+        a = (offset + nb) // 2
+        scale, zero = meta[..., a : a + g].float().unsqueeze(-1), meta[..., a + g : a + 2 * g].float().unsqueeze(-1)
+        x = codes.view(*lead, g, self.group_size).float().mul_(scale).add_(zero)
         return x.view(*lead, d).to(dtype)
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:

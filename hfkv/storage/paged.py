@@ -76,6 +76,9 @@ class PagedTiers:
         n_t = len(self.layouts)
         self.counts = torch.zeros(batch, heads, n_t, dtype=torch.int64, device=self.device)
         self.page_table = torch.full((batch, heads, n_t, 4), -1, dtype=torch.int32, device=self.device)
+        # Bumped whenever a tier's slots change; the cached read plans of the decode step key on it.
+        self.versions = [0] * n_t
+        self._plans: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * n_t
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -139,6 +142,7 @@ class PagedTiers:
         page, off = self._locate(tier, b, h, s)
         self.pool.tier_view(lay.nbytes)[page, off] = records
         self.counts[..., tier] = new.view(bsz, heads)
+        self.versions[tier] += 1
 
     def remove(self, tier: int, keep: torch.Tensor) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
@@ -166,6 +170,7 @@ class PagedTiers:
         self.pool.release(table[freed])
         table.masked_fill_(freed, -1)
         self.counts[..., tier] = new
+        self.versions[tier] += 1
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
         """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)``; empty slots hit the scratch page."""
@@ -214,6 +219,24 @@ class PagedTiers:
         score = self._meta_column(tier, lay.score_offset, torch.float32)[page, off]
         return pos, score, valid
 
+    def _page_list(self, tier: int) -> tuple[torch.Tensor, int]:
+        """Flat page ids ``[B * H * npages]`` (empty entries -> the null page) and slots per head."""
+        tpp = self.tpp[tier]
+        npages = int(_ceil_div(self.counts[..., tier], tpp).max()) if self.counts.numel() else 0
+        pages = self.page_table[:, :, tier, :npages].long().clamp_min(NULL_PAGE)
+        return pages.reshape(-1), npages * tpp
+
+    def _gather_records(self, tier: int, pages: torch.Tensor, m: int) -> torch.Tensor:
+        """``[B, H, m, record_bytes]`` uint8 records of whole pages, word-aligned (one ``index_select``).
+
+        The pool is read as 4-byte words through a view cut to each page's used prefix, so the
+        gathered rows are already contiguous records: no second copy to drop page tails.
+        """
+        lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
+        words = self.pool.data.view(torch.int32).as_strided((self.pool.num_pages, tpp * lay.nbytes // 4), (pb // 4, 1))
+        rows = words.index_select(0, pages)
+        return rows.view(self.batch, self.heads, m, lay.nbytes // 4).view(torch.uint8)
+
     def read_fields(self, tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Key bytes, value bytes and positions of every slot of every head, gathered page by page.
 
@@ -223,15 +246,30 @@ class PagedTiers:
         gather. Slots past a head's count hold zeros (null page, zeroed on allocation) or stale records
         of the same tier, so they always decode to finite values; ``valid`` masks them.
         """
-        lay, tpp = self.layouts[tier], self.tpp[tier]
-        bsz, heads = self.batch, self.heads
-        npages = int(_ceil_div(self.counts[..., tier], tpp).max()) if self.counts.numel() else 0
-        pages = self.page_table[:, :, tier, :npages].long().clamp_min(NULL_PAGE)  # -1 -> null page
-        rows = self.pool.data.index_select(0, pages.reshape(-1))[:, : tpp * lay.nbytes]
-        rec = rows.reshape(bsz, heads, npages * tpp, lay.nbytes)
+        lay = self.layouts[tier]
+        pages, m = self._page_list(tier)
+        rec = self._gather_records(tier, pages, m)
         kb, vb = lay.key.nbytes, lay.value.nbytes
-        valid = torch.arange(npages * tpp, device=self.device) < self.counts[..., tier].unsqueeze(-1)
+        valid = torch.arange(m, device=self.device) < self.counts[..., tier].unsqueeze(-1)
         return rec[..., :kb], rec[..., kb : kb + vb], lay.positions(rec), valid
+
+    def read_slots(self, tier: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention needs of a tier: ``(records [B, H, M, R] uint8, slot positions [B, H, M] int64)``.
+
+        Positions are ``-1`` for empty slots. The page list and positions only change with the
+        tier, so they are cached per tier version; a decode step between policy runs costs one
+        ``index_select`` of whole pages and nothing else.
+        """
+        plan = self._plans[tier]
+        if plan is None or plan[0] != self.versions[tier]:
+            pages, m = self._page_list(tier)
+            rec = self._gather_records(tier, pages, m)
+            valid = torch.arange(m, device=self.device) < self.counts[..., tier].unsqueeze(-1)
+            pos = torch.where(valid, self.layouts[tier].positions(rec).long(), -1)
+            self._plans[tier] = (self.versions[tier], pages, pos)
+            return rec, pos
+        _, pages, pos = plan
+        return self._gather_records(tier, pages, pos.shape[-1]), pos
 
     def gather(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Records of the given live slots, ``[len(s), record_bytes]``."""
@@ -243,6 +281,7 @@ class PagedTiers:
         self.counts.zero_()
         self.page_table.fill_(-1)
         self.pool.reset()
+        self.versions = [v + 1 for v in self.versions]
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (may repeat, e.g. beam search); repeated rows get their own pages."""
@@ -256,8 +295,10 @@ class PagedTiers:
             device=self.device,
         )
         self.pool.reset()
+        self.versions = [v + 1 for v in self.versions]
         for t, (rows, valid) in enumerate(reads):
             self.append(t, rows[index], valid[index])
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [*self.pool.held_tensors(), self.counts, self.page_table]
+        plans = [p[i] for p in self._plans if p is not None for i in (1, 2)]
+        return [*self.pool.held_tensors(), self.counts, self.page_table, *plans]

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from hfkv.quant.formats import QuantFormat
+from hfkv.quant.formats import QuantFormat, aligned_records
 
 META_BYTES = 8  # int32 logical position + fp32 score sum
 
@@ -66,11 +66,12 @@ class RecordLayout:
         return torch.cat(parts, dim=-1)
 
     def decode_kv(self, rec: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of records ``[..., nbytes]``, read in place when the records are word-aligned."""
         kb = self.key.nbytes
-        return (
-            self.key.decode(rec[..., :kb], dtype),
-            self.value.decode(rec[..., kb : self.kv_bytes], dtype),
-        )
+        rec = aligned_records(rec)
+        if self.value.aligned_at(kb):
+            return self.key.decode_at(rec, 0, dtype), self.value.decode_at(rec, kb, dtype)
+        return self.key.decode_at(rec, 0, dtype), self.value.decode(rec[..., kb : self.kv_bytes], dtype)
 
     def positions(self, rec: torch.Tensor) -> torch.Tensor:
         return rec[..., self.pos_offset : self.pos_offset + 4].contiguous().view(torch.int32).squeeze(-1)

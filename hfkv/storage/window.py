@@ -36,6 +36,7 @@ class WindowRing:
         self.score = torch.zeros(batch, heads, cap, dtype=torch.float32, device=device)
         self.start = 0  # ring slot of the oldest token
         self.count = 0  # tokens held
+        self._empty: tuple[torch.Tensor, ...] | None = None  # what a push that displaces nothing returns
 
     def order(self) -> torch.Tensor:
         """Ring slots from oldest to newest."""
@@ -55,24 +56,32 @@ class WindowRing:
         self.count -= n
         return out
 
+    def _nothing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._empty is None:
+            self._empty = self._take(self.order()[:0])
+        return self._empty
+
     def push(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add ``n`` tokens (``k, v [B, H, n, D]``, ``pos [n]``); return the tokens pushed out, oldest first.
+        """Add ``n`` tokens (``k, v [B, H, n, D]``, ``pos [n]`` or the first of ``n`` consecutive positions);
+        return the tokens pushed out, oldest first.
 
         One token only pushes out the oldest when the ring is at capacity; several tokens (a
         prompt or chunk) leave the newest ``W`` in the ring and return everything older.
         """
         n = k.shape[2]
-        if n == 1:
-            out = self.pop_oldest(1) if self.count == self.capacity else self._take(self.order()[:0])
+        if n == 1:  # the decode step: a handful of small writes, nothing else
+            out = self.pop_oldest(1) if self.count == self.capacity else self._nothing()
             slot = (self.start + self.count) % self.capacity
             self.k[:, :, slot] = k[:, :, 0]
             self.v[:, :, slot] = v[:, :, 0]
-            self.pos[slot] = pos[0]
+            self.pos[slot] = pos if isinstance(pos, int) else pos[0]
             self.score[:, :, slot] = 0.0
             self.count += 1
             return out
+        if isinstance(pos, int):
+            pos = torch.arange(pos, pos + n, device=self.pos.device)
         order = self.order()
         all_k = torch.cat([self.k[:, :, order], k.to(self.k.dtype)], dim=2)
         all_v = torch.cat([self.v[:, :, order], v.to(self.v.dtype)], dim=2)
@@ -98,6 +107,7 @@ class WindowRing:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.k, self.v, self.score = self.k[index], self.v[index], self.score[index]
+        self._empty = None
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.pos, self.score]
