@@ -38,8 +38,11 @@ def aligned_records(rec: torch.Tensor) -> torch.Tensor:
     pages already are, anything else (a single record, an odd-sized field) is copied once.
     """
     r = rec.shape[-1]
-    if rec.stride(-1) == 1 and r % 4 == 0 and rec.storage_offset() % 4 == 0 and all(
-        st % 4 == 0 for st in rec.stride()[:-1]
+    if (
+        rec.stride(-1) == 1
+        and r % 4 == 0
+        and rec.storage_offset() % 4 == 0
+        and all(st % 4 == 0 for st in rec.stride()[:-1])
     ):
         return rec
     out = torch.zeros(*rec.shape[:-1], (r + 3) // 4 * 4, dtype=torch.uint8, device=rec.device)
