@@ -84,7 +84,7 @@ class TriStateLayer(CacheLayerMixin):
             )
 
         self.layouts = (layout(cfg.original), layout(cfg.quantized))
-        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval - 1)
+        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
         self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device)
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
@@ -163,7 +163,7 @@ class TriStateLayer(CacheLayerMixin):
     def _maybe_run_policy(self) -> None:
         self.steps_since_policy += 1
         cfg = self.cfg
-        # A full ring (W + interval - 1 tokens) means `interval` steps since the last batched exit.
+        # The ring (W + interval slots) fills exactly `interval` steps after the last batched exit.
         due = self.steps_since_policy >= cfg.interval or self.window.count == self.window.capacity
         if not due and cfg.budget is not None:
             # Between policy runs only the window grows, by the same count in every head.
@@ -294,8 +294,9 @@ class TriStateLayer(CacheLayerMixin):
         parts, positions = [(win.k, win.v)], []
         for tier, lay in enumerate(self.layouts):
             rec, pos = self.tiers.read_slots(tier)  # empty slots decode to finite values (null page)
-            parts.append(lay.decode_kv(rec, torch.float32))
             positions.append(pos)
+            if pos.shape[-1]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
+                parts.append(lay.decode_kv(rec, torch.float32))
         slot_index = torch.cat([(win.pos + 1).expand(bsz, heads, -1), self._tier_slot_index(positions)], -1)
         q = query.shape[2]
         if mask is None:  # plain causal in logical coordinates
@@ -305,15 +306,16 @@ class TriStateLayer(CacheLayerMixin):
         out, probs = slot_attention(query, parts, slot_index, mask, scaling)
         received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
         received = received.squeeze(2) if q == 1 else received.sum(2)
-        w_delta, *tier_deltas = torch.split(received, [k.shape[2] for k, _ in parts], dim=-1)
+        w_delta, *tier_deltas = torch.split(received, [win.capacity, *(p.shape[-1] for p in positions)], dim=-1)
         win.add_scores(w_delta)
         for tier, d in enumerate(tier_deltas):
             acc = self._score_delta[tier]
-            if acc is None or acc.shape != d.shape:  # tiers changed since the last fold
-                self._flush_scores_of(tier)
-                self._score_delta[tier] = d.clone()
-            else:
+            if acc is not None and acc.shape == d.shape:
                 acc += d
+            else:  # the tier changed since the last fold
+                self._flush_scores_of(tier)
+                if d.shape[-1]:
+                    self._score_delta[tier] = d.clone()
         return out
 
     def _flush_scores_of(self, tier: int) -> None:
@@ -350,7 +352,7 @@ class TriStateLayer(CacheLayerMixin):
         if self.is_initialized:
             self.tiers.reset()
             bsz, heads, _, dim = self.window.k.shape
-            self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval - 1)
+            self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
         self._score_delta = [None, None]
         self._slot_plan = None
         self._tier_peak = 0

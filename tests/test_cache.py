@@ -133,6 +133,30 @@ def test_compressed_presets_run_and_respect_their_shape():
         assert int(layer.tiers.counts[..., QUANTIZED].sum()) == 0
 
 
+def test_policy_runs_once_per_interval_and_window_stays_bounded(monkeypatch):
+    """Batched decisions: one policy run (and one batched window exit) per `interval` decode steps."""
+    model = tiny_model("llama")
+    interval, window, steps = 4, 8, 24
+    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=200, window=window, obs_window=8, interval=interval)
+    cache = hfkv.TriStateCache(model, cfg)
+    runs = []
+    real = hfkv.cache.TriStateLayer.run_policy
+
+    def counted(layer):
+        runs.append(layer.layer_idx)
+        real(layer)
+
+    monkeypatch.setattr(hfkv.cache.TriStateLayer, "run_policy", counted)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    out = model(input_ids=ids, past_key_values=cache)
+    tok = out.logits[:, -1:].argmax(-1)
+    for i in range(steps):
+        out = model(input_ids=tok, position_ids=torch.tensor([[40 + i]]), past_key_values=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+        assert all(window <= layer.window.count < window + interval for layer in cache.layers)
+    assert runs.count(0) == steps // interval
+
+
 def _per_head_kept(cache) -> list[list[int]]:
     return [layer.tiers.counts.sum(-1)[0].tolist() for layer in cache.layers]
 

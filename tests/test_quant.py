@@ -315,3 +315,20 @@ def test_record_decode_single_unaligned_record():
     bk, bv = lay.decode_kv(batch, torch.float32)
     assert torch.equal(dk, bk[0]) and torch.equal(dv, bv[0])
     assert int(lay.positions(rec)) == 7 and float(lay.scores(rec)) == 0.5
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8", "model"])
+@pytest.mark.parametrize("d", [16, 64])
+def test_decode_at_reads_fields_in_place_at_any_offset(name, d):
+    """The decode step reads fields straight out of gathered records (word-wise where aligned,
+    byte-wise elsewhere); every offset must give exactly what ``decode`` of the field gives."""
+    fmt = QuantFormat(name, d, 8 if name in INT_BITS else 32, torch.bfloat16)
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(d))
+    enc = fmt.encode(x)
+    expect = fmt.decode(enc, torch.float32)
+    for offset in (0, 2, 4, 6, 8):
+        if not fmt.aligned_at(offset):
+            continue
+        rec = torch.zeros(3, 5, (offset + fmt.nbytes + 3) // 4 * 4 + 4, dtype=torch.uint8)
+        rec[..., offset : offset + fmt.nbytes] = enc
+        assert torch.equal(fmt.decode_at(rec, offset, torch.float32), expect), offset

@@ -457,11 +457,22 @@ def test_read_fields_and_meta_agree_with_records_and_pad_with_finite_values():
         )
         return lay.encode(k, v, torch.randint(0, 1000, (2, 3, n), generator=gen), torch.rand(2, 3, n, generator=gen))
 
+    def check_read_slots(tier: int) -> None:
+        # The decode path's cached plan must follow every change of the tier, and only its tier.
+        rec, pos = pt.read_slots(tier)
+        kb, vb, fpos, valid = pt.read_fields(tier)
+        lay = LAYOUTS[tier]
+        assert torch.equal(pos, torch.where(valid, fpos.long(), -1))
+        assert torch.equal(rec[..., : lay.key.nbytes], kb) and torch.equal(rec[..., lay.key.nbytes : lay.kv_bytes], vb)
+
     for step in range(30):
         tier = step % 2
         pt.append(tier, encoded(tier, 7), torch.rand(2, 3, 7, generator=gen) < 0.7)
+        check_read_slots(0)
+        check_read_slots(1)
         if step % 3 == 2:
             pt.remove(tier, torch.rand(2, 3, pt.max_count(tier), generator=gen) < 0.6)
+            check_read_slots(tier)
     for tier, lay in enumerate(LAYOUTS):
         rows, valid = pt.read(tier)
         kb, vb, pos, valid_f = pt.read_fields(tier)

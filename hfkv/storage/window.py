@@ -2,7 +2,7 @@
 
 New tokens always land here first; a token leaves only when at least W newer ones have arrived,
 and only then is its tier decided (DESIGN §3: window -> original | quantized | evicted). A ring
-keeps the decode step O(1) in copies. Its capacity is ``W + extra``: with ``extra = interval - 1``
+keeps the decode step O(1) in copies. Its capacity is ``W + extra``: with ``extra = interval``
 tokens leave in one batch when the policy runs (``pop_oldest``) instead of one encode-and-append
 per step; tokens past W stay full precision until then and count against the budget.
 Every row of a batch shares one logical timeline (left padding is part of it), so positions
