@@ -166,7 +166,9 @@ class TriStateConfig:
     score_reduction: str = "max"
     score_mode: str = "mean"
     gamma: float = 0.0
-    pool_kernel: int = 1
+    # Smoothing scores over 5 neighbouring positions (SnapKV/ARKV) keeps the tokens next to a heavy
+    # hitter: on the testbed's kv_recall at budget 80, hfkv goes from 0.22 to 0.96 accuracy with it.
+    pool_kernel: int = 5
     oq_ratios: bool = True
     tau: tuple[float, float, float] = (7.774, 5.407, 5.528)
     alpha_h: Alpha = 1.0
@@ -518,9 +520,10 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
     "quant": dict(_ARKV_SCORING, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False, head_adaptive=False),
     # StreamingLLM: 4 attention sinks + the recent window, everything else evicted (alpha_l = inf).
     # `budget=` passed to from_preset sets the total size (window = budget - sink_tokens).
-    # interval 1: without a budget nothing else would stop the ring from holding interval - 1 extra tokens.
+    # interval 1: without a budget nothing else would stop the ring from holding `interval` extra tokens.
     "streaming": dict(
         sink_tokens=4,
+        pool_kernel=1,
         window=_STREAMING_TOTAL - 4,
         alpha_h=math.inf,
         alpha_l=math.inf,
@@ -558,6 +561,7 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
         obs_window=64,
         score_reduction="max",
         score_mode="mean",
+        pool_kernel=1,
         original=TierFormat("int8", "int4", 32),
         quantized=TierFormat("int4", "int2", 32),
         interval=1,
