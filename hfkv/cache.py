@@ -280,24 +280,30 @@ class TriStateLayer(CacheLayerMixin):
         self._refresh_tier_peak()
         return out
 
-    def _tier_slot_index(self, positions: list[torch.Tensor]) -> torch.Tensor:
-        """``[B, H, M0 + M1]`` logical position + 1 of every tier slot (0 = empty), cached per tier version."""
+    def _tier_slot_index(self, records: list[torch.Tensor]) -> torch.Tensor:
+        """``[B, H, M0 + M1]`` int32 logical position + 1 of every tier slot (0 = empty).
+
+        Positions live in the records; they only change with the tiers, so the index is cached
+        per tier version (4 bytes per slot, counted in ``kv_bytes``) instead of re-read every step.
+        """
         versions = tuple(self.tiers.versions)
         if self._slot_plan is None or self._slot_plan[0] != versions:
-            self._slot_plan = (versions, torch.cat(positions, -1) + 1)
+            pos = [self.tiers.slot_positions(t, rec) for t, rec in enumerate(records)]
+            self._slot_plan = (versions, torch.cat(pos, -1) + 1)
         return self._slot_plan[1]
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
-        parts, positions = [(win.k, win.v)], []
+        parts, records = [(win.k, win.v)], []
         for tier, lay in enumerate(self.layouts):
-            rec, pos = self.tiers.read_slots(tier)  # empty slots decode to finite values (null page)
-            positions.append(pos)
-            if pos.shape[-1]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
+            rec = self.tiers.read_slots(tier)  # empty slots decode to finite values (null page)
+            records.append(rec)
+            if rec.shape[2]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
                 parts.append(lay.decode_kv(rec, torch.float32))
-        slot_index = torch.cat([(win.pos + 1).expand(bsz, heads, -1), self._tier_slot_index(positions)], -1)
+        tier_index = self._tier_slot_index(records)
+        slot_index = torch.cat([(win.pos + 1).expand(bsz, heads, -1), tier_index], -1)
         q = query.shape[2]
         if mask is None:  # plain causal in logical coordinates
             qpos = torch.arange(self.length - q, self.length, device=self.device)
@@ -306,7 +312,7 @@ class TriStateLayer(CacheLayerMixin):
         out, probs = slot_attention(query, parts, slot_index, mask, scaling)
         received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
         received = received.squeeze(2) if q == 1 else received.sum(2)
-        w_delta, *tier_deltas = torch.split(received, [win.capacity, *(p.shape[-1] for p in positions)], dim=-1)
+        w_delta, *tier_deltas = torch.split(received, [win.capacity, *(r.shape[2] for r in records)], dim=-1)
         win.add_scores(w_delta)
         for tier, d in enumerate(tier_deltas):
             acc = self._score_delta[tier]

@@ -78,7 +78,7 @@ class PagedTiers:
         self.page_table = torch.full((batch, heads, n_t, 4), -1, dtype=torch.int32, device=self.device)
         # Bumped whenever a tier's slots change; the cached read plans of the decode step key on it.
         self.versions = [0] * n_t
-        self._plans: list[tuple[int, torch.Tensor, torch.Tensor] | None] = [None] * n_t
+        self._plans: list[tuple[int, torch.Tensor, int] | None] = [None] * n_t
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -253,23 +253,24 @@ class PagedTiers:
         valid = torch.arange(m, device=self.device) < self.counts[..., tier].unsqueeze(-1)
         return rec[..., :kb], rec[..., kb : kb + vb], lay.positions(rec), valid
 
-    def read_slots(self, tier: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention needs of a tier: ``(records [B, H, M, R] uint8, slot positions [B, H, M] int64)``.
+    def read_slots(self, tier: int) -> torch.Tensor:
+        """What attention needs of a tier: every slot's record, ``[B, H, M, record_bytes]`` uint8.
 
-        Positions are ``-1`` for empty slots. The page list and positions only change with the
-        tier, so they are cached per tier version; a decode step between policy runs costs one
-        ``index_select`` of whole pages and nothing else.
+        One ``index_select`` of whole pages. The page list only changes with the tier, so it is
+        cached per tier version: a decode step between policy runs does nothing else here.
+        Slots past a head's count decode to finite values (see :meth:`read_fields`).
         """
         plan = self._plans[tier]
         if plan is None or plan[0] != self.versions[tier]:
             pages, m = self._page_list(tier)
-            rec = self._gather_records(tier, pages, m)
-            valid = torch.arange(m, device=self.device) < self.counts[..., tier].unsqueeze(-1)
-            pos = torch.where(valid, self.layouts[tier].positions(rec).long(), -1)
-            self._plans[tier] = (self.versions[tier], pages, pos)
-            return rec, pos
-        _, pages, pos = plan
-        return self._gather_records(tier, pages, pos.shape[-1]), pos
+            plan = self._plans[tier] = (self.versions[tier], pages.to(torch.int32), m)
+        _, pages, m = plan
+        return self._gather_records(tier, pages, m)
+
+    def slot_positions(self, tier: int, rec: torch.Tensor) -> torch.Tensor:
+        """Logical positions ``[B, H, M]`` (int32) of the slots in ``rec`` from :meth:`read_slots`; -1 = empty."""
+        valid = torch.arange(rec.shape[2], device=self.device) < self.counts[..., tier].unsqueeze(-1)
+        return torch.where(valid, self.layouts[tier].positions(rec), -1)
 
     def gather(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Records of the given live slots, ``[len(s), record_bytes]``."""
@@ -300,5 +301,5 @@ class PagedTiers:
             self.append(t, rows[index], valid[index])
 
     def held_tensors(self) -> list[torch.Tensor]:
-        plans = [p[i] for p in self._plans if p is not None for i in (1, 2)]
+        plans = [p[1] for p in self._plans if p is not None]
         return [*self.pool.held_tensors(), self.counts, self.page_table, *plans]
