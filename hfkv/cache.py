@@ -155,6 +155,18 @@ class TriStateLayer(CacheLayerMixin):
         self.tiers.append_flat(ORIGINAL, b, h, rec)
         self._refresh_tier_peak()
 
+    def _admit(self, k, v, pos: torch.Tensor, score: torch.Tensor, new: torch.Tensor, check_finite: bool) -> None:
+        """Write already-classified tokens straight into their tiers (``k, v [B, H, m, D]``, ``pos [m]``).
+
+        Deciding before writing means a token bound for the quantized tier is quantized once, from
+        full precision, and an evicted one is never written at all.
+        """
+        for tier in (ORIGINAL, QUANTIZED):
+            b, h, i = (new == tier).nonzero(as_tuple=True)
+            if i.numel():
+                rec = self.layouts[tier].encode(k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
+                self.tiers.append_flat(tier, b, h, rec)
+
     def _refresh_tier_peak(self) -> None:
         held = self.tiers.counts.sum(-1)  # [B, H]
         held = held.sum(-1) if self.cfg.head_adaptive else held
@@ -205,19 +217,25 @@ class TriStateLayer(CacheLayerMixin):
         """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
         self.steps_since_policy = 0
         self._flush_scores()
-        if self.window.count > self.cfg.window:  # batched window exits (interval > 1)
-            self._to_original(*self.window.pop_oldest(self.window.count - self.cfg.window))
+        # Tokens past the newest W leave the window now and are classified together with the tiers,
+        # as candidates for the original tier (padding: evicted), then written where they belong.
+        ek, ev, epos, escore = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
+        bsz, heads, m = escore.shape
         pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
         pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
-        m0 = pos0.shape[-1]
-        pos = torch.cat([pos0, pos1], -1).long()
-        valid = torch.cat([v0, v1], -1)
-        tier_of = torch.cat([torch.zeros_like(v0, dtype=torch.int8), torch.ones_like(v1, dtype=torch.int8)], -1)
+        m0, m1 = pos0.shape[-1], pos1.shape[-1]
+        ev_valid = (epos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
+        pos = torch.cat([pos0.long(), pos1.long(), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
+        valid = torch.cat([v0, v1, ev_valid], -1)
+        tier_of = torch.zeros_like(valid, dtype=torch.int8)
+        tier_of[..., m0 : m0 + m1] = QUANTIZED
         state = torch.where(valid, tier_of, torch.full_like(tier_of, EVICTED))
-        scores = self._mean_scores(torch.cat([s0, s1], -1), pos)
+        scores = self._mean_scores(torch.cat([s0, s1, escore], -1), pos)
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
-        self._apply(new[..., :m0], new[..., m0:], v0, v1)
+        self._apply(new[..., :m0], new[..., m0 : m0 + m1], v0, v1)
+        if m:
+            self._admit(ek, ev, epos, escore, new[..., m0 + m1 :], check_finite=False)
         self._refresh_tier_peak()
 
     def _apply(self, new0: torch.Tensor, new1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor) -> None:
@@ -272,11 +290,7 @@ class TriStateLayer(CacheLayerMixin):
             state = torch.where(valid, ORIGINAL, EVICTED).to(torch.int8)
             sc = sums[..., :rest]
             new = self._classify(self._mean_scores(sc, p), state, p, nw, None)
-            for tier in (ORIGINAL, QUANTIZED):
-                b, h, i = (new == tier).nonzero(as_tuple=True)
-                if i.numel():
-                    rec = self.layouts[tier].encode(k[b, h, i], v[b, h, i], i, sc[b, h, i])
-                    self.tiers.append_flat(tier, b, h, rec)
+            self._admit(k[:, :, :rest], v[:, :, :rest], pos[:rest], sc, new, check_finite=True)
         self._refresh_tier_peak()
         return out
 
