@@ -216,13 +216,13 @@ class TriStateLayer(CacheLayerMixin):
     def run_policy(self) -> None:
         """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
         self.steps_since_policy = 0
-        self._flush_scores()
         # Tokens past the newest W leave the window now and are classified together with the tiers,
         # as candidates for the original tier (padding: evicted), then written where they belong.
         ek, ev, epos, escore = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
         bsz, heads, m = escore.shape
-        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
-        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
+        pending, self._score_delta = self._score_delta, [None, None]  # folded into the records here
+        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL, add=pending[ORIGINAL])
+        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED, add=pending[QUANTIZED])
         m0, m1 = pos0.shape[-1], pos1.shape[-1]
         ev_valid = (epos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
         pos = torch.cat([pos0.long(), pos1.long(), epos.view(1, 1, m).expand(bsz, heads, m)], -1)

@@ -211,13 +211,25 @@ class PagedTiers:
         size, stride = (self.pool.num_pages, tpp), (pb // 4, lay.nbytes // 4)
         return self.pool.data.view(dtype).as_strided(size, stride, offset // 4)
 
-    def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``."""
+    def read_meta(
+        self, tier: int, m: int | None = None, add: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``.
+
+        ``add [B, H, M]`` (optional) is first added to the score sums of slots ``[0, M)`` — the
+        policy folds the decode steps' pending increments and reads the result with one slot lookup.
+        """
         lay = self.layouts[tier]
-        page, off, valid = self._read_pages(tier, m)
+        if add is not None:
+            m = add.shape[-1]
+        page, off = self._slot_pages(tier, self.max_count(tier) if m is None else m)
+        valid = page >= 0
+        scores = self._meta_column(tier, lay.score_offset, torch.float32)
+        if add is not None:
+            scores.index_put_((torch.where(valid, page, SCRATCH_PAGE), off), add.float(), accumulate=True)
+        page = torch.where(valid, page, NULL_PAGE)
         pos = self._meta_column(tier, lay.pos_offset, torch.int32)[page, off]
-        score = self._meta_column(tier, lay.score_offset, torch.float32)[page, off]
-        return pos, score, valid
+        return pos, scores[page, off], valid
 
     def _page_list(self, tier: int) -> tuple[torch.Tensor, int]:
         """Flat page ids ``[B * H * npages]`` (empty entries -> the null page) and slots per head."""
