@@ -103,6 +103,24 @@ def test_small_budget_manual_loop_equals_generate_and_bound_holds_every_step():
     assert int(_held(layer).max()) < ids.shape[1] + 19  # it really evicted
 
 
+def test_head_adaptive_budget_bound_holds_every_step():
+    """hfkv (head-adaptive, interval 16): a row's heads share H * budget, checked after every step."""
+    model = tiny_model("llama")
+    budget, window = 24, 8
+    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=budget, window=window, obs_window=8)
+    cache = hfkv.TriStateCache(model, cfg)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    out = model(input_ids=ids, past_key_values=cache)
+    tok = out.logits[:, -1:].argmax(-1)
+    for step in range(40):
+        out = model(input_ids=tok, position_ids=torch.tensor([[40 + step]]), past_key_values=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+        for layer in cache.layers:
+            held = _held(layer)
+            assert int(held.sum(-1).max()) <= budget * held.shape[1], step
+    assert int(_held(cache.layers[0]).sum()) < 2 * 80  # it really evicted
+
+
 def test_compressed_presets_run_and_respect_their_shape():
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(60, 45, 33))
