@@ -143,16 +143,19 @@ class TriStateLayer(CacheLayerMixin):
         """New tokens enter the window; those pushed out enter the original tier."""
         self._to_original(*self.window.push(k, v, start))
 
+    def _not_padding(self, pos: torch.Tensor) -> torch.Tensor:
+        """``[B, H, m]``: which of the window tokens at ``pos [m]`` are real (left padding is never kept)."""
+        m = pos.numel()
+        return (pos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(
+            self.window.k.shape[0], self.window.k.shape[1], m
+        )
+
     def _to_original(self, ok: torch.Tensor, ov: torch.Tensor, opos: torch.Tensor, oscore: torch.Tensor) -> None:
-        """Tokens leaving the window enter the original tier; padding is dropped here."""
-        m = opos.numel()
-        if m == 0:
+        """Tokens pushed out of the window by a multi-token chunk enter the original tier; padding is dropped."""
+        if opos.numel() == 0:
             return
-        bsz, heads = ok.shape[:2]
-        valid = (opos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
-        b, h, i = valid.nonzero(as_tuple=True)
-        rec = self.layouts[ORIGINAL].encode(ok[b, h, i], ov[b, h, i], opos[i], oscore[b, h, i], check_finite=False)
-        self.tiers.append_flat(ORIGINAL, b, h, rec)
+        new = torch.where(self._not_padding(opos), ORIGINAL, EVICTED).to(torch.int8)
+        self._admit(ok, ov, opos, oscore, new, check_finite=False)
         self._refresh_tier_peak()
 
     def _admit(self, k, v, pos: torch.Tensor, score: torch.Tensor, new: torch.Tensor, check_finite: bool) -> None:
@@ -224,7 +227,7 @@ class TriStateLayer(CacheLayerMixin):
         pos0, s0, v0 = self.tiers.read_meta(ORIGINAL, add=pending[ORIGINAL])
         pos1, s1, v1 = self.tiers.read_meta(QUANTIZED, add=pending[QUANTIZED])
         m0, m1 = pos0.shape[-1], pos1.shape[-1]
-        ev_valid = (epos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
+        ev_valid = self._not_padding(epos)
         pos = torch.cat([pos0.long(), pos1.long(), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
         valid = torch.cat([v0, v1, ev_valid], -1)
         tier_of = torch.zeros_like(valid, dtype=torch.int8)

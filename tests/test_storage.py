@@ -444,7 +444,7 @@ def test_select_rows_repeated_rows_get_own_pages():
     assert torch.equal(rows[1:], before[[1, 0]])
 
 
-def test_read_fields_and_meta_agree_with_records_and_pad_with_finite_values():
+def test_read_slots_and_meta_agree_with_records_and_pad_with_finite_values():
     """The attention path's page-wise gather and the policy's metadata gather see exactly the live records."""
     gen = torch.Generator().manual_seed(5)
     pt = PagedTiers(LAYOUTS, 2, 3, page_bytes=216, initial_pages=1)
@@ -458,13 +458,16 @@ def test_read_fields_and_meta_agree_with_records_and_pad_with_finite_values():
         return lay.encode(k, v, torch.randint(0, 1000, (2, 3, n), generator=gen), torch.rand(2, 3, n, generator=gen))
 
     def check_read_slots(tier: int) -> None:
-        # The decode path's cached plan must follow every change of the tier, and only its tier.
+        # The decode path's cached page list must follow every change of the tier, and only its tier:
+        # compare with the slot-by-slot gather, which caches nothing.
+        lay = LAYOUTS[tier]
+        rows, valid = pt.read(tier)
         rec = pt.read_slots(tier)
         pos = pt.slot_positions(tier, rec)
-        kb, vb, fpos, valid = pt.read_fields(tier)
-        lay = LAYOUTS[tier]
-        assert torch.equal(pos, torch.where(valid, fpos, -1))
-        assert torch.equal(rec[..., : lay.key.nbytes], kb) and torch.equal(rec[..., lay.key.nbytes : lay.kv_bytes], vb)
+        m = rows.shape[2]
+        assert torch.equal(pos[..., :m] >= 0, valid) and not (pos[..., m:] >= 0).any()
+        assert torch.equal(rec[..., :m, :][valid][:, : lay.kv_bytes], rows[valid][:, : lay.kv_bytes])
+        assert torch.equal(pos[..., :m][valid], lay.positions(rows)[valid])
 
     for step in range(30):
         tier = step % 2
@@ -476,18 +479,11 @@ def test_read_fields_and_meta_agree_with_records_and_pad_with_finite_values():
             check_read_slots(tier)
     for tier, lay in enumerate(LAYOUTS):
         rows, valid = pt.read(tier)
-        kb, vb, pos, valid_f = pt.read_fields(tier)
-        m = rows.shape[2]
-        assert torch.equal(valid_f[..., :m], valid) and not valid_f[..., m:].any()
-        k = lay.key.nbytes
-        assert torch.equal(kb[..., :m, :][valid], rows[..., :k][valid])
-        assert torch.equal(vb[..., :m, :][valid], rows[..., k : lay.kv_bytes][valid])
-        assert torch.equal(pos[..., :m][valid], lay.positions(rows)[valid])
         mpos, mscore, mvalid = pt.read_meta(tier)
         assert torch.equal(mvalid, valid)
         assert torch.equal(mpos[valid], lay.positions(rows)[valid])
         assert torch.equal(mscore[valid], lay.scores(rows)[valid])
         # padding (null page, zeroed pages, stale records of the same tier) decodes to finite values;
         # 0 * NaN in the attention's probs @ V would leak otherwise
-        assert torch.isfinite(lay.value.decode(vb, torch.float32)).all()
-        assert torch.isfinite(lay.key.decode(kb, torch.float32)).all()
+        k, v = lay.decode_kv(pt.read_slots(tier), torch.float32)
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()

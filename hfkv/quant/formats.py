@@ -170,7 +170,7 @@ class QuantFormat:
     def aligned_at(self, offset: int) -> bool:
         """Whether a field at byte ``offset`` of a 4-aligned record can be read through dtype views."""
         if self.name == "model":
-            return offset % torch.empty((), dtype=self.model_dtype).element_size() == 0
+            return offset % (self.bits // 8) == 0
         if self.name == "fp8":
             return (offset + self.head_dim) % 4 == 0
         return (offset + self.head_dim * self.bits // 8) % 2 == 0
@@ -186,27 +186,28 @@ class QuantFormat:
         dtype = dtype or self.model_dtype
         d = self.head_dim
         if self.name == "model":
-            es = torch.empty((), dtype=self.model_dtype).element_size()
-            return rec.view(self.model_dtype)[..., offset // es : offset // es + d].to(dtype)
+            start = offset // (self.bits // 8)
+            return rec.view(self.model_dtype)[..., start : start + d].to(dtype)
         if self.name == "fp8":
             codes = rec[..., offset : offset + d].view(torch.float8_e4m3fn).float()
             scale = rec.view(torch.float32)[..., (offset + d) // 4, None]
             return (codes * scale).to(dtype)
         b, nb, g = self.bits, d * self.bits // 8, self.groups
         lead = rec.shape[:-1]
-        if b < 8 and offset % 4 == 0 and nb % 4 == 0:
-            # Unpack four bytes at a time: masks and shifts on int32 words give each byte's plane p
-            # in place, so a plane is one op over a quarter of the elements (and no strided bytes).
-            words = rec.view(torch.int32)[..., offset // 4 : (offset + nb) // 4]
+        if b < 8:
             m = (1 << b) - 1
-            mask = int.from_bytes(bytes([m] * 4), "little", signed=True)
-            planes = [words & mask, *((words >> (p * b)) & mask for p in range(1, 8 // b))]
-            codes = torch.cat(planes, -1).view(torch.uint8)
+            if offset % 4 == 0 and nb % 4 == 0:
+                # Four bytes at a time: a mask and a shift on int32 words give each byte's plane p in
+                # place, so a plane is one op over a quarter of the elements (and no strided bytes).
+                src, m = (
+                    rec.view(torch.int32)[..., offset // 4 : (offset + nb) // 4],
+                    int.from_bytes(bytes([m] * 4), "little", signed=True),
+                )
+            else:
+                src = rec[..., offset : offset + nb].contiguous()
+            codes = torch.cat([src & m, *((src >> (p * b)) & m for p in range(1, 8 // b))], -1).view(torch.uint8)
         else:
-            codes = rec[..., offset : offset + nb].contiguous()
-            if b < 8:
-                m, per = (1 << b) - 1, 8 // b
-                codes = torch.cat([codes & m, *((codes >> (p * b)) & m for p in range(1, per))], -1)
+            codes = rec[..., offset : offset + nb]
         # ``float()`` of a strided fp16 slice gives a contiguous fp32 tensor: broadcasting a strided
         # operand is the slow path of elementwise ops.
         meta = rec.view(torch.float16)

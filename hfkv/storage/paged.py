@@ -174,11 +174,7 @@ class PagedTiers:
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
         """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)``; empty slots hit the scratch page."""
-        lay = self.layouts[tier]
-        page, off = self._slot_pages(tier, delta.shape[-1])
-        page = torch.where(page < 0, SCRATCH_PAGE, page)
-        col = self._meta_column(tier, lay.score_offset, torch.float32)
-        col.index_put_((page, off), delta.float(), accumulate=True)
+        self.read_meta(tier, add=delta)
 
     # ------------------------------------------------------------------- reads
     def _slot_pages(self, tier: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,28 +245,15 @@ class PagedTiers:
         rows = words.index_select(0, pages)
         return rows.view(self.batch, self.heads, m, lay.nbytes // 4).view(torch.uint8)
 
-    def read_fields(self, tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Key bytes, value bytes and positions of every slot of every head, gathered page by page.
-
-        Returns ``(key_bytes [B, H, M, kb], value_bytes [B, H, M, vb], pos [B, H, M] int32, valid)`` with
-        ``M = pages * tokens_per_page``. A head's slots are a prefix of its pages, so copying whole pages
-        (one ``index_select`` of contiguous rows, as paged-attention kernels do) replaces a per-byte
-        gather. Slots past a head's count hold zeros (null page, zeroed on allocation) or stale records
-        of the same tier, so they always decode to finite values; ``valid`` masks them.
-        """
-        lay = self.layouts[tier]
-        pages, m = self._page_list(tier)
-        rec = self._gather_records(tier, pages, m)
-        kb, vb = lay.key.nbytes, lay.value.nbytes
-        valid = torch.arange(m, device=self.device) < self.counts[..., tier].unsqueeze(-1)
-        return rec[..., :kb], rec[..., kb : kb + vb], lay.positions(rec), valid
-
     def read_slots(self, tier: int) -> torch.Tensor:
         """What attention needs of a tier: every slot's record, ``[B, H, M, record_bytes]`` uint8.
 
         One ``index_select`` of whole pages. The page list only changes with the tier, so it is
         cached per tier version: a decode step between policy runs does nothing else here.
-        Slots past a head's count decode to finite values (see :meth:`read_fields`).
+        A head's slots are a prefix of its pages, so copying whole pages (contiguous rows, as
+        paged-attention kernels read them) replaces a per-slot gather. Slots past a head's count
+        hold zeros (null page, zeroed on allocation) or stale records of the same tier, so they
+        always decode to finite values; :meth:`slot_positions` marks them empty.
         """
         plan = self._plans[tier]
         if plan is None or plan[0] != self.versions[tier]:
