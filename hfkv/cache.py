@@ -27,7 +27,7 @@ from hfkv.attention.slots import slot_attention
 from hfkv.config import TriStateConfig
 from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce_gqa, token_scores
 from hfkv.quant.formats import QuantFormat
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
+from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
 
@@ -391,6 +391,25 @@ class TriStateLayer(CacheLayerMixin):
         plan = [self._slot_plan[1]] if self._slot_plan is not None else []
         return [*self.window.held_tensors(), *self.tiers.held_tensors(), *pending, *plan]
 
+    def token_states(self) -> torch.Tensor:
+        """``[B, H, logical length]`` int8 state of every logical position (``hfkv.states``; WINDOW = -1).
+
+        Built from what the layer holds (window positions, tier slot positions), so its counts are
+        the counts of :meth:`layer_stats`: padding still in the window is WINDOW, like there.
+        """
+        if not self.is_initialized:
+            return torch.zeros(0, 0, 0, dtype=torch.int8)
+        bsz, heads = self.tiers.counts.shape[:2]
+        out = torch.full((bsz, heads, self.length), EVICTED, dtype=torch.int8, device=self.device)
+        self._flush_scores()
+        for tier in (ORIGINAL, QUANTIZED):
+            pos, _, valid = self.tiers.read_meta(tier)
+            b, h, s = valid.nonzero(as_tuple=True)
+            out[b, h, pos[b, h, s].long()] = tier
+        wpos = self.window.pos[self.window.pos >= 0]
+        out[:, :, wpos] = WINDOW
+        return out.cpu()
+
     def layer_stats(self) -> LayerStats:
         if not self.is_initialized:
             return LayerStats(self.layer_idx, 0, 0, 0)
@@ -484,6 +503,17 @@ class TriStateCache(DynamicCache):
             self._rho = oq_ratios(torch.stack([layer.oq.to(layers[0].device) for layer in layers]))
         pos = [layer.layer_idx for layer in layers].index(layer_idx)
         return self._rho[pos].to(layers[pos].device)
+
+    def token_states(self, layer_idx: int) -> torch.Tensor:
+        """``[B, KV heads, logical length]`` int8 map of token states of a compressed layer (``hfkv.states``:
+        ORIGINAL 0, QUANTIZED 1, EVICTED 2, WINDOW -1): which positions each head keeps, and how."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, TriStateLayer):
+            raise ValueError(
+                f"layer {layer_idx} is a {type(layer).__name__}, not a compressed TriStateLayer "
+                f"(compressed layers: {[lyr.layer_idx for lyr in self._tri_layers()]})"
+            )
+        return layer.token_states()
 
     def stats(self) -> CacheStats:
         per_layer = []

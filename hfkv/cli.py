@@ -9,6 +9,9 @@ import sys
 # subcommand -> (module, help). Modules expose add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "demo": ("hfkv.testbed.demo", "run the testbed tasks with DynamicCache and each preset; print a table"),
+    "eval": ("hfkv.evaluation.lm_eval_cli", "run lm-eval with the 'hfkv' model registered (all lm-eval options)"),
+    "bench": ("hfkv.evaluation.bench", "memory and speed of presets and baselines, as ratios to DynamicCache"),
+    "calibrate": ("hfkv.calibration.cli", "Optuna study of alpha_h / alpha_l (and more) on MATH-style data"),
 }
 
 

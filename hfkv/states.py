@@ -9,6 +9,9 @@ numbers, so a state is also the index of the tier that stores the token.
 ORIGINAL = 0
 QUANTIZED = 1
 EVICTED = 2
+# Only in state maps (``TriStateCache.token_states``): still in the dense window, not yet classified.
+# It sorts below ORIGINAL because the window is where every token starts.
+WINDOW = -1
 
 TIER_NAMES = ("original", "quantized")
 STATE_NAMES = ("original", "quantized", "evicted")

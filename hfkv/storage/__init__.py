@@ -1,6 +1,6 @@
 """Storage of one layer: a dense window ring and paged tiers over one byte pool."""
 
-from hfkv.storage.memory import dense_kv_bytes, dynamic_cache_bytes, held_bytes
+from hfkv.storage.memory import cache_bytes, dense_kv_bytes, dynamic_cache_bytes, held_bytes
 from hfkv.storage.paged import PagedTiers
 from hfkv.storage.pool import PagePool
 from hfkv.storage.record import RecordLayout
@@ -11,6 +11,7 @@ __all__ = [
     "PagedTiers",
     "RecordLayout",
     "WindowRing",
+    "cache_bytes",
     "dense_kv_bytes",
     "dynamic_cache_bytes",
     "held_bytes",
