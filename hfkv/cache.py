@@ -410,6 +410,26 @@ class TriStateLayer(CacheLayerMixin):
         out[:, :, wpos] = WINDOW
         return out.cpu()
 
+    def token_scores(self) -> torch.Tensor:
+        """``[B, H, logical length]`` fp32 significance the policy sees for every held token (NaN: evicted).
+
+        The policy's own measure: score sums divided by observation counts (``score_mode='mean'``).
+        """
+        if not self.is_initialized:
+            return torch.zeros(0, 0, 0)
+        bsz, heads = self.tiers.counts.shape[:2]
+        out = torch.full((bsz, heads, self.length), float("nan"), device=self.device)
+        self._flush_scores()
+        for tier in (ORIGINAL, QUANTIZED):
+            pos, sums, valid = self.tiers.read_meta(tier)
+            b, h, s = valid.nonzero(as_tuple=True)
+            p = pos[b, h, s].long()
+            out[b, h, p] = self._mean_scores(sums[b, h, s], p)
+        live = self.window.pos >= 0
+        wpos = self.window.pos[live]
+        out[:, :, wpos] = self._mean_scores(self.window.score[:, :, live], wpos)
+        return out.cpu()
+
     def layer_stats(self) -> LayerStats:
         if not self.is_initialized:
             return LayerStats(self.layer_idx, 0, 0, 0)
@@ -514,6 +534,27 @@ class TriStateCache(DynamicCache):
                 f"(compressed layers: {[lyr.layer_idx for lyr in self._tri_layers()]})"
             )
         return layer.token_states()
+
+    def token_scores(self, layer_idx: int) -> torch.Tensor:
+        """``[B, KV heads, logical length]`` fp32 mean significance of every held token (NaN where evicted),
+        the quantity compared with the thresholds ``alpha_h / N`` and ``alpha_l / N``."""
+        self.token_states(layer_idx)  # same layer check
+        return self.layers[layer_idx].token_scores()
+
+    def thresholds(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(alpha_h / N, alpha_l / N)`` per KV head ``[H]`` of a layer at its current logical length N."""
+        n = max(1, self.layers[layer_idx].get_seq_length())
+        return self.alpha_h[layer_idx] / n, self.alpha_l[layer_idx] / n
+
+    def oq_ratios(self) -> dict[int, torch.Tensor] | None:
+        """ARKV's per-layer OQ ratios ``rho_l`` per batch row (``{layer: [B]}``), or None before they exist
+        (OQ off, or the prefill of some layer has not run)."""
+        if not self.config.oq_ratios:
+            return None
+        layers = self._tri_layers()
+        if not layers or self.rho(layers[0].layer_idx) is None:
+            return None
+        return {layer.layer_idx: self.rho(layer.layer_idx).cpu() for layer in layers}
 
     def stats(self) -> CacheStats:
         per_layer = []
