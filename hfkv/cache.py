@@ -503,6 +503,11 @@ class TriStateCache(DynamicCache):
             f"len={self.get_seq_length()})"
         )
 
+    def _repr_html_(self) -> str:
+        from hfkv.inspect import cache_html
+
+        return cache_html(self)
+
     def attention_ready(self) -> bool:
         return self.model_config._attn_implementation == NAME
 
