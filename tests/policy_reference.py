@@ -126,3 +126,82 @@ def reference_classify(
                     for n in origs[:surplus]:
                         out[b][h][n] = QUANTIZED
     return out
+
+
+# ----------------------------------------------------------------------------- memory budget
+def _f32_key(x: float) -> float:
+    return float(np.float32(x))
+
+
+def reference_allocate(
+    scores, state, sink, logical_len, alpha_h, alpha_l, room, cost, fidelity, head_adaptive, exact_cap=None
+):
+    """Loop version of ``hfkv.policy.budget.allocate``, written from its docstring; nested lists out.
+
+    Items per token: keep (cost c1) and upgrade (cost c0 - c1, only for ORIGINAL tokens). Order:
+    tokens at or above alpha_h / N first, then value per byte (fp32), then slot, head, keep before
+    upgrade. Items are taken in order while their cumulative cost fits the room left after the
+    sinks; upgrades past ``exact_cap`` are skipped.
+    """
+    sc, st, sk = _as_list(scores), _as_list(state), _as_list(sink)
+    lens = [int(v) for v in _as_list(logical_len)]
+    b_n, h_n, n_n = len(sc), len(sc[0]), len(sc[0][0])
+    a_h = [float(v) for v in np.asarray(alpha_h, dtype=np.float32).reshape(-1)]
+    a_l = [float(v) for v in np.asarray(alpha_l, dtype=np.float32).reshape(-1)]
+    a_h = a_h * h_n if len(a_h) == 1 else a_h
+    a_l = a_l * h_n if len(a_l) == 1 else a_l
+    c0, c1 = cost
+    f0, f1 = fidelity
+    pays = f1 * c0 >= f0 * c1
+    k_rate = np.float32(f1 / c1 if pays else f0 / c0)
+    u_rate = np.float32((f0 - f1) / (c0 - c1) if pays and c0 > c1 else f0 / c0)
+    room_l = _as_list(room)
+    cap_l = _as_list(exact_cap) if exact_cap is not None else None
+    out = [[[int(st[b][h][n]) for n in range(n_n)] for h in range(h_n)] for b in range(b_n)]
+    groups = (
+        [[(b, h) for h in range(h_n)] for b in range(b_n)]
+        if head_adaptive
+        else [[(b, h)] for b in range(b_n) for h in range(h_n)]
+    )
+    for gi, heads in enumerate(groups):
+        b0 = heads[0][0]
+        length = np.float32(max(1, lens[b0]))
+        items, sink_bytes, cand = [], 0, []
+        for n in range(n_n):
+            for b, h in heads:
+                s, cur = np.float32(sc[b][h][n]), out[b][h][n]
+                if sk[b][h][n]:
+                    sink_bytes += c0 if cur == ORIGINAL else c1 if cur == QUANTIZED else 0
+                    continue
+                if cur != EVICTED and s < np.float32(a_l[h]) / length:
+                    out[b][h][n] = cur = EVICTED
+                if cur == EVICTED:
+                    continue
+                cand.append((b, h, n))
+                first = cur == ORIGINAL and s >= np.float32(a_h[h]) / length
+                rate = k_rate if cur == ORIGINAL else np.float32(f1 / c1)
+                items.append((0 if first else 1, -_f32_key(s * rate), 0, n, h, b, c1))
+                if cur == ORIGINAL:
+                    items.append((0 if first else 1, -_f32_key(s * u_rate), 1, n, h, b, c0 - c1))
+        r = room_l[b0] if head_adaptive else room_l[b0][heads[0][1]]
+        cap = None if cap_l is None else (cap_l[b0] if head_adaptive else cap_l[b0][heads[0][1]])
+        left = r - sink_bytes
+        need_now = sum(c0 if out[b][h][n] == ORIGINAL else c1 for b, h, n in cand)
+        n_exact = sum(out[b][h][n] == ORIGINAL for b, h, n in cand)
+        if need_now <= left and (cap is None or n_exact <= cap):
+            continue  # (the vectorised version decides this for all rows at once; same result)
+        kept, upgraded, spent, ups = set(), set(), 0, 0
+        stopped = False
+        for _, _, kind, n, h, b, c in sorted(items, key=lambda it: (it[0], it[1], it[3], it[4], it[2])):
+            if kind == 1:
+                if cap is not None and ups >= cap:
+                    continue
+                ups += 1
+            if stopped or spent + c > left:
+                stopped = True
+                continue
+            spent += c
+            (upgraded if kind else kept).add((b, h, n))
+        for b, h, n in cand:
+            out[b][h][n] = (ORIGINAL if (b, h, n) in upgraded else QUANTIZED) if (b, h, n) in kept else EVICTED
+    return out
