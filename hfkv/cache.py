@@ -30,6 +30,7 @@ from hfkv.quant.formats import QuantFormat
 from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
+from hfkv.storage.pool import GROWTH
 
 _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -52,15 +53,10 @@ class TriStateLayer(CacheLayerMixin):
         self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
         self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
         self.steps_since_policy = 0
-        # Per-tier score increments of the decode steps since the last policy run: slots only move
-        # when the policy runs, so increments are kept dense here and folded into the records then.
-        self._score_delta: list[torch.Tensor | None] = [None, None]
         self._chunk: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
-        # (tier versions, slot index of the tiers' slots) for attention, rebuilt when a tier changes.
-        self._slot_plan: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -85,7 +81,9 @@ class TriStateLayer(CacheLayerMixin):
 
         self.layouts = (layout(cfg.original), layout(cfg.quantized))
         self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
-        self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device)
+        # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
+        growth = 0.0 if cfg.budget is not None else GROWTH
+        self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth)
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
         self.is_initialized = True
@@ -212,10 +210,6 @@ class TriStateLayer(CacheLayerMixin):
             rho,
         )
 
-    def _flush_scores(self) -> None:
-        for tier in range(len(self._score_delta)):
-            self._flush_scores_of(tier)
-
     def run_policy(self) -> None:
         """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
         self.steps_since_policy = 0
@@ -223,9 +217,8 @@ class TriStateLayer(CacheLayerMixin):
         # as candidates for the original tier (padding: evicted), then written where they belong.
         ek, ev, epos, escore = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
         bsz, heads, m = escore.shape
-        pending, self._score_delta = self._score_delta, [None, None]  # folded into the records here
-        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL, add=pending[ORIGINAL])
-        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED, add=pending[QUANTIZED])
+        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
+        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
         m0, m1 = pos0.shape[-1], pos1.shape[-1]
         ev_valid = self._not_padding(epos)
         pos = torch.cat([pos0.long(), pos1.long(), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
@@ -246,14 +239,19 @@ class TriStateLayer(CacheLayerMixin):
         if bool(((new1 == EVICTED) & v1).any()):
             tiers.remove(QUANTIZED, new1 == QUANTIZED)
         demote = v0 & (new0 == QUANTIZED)
+        moved = None
         if bool(demote.any()):
             b, h, s = demote.nonzero(as_tuple=True)
             rec = tiers.gather(ORIGINAL, b, h, s)
             lay0, lay1 = self.layouts
             k, v = lay0.decode_kv(rec, torch.float32)
-            tiers.append_flat(QUANTIZED, b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec), False))
+            moved = (b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec), False))
+        # Free the original slots before the demoted copies take quantized ones: the pool's peak
+        # (its capacity, which is held) never has to hold a token twice.
         if bool((v0 & (new0 != ORIGINAL)).any()):
             tiers.remove(ORIGINAL, new0 == ORIGINAL)
+        if moved is not None:
+            tiers.append_flat(QUANTIZED, *moved)
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
@@ -297,30 +295,19 @@ class TriStateLayer(CacheLayerMixin):
         self._refresh_tier_peak()
         return out
 
-    def _tier_slot_index(self, records: list[torch.Tensor]) -> torch.Tensor:
-        """``[B, H, M0 + M1]`` int32 logical position + 1 of every tier slot (0 = empty).
-
-        Positions live in the records; they only change with the tiers, so the index is cached
-        per tier version (4 bytes per slot, counted in ``kv_bytes``) instead of re-read every step.
-        """
-        versions = tuple(self.tiers.versions)
-        if self._slot_plan is None or self._slot_plan[0] != versions:
-            pos = [self.tiers.slot_positions(t, rec) for t, rec in enumerate(records)]
-            self._slot_plan = (versions, torch.cat(pos, -1) + 1)
-        return self._slot_plan[1]
-
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
-        parts, records = [(win.k, win.v)], []
+        parts, tags, sizes = [(win.k, win.v)], [(win.pos + 1).to(torch.int32).expand(bsz, heads, -1)], [win.capacity]
         for tier, lay in enumerate(self.layouts):
-            rec = self.tiers.read_slots(tier)  # empty slots decode to finite values (null page)
-            records.append(rec)
+            rec = self.tiers.read_slots(tier)  # whole pages; empty slots have tag 0 and decode finite
             if rec.shape[2]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
                 parts.append(lay.decode_kv(rec, torch.float32))
-        tier_index = self._tier_slot_index(records)
-        slot_index = torch.cat([(win.pos + 1).expand(bsz, heads, -1), tier_index], -1)
+                tags.append(lay.tags(rec))
+            sizes.append(rec.shape[2])
+        # A slot's tag (position + 1, 0 = empty) is its column in the logical mask: no index to build.
+        slot_index = torch.cat(tags, -1)
         q = query.shape[2]
         if mask is None:  # plain causal in logical coordinates
             qpos = torch.arange(self.length - q, self.length, device=self.device)
@@ -329,29 +316,18 @@ class TriStateLayer(CacheLayerMixin):
         out, probs = slot_attention(query, parts, slot_index, mask, scaling)
         received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
         received = received.squeeze(2) if q == 1 else received.sum(2)
-        w_delta, *tier_deltas = torch.split(received, [win.capacity, *(r.shape[2] for r in records)], dim=-1)
+        w_delta, *tier_deltas = torch.split(received, sizes, dim=-1)
         win.add_scores(w_delta)
         for tier, d in enumerate(tier_deltas):
-            acc = self._score_delta[tier]
-            if acc is not None and acc.shape == d.shape:
-                acc += d
-            else:  # the tier changed since the last fold
-                self._flush_scores_of(tier)
-                if d.shape[-1]:
-                    self._score_delta[tier] = d.clone()
+            if d.shape[-1]:  # straight into the records' score fields: masked slots received exact zeros
+                self.tiers.add_scores(tier, d)
         return out
-
-    def _flush_scores_of(self, tier: int) -> None:
-        if self._score_delta[tier] is not None:
-            self.tiers.add_scores(tier, self._score_delta[tier])
-            self._score_delta[tier] = None
 
     # ------------------------------------------------------- batch surgery
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         index = index.to(self.device)
-        self._flush_scores()
         self.window.select_rows(index)
         self.tiers.select_rows(index)
         self._refresh_tier_peak()
@@ -376,8 +352,6 @@ class TriStateLayer(CacheLayerMixin):
             self.tiers.reset()
             bsz, heads, _, dim = self.window.k.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
-        self._score_delta = [None, None]
-        self._slot_plan = None
         self._tier_peak = 0
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
@@ -387,9 +361,7 @@ class TriStateLayer(CacheLayerMixin):
     def held_tensors(self) -> list[torch.Tensor]:
         if not self.is_initialized:
             return []
-        pending = [d for d in self._score_delta if d is not None]
-        plan = [self._slot_plan[1]] if self._slot_plan is not None else []
-        return [*self.window.held_tensors(), *self.tiers.held_tensors(), *pending, *plan]
+        return [*self.window.held_tensors(), *self.tiers.held_tensors()]
 
     def token_states(self) -> torch.Tensor:
         """``[B, H, logical length]`` int8 state of every logical position (``hfkv.states``; WINDOW = -1).
@@ -401,7 +373,6 @@ class TriStateLayer(CacheLayerMixin):
             return torch.zeros(0, 0, 0, dtype=torch.int8)
         bsz, heads = self.tiers.counts.shape[:2]
         out = torch.full((bsz, heads, self.length), EVICTED, dtype=torch.int8, device=self.device)
-        self._flush_scores()
         for tier in (ORIGINAL, QUANTIZED):
             pos, _, valid = self.tiers.read_meta(tier)
             b, h, s = valid.nonzero(as_tuple=True)
@@ -419,7 +390,6 @@ class TriStateLayer(CacheLayerMixin):
             return torch.zeros(0, 0, 0)
         bsz, heads = self.tiers.counts.shape[:2]
         out = torch.full((bsz, heads, self.length), float("nan"), device=self.device)
-        self._flush_scores()
         for tier in (ORIGINAL, QUANTIZED):
             pos, sums, valid = self.tiers.read_meta(tier)
             b, h, s = valid.nonzero(as_tuple=True)

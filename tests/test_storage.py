@@ -8,6 +8,7 @@ dicts of record bytes per (row, head, tier)) and against the page-accounting inv
 from __future__ import annotations
 
 import collections
+import math
 
 import numpy as np
 import pytest
@@ -45,24 +46,31 @@ def _ceil_div(a, b):
 
 
 def check_page_accounting(pt: PagedTiers) -> None:
-    """(2) no page leaked or freed twice, (3) tables consistent with counts."""
+    """(2) no page leaked or freed twice, (3) tables consistent with counts and exactly as wide as needed,
+    (4) every slot past a head's count reads as empty (zero tag), so attention never sees it."""
     pool = pt.pool
-    table = pt.page_table.numpy()
     counts = pt.counts.numpy()
     assert pool.data.shape == (pool.num_pages, pool.page_bytes)
     assert pool.free_stack.numel() == pool.num_pages
     assert 0 <= pool.n_free <= pool.num_pages - RESERVED_PAGES
-    owned = table[table >= 0]
+    tables = [t.numpy() for t in pt.tables]
+    owned = np.concatenate([t[t != NULL_PAGE] for t in tables])
     free = pool.free_stack[: pool.n_free].numpy()
     every = np.sort(np.concatenate([owned, free]))
     assert np.array_equal(every, np.arange(RESERVED_PAGES, pool.num_pages)), "page leaked, duplicated or freed twice"
     assert not pool.data[NULL_PAGE].any(), "the null page must stay zero (padded reads decode it)"
     for t, tpp in enumerate(pt.tpp):
+        table = tables[t]
         npages = _ceil_div(counts[..., t], tpp)  # [B, H]
+        assert table.shape == (pt.batch, pt.heads, int(npages.max()) if npages.size else 0)
         col = np.arange(table.shape[-1])
         lead = col[None, None, :] < npages[..., None]
-        assert (table[:, :, t][lead] >= 0).all()
-        assert (table[:, :, t][~lead] == -1).all()
+        assert (table[lead] != NULL_PAGE).all()
+        assert (table[~lead] == NULL_PAGE).all()
+        tags = pt.layouts[t].tags(pt.read_slots(t)).numpy()
+        beyond = np.arange(tags.shape[-1])[None, None, :] >= counts[..., t][..., None]
+        assert (tags[beyond] == 0).all(), "a slot past the count must read as empty"
+        assert (tags[~beyond] > 0).all()
     assert pool.pages_in_use == int(pt.pages_per_head().sum()) == owned.size
 
 
@@ -138,6 +146,7 @@ class PagedTiersMachine(RuleBasedStateMachine):
         gen = torch.Generator().manual_seed(seed % 2**63)
         m = pt.max_count(tier) + extra
         delta = (torch.randn(pt.batch, pt.heads, m, generator=gen) * 3).float()
+        delta[torch.arange(m) >= pt.counts[..., tier].unsqueeze(-1)] = 0.0  # the contract: zero past the count
         pt.add_scores(tier, delta)
         d_np = delta.numpy()
         so = lay.score_offset
@@ -166,14 +175,14 @@ class PagedTiersMachine(RuleBasedStateMachine):
             for b in index
         ]
 
-    @precondition(lambda self: self.pt.pool.num_pages < 512)  # each call grows the pool by >= GROWTH
+    @precondition(lambda self: self.pt.pool.num_pages < 512)
     @rule()
     def grow_pool(self):
         # Demand more than is free: the pool must grow and keep every live page's bytes.
         pool = self.pt.pool
         before = pool.num_pages
         ids = pool.allocate(pool.n_free + 1)
-        assert pool.num_pages >= max(int(GROWTH * before) + 1, before + 1)
+        assert pool.num_pages == before + max(1, math.ceil(GROWTH * before))
         pool.release(ids)
 
     # checks after every step
@@ -186,7 +195,7 @@ class PagedTiersMachine(RuleBasedStateMachine):
             rows, valid = pt.read(t)
             assert rows.shape[:3] == valid.shape and rows.shape[-1] == lay.nbytes
             rows_np, valid_np = rows.numpy(), valid.numpy()
-            pos = rows_np[..., lay.pos_offset : lay.pos_offset + 4].copy().view(np.int32)[..., 0]
+            pos = lay.positions(rows).numpy()
             self.slot_ids[t] = [
                 [pos[b, h, : counts[b, h, t]].tolist() for h in range(pt.heads)] for b in range(pt.batch)
             ]
@@ -228,12 +237,16 @@ def _live_bytes(pt: PagedTiers) -> int:
 
 def _overhead(pt: PagedTiers) -> tuple[int, int, int]:
     used = pt.pool.pages_in_use * pt.pool.page_bytes
-    meta = held_bytes([pt.counts, pt.page_table, pt.pool.free_stack])
+    meta = held_bytes([pt.counts, *pt.tables, pt.pool.free_stack])
     return used, _live_bytes(pt), meta
 
 
 def _random_records(pt: PagedTiers, tier: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 256, (pt.batch, pt.heads, n, pt.layouts[tier].nbytes), generator=gen, dtype=torch.uint8)
+    """Random bytes with a valid (non-zero) tag: a zero tag would mean an empty slot."""
+    lay = pt.layouts[tier]
+    rec = torch.randint(0, 256, (pt.batch, pt.heads, n, lay.nbytes), generator=gen, dtype=torch.uint8)
+    rec.view(torch.int32)[..., lay.pos_offset // 4] = torch.randint(1, 2**30, (pt.batch, pt.heads, n), generator=gen)
+    return rec
 
 
 def _fill(pt: PagedTiers, target: int, gen: torch.Generator, p_remove: float) -> int:
@@ -267,8 +280,8 @@ def test_memory_bound_small_pages():
         peak = max(peak, _fill(pt, 256, gen, p_remove=0.3))
         used, live, meta = _overhead(pt)
         assert used <= 1.05 * live + meta, (used, live, meta)
-        # geometric growth keeps the pool's capacity within GROWTH x of the peak demand
-        assert pt.pool.num_pages - RESERVED_PAGES <= GROWTH * peak + 1
+        # geometric growth keeps the pool's capacity within (1 + GROWTH) x of the peak demand
+        assert pt.pool.num_pages - RESERVED_PAGES <= (1 + GROWTH) * peak + 1
         # heavy removal, then refill
         for t in range(2):
             pt.remove(t, torch.rand(pt.batch, pt.heads, pt.max_count(t), generator=gen) < 0.3)
@@ -405,10 +418,13 @@ def test_held_bytes_of_paged_tiers_tracks_pool_capacity():
     pt.append(1, _random_records(pt, 1, 40, gen), torch.ones(1, 2, 40, dtype=torch.bool))
     pool = pt.pool
     assert pool.num_pages >= 14
-    expect = pool.num_pages * 216 + pool.free_stack.numel() * 4 + pt.counts.numel() * 8 + pt.page_table.numel() * 4
+    tables = sum(t.numel() * 4 for t in pt.tables)
+    assert tables == 2 * math.ceil(40 / pt.tpp[1]) * 4  # one int32 per page in use, nothing for the empty tier
+    expect = pool.num_pages * 216 + pool.free_stack.numel() * 4 + pt.counts.numel() * 8 + tables
     assert held_bytes(pt.held_tensors()) == expect
-    pt.reset()  # pages return to the free stack; capacity is kept
-    assert pool.n_free == pool.num_pages - RESERVED_PAGES and held_bytes(pt.held_tensors()) == expect
+    pt.reset()  # pages return to the free stack; capacity is kept, tables shrink to nothing
+    assert pool.n_free == pool.num_pages - RESERVED_PAGES
+    assert held_bytes(pt.held_tensors()) == expect - tables
 
 
 def test_dense_kv_bytes():

@@ -2,33 +2,46 @@
 
 Pages are handed out in bulk: the caller asks for ``n`` pages at once (the sum of many heads'
 demands) and slices the returned ids with a cumsum, so allocation for all heads of a layer is
-one stack pop, not a loop. The pool grows geometrically by ``GROWTH`` (1.25x): the amortised
-cost of growth stays constant per page while the capacity — which ``CacheStats.kv_bytes``
-reports, because it is held — stays within 25% of the peak demand.
+one stack pop, not a loop.
 
-Two pages are reserved and never handed out: ``NULL_PAGE`` stays all zeros, so a padded read of
-an empty slot decodes to finite zeros without masking; ``SCRATCH_PAGE`` absorbs score updates
-aimed at empty slots, so a whole padded ``[B, H, M]`` block can be updated in one scatter
-without first selecting the live slots (a host sync).
+Growth is what ``kv_bytes`` pays for, because capacity is held. A pool whose final size is bounded
+(a cache with a budget) grows by exactly what is asked: it stops growing at the bound, so the
+copies stay few, and its capacity never exceeds its peak demand. An unbounded pool grows
+geometrically by ``growth`` (1/32 by default): a few percent of capacity buys amortised
+constant-time growth over a long generation.
+
+Page ``NULL_PAGE`` is reserved and never handed out: it stays all zeros, so a padded read of an
+empty slot decodes to finite zeros with a zero tag (empty), and padded score updates add exact
+zeros to it.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-GROWTH = 1.25
 NULL_PAGE = 0
-SCRATCH_PAGE = 1
-RESERVED_PAGES = 2
+RESERVED_PAGES = 1
+GROWTH = 1 / 32  # geometric growth of an unbounded pool
 
 
 class PagePool:
-    def __init__(self, page_bytes: int, device: torch.device | str = "cpu", initial_pages: int = 16) -> None:
+    def __init__(
+        self,
+        page_bytes: int,
+        device: torch.device | str = "cpu",
+        initial_pages: int = 16,
+        growth: float = GROWTH,
+    ) -> None:
         if page_bytes <= 0 or page_bytes % 4:
             raise ValueError(f"PagePool.page_bytes={page_bytes} must be a positive multiple of 4")
+        if not 0 <= growth <= 1:
+            raise ValueError(f"PagePool.growth={growth} must be in [0, 1] (0: grow by exact demand)")
         self.page_bytes = page_bytes
+        self.growth = growth
         self.device = torch.device(device)
-        n = max(int(initial_pages), 1) + RESERVED_PAGES
+        n = max(int(initial_pages), 0) + RESERVED_PAGES
         self.data = torch.zeros(n, page_bytes, dtype=torch.uint8, device=self.device)
         # Stack of free page ids: entries [0, n_free) are free; top of stack is n_free - 1.
         self.free_stack = torch.zeros(n, dtype=torch.int32, device=self.device)
@@ -40,13 +53,13 @@ class PagePool:
 
     @property
     def pages_in_use(self) -> int:
-        """Pages owned by heads (the reserved pages are not counted here, but are held)."""
+        """Pages owned by heads (the reserved page is not counted here, but is held)."""
         return self.num_pages - self.n_free - RESERVED_PAGES
 
     def _grow(self, need: int) -> None:
         old = self.num_pages
-        new = max(int(old * GROWTH) + 1, old + need - self.n_free)
-        extra = new - old
+        extra = max(need - self.n_free, math.ceil(old * self.growth))
+        new = old + extra
         self.data = torch.cat([self.data, torch.zeros(extra, self.page_bytes, dtype=torch.uint8, device=self.device)])
         new_ids = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=self.device)
         stack = torch.empty(new, dtype=torch.int32, device=self.device)

@@ -1,9 +1,12 @@
 """The byte record of one cached token of one KV head inside a page.
 
-A record is ``[key bytes | value bytes | pad to 4 | position int32 | score fp32]``. Keeping the
-slot metadata inside the record (rather than in side arrays sized for the densest tier) means a
-page's bytes are all payload of its own tier, moving a record during compaction moves its
-metadata with it, and the 4-byte alignment lets kernels read positions and add scores in place.
+A record is ``[key bytes | value bytes | pad to 4 | tag int32 | score fp32]`` where
+``tag = position + 1`` and a zero tag marks an empty slot. Keeping the slot metadata inside the
+record (rather than in side arrays sized for the densest head) means a page's bytes are all
+payload of its own tier, moving a record during compaction moves its metadata with it, and the
+4-byte alignment lets kernels read tags and add scores in place. The tag doubles as the slot's
+index into the logical mask (column 0 = never attended), so attention needs no per-slot index of
+its own: the zero null page and the zeroed tails of pages read as empty.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from hfkv.quant.formats import QuantFormat, aligned_records
 
-META_BYTES = 8  # int32 logical position + fp32 score sum
+META_BYTES = 8  # int32 tag (logical position + 1) + fp32 score sum
 
 
 def _align4(n: int) -> int:
@@ -61,7 +64,7 @@ class RecordLayout:
         parts = [self.key.encode(k, check_finite), self.value.encode(v, check_finite)]
         if pad:
             parts.append(torch.zeros(*lead, pad, dtype=torch.uint8, device=k.device))
-        parts.append(_as_bytes(pos.to(torch.int32), lead))
+        parts.append(_as_bytes(pos.to(torch.int32) + 1, lead))
         parts.append(_as_bytes(score.to(torch.float32), lead))
         return torch.cat(parts, dim=-1)
 
@@ -73,8 +76,13 @@ class RecordLayout:
             return self.key.decode_at(rec, 0, dtype), self.value.decode_at(rec, kb, dtype)
         return self.key.decode_at(rec, 0, dtype), self.value.decode(rec[..., kb : self.kv_bytes], dtype)
 
+    def tags(self, rec: torch.Tensor) -> torch.Tensor:
+        """``position + 1`` of each record (0: empty slot), int32; a view when ``rec`` is word-aligned."""
+        return aligned_records(rec).view(torch.int32)[..., self.pos_offset // 4]
+
     def positions(self, rec: torch.Tensor) -> torch.Tensor:
-        return rec[..., self.pos_offset : self.pos_offset + 4].contiguous().view(torch.int32).squeeze(-1)
+        """Logical position of each record (-1: empty slot)."""
+        return self.tags(rec) - 1
 
     def scores(self, rec: torch.Tensor) -> torch.Tensor:
-        return rec[..., self.score_offset : self.score_offset + 4].contiguous().view(torch.float32).squeeze(-1)
+        return aligned_records(rec).view(torch.float32)[..., self.score_offset // 4]
