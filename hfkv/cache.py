@@ -26,6 +26,8 @@ from hfkv.attention.interface import NAME, enable, pending, request_logical_mask
 from hfkv.attention.slots import slot_attention
 from hfkv.config import TriStateConfig
 from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce_gqa, token_scores
+from hfkv.policy.budget import allocate
+from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat
 from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, WINDOW
 from hfkv.stats import CacheStats, LayerStats
@@ -73,20 +75,55 @@ class TriStateLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.cfg
 
-        def layout(tier) -> RecordLayout:
+        def layout(name: str) -> RecordLayout:
+            tier, group = getattr(cfg, name), cfg.group_for(name, dim)
             return RecordLayout(
-                QuantFormat(tier.key, dim, tier.group_size, self.dtype),
-                QuantFormat(tier.value, dim, tier.group_size, self.dtype),
+                QuantFormat(tier.key, dim, group, self.dtype), QuantFormat(tier.value, dim, group, self.dtype)
             )
 
-        self.layouts = (layout(cfg.original), layout(cfg.quantized))
+        self.layouts = (layout("original"), layout("quantized"))
         self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
+        self._init_memory_budget(dim)
         # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
         growth = 0.0 if cfg.budget is not None else GROWTH
         self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth)
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
         self.is_initialized = True
+
+    def _init_memory_budget(self, dim: int) -> None:
+        """Costs and room of a byte budget (``budget_unit`` ``fp_tokens`` or ``bytes``).
+
+        The window's tokens cost their K/V in the model dtype plus a score each; the ring can hold
+        ``W + interval`` of them before the next policy run, so that much is reserved and the tiers
+        get the rest: the bound then holds at every step without a run per step.
+        """
+        cfg = self.cfg
+        self.memory_budget = cfg.budget is not None and cfg.budget_unit != "tokens"
+        if not self.memory_budget:
+            return
+        token_bytes = 2 * dim * self.window.k.element_size()
+        self.cost = (self.layouts[0].nbytes, self.layouts[1].nbytes)
+        self.window_cost = token_bytes + 4
+        self.cap = cfg.budget * token_bytes if cfg.budget_unit == "fp_tokens" else cfg.budget
+        reserve = self.window.capacity * self.window_cost
+        self.room = int(cfg.slack * (self.cap - reserve))
+        if self.room < self.cost[0]:
+            raise ValueError(
+                f"TriStateConfig.budget={cfg.budget} ({cfg.budget_unit} per KV head = {self.cap} bytes) leaves "
+                f"{self.room} bytes outside the window, less than one {self.cost[0]}-byte record: the window "
+                f"(window + interval = {self.window.capacity} tokens x {self.window_cost} bytes) takes "
+                f"{reserve}; raise the budget or lower window/interval"
+            )
+        if self.cost[1] > self.cost[0]:
+            raise ValueError(
+                f"TriStateConfig.quantized={cfg.quantized} records ({self.cost[1]} bytes) are larger than "
+                f"original={cfg.original} records ({self.cost[0]} bytes); a memory budget needs the quantized "
+                "tier to be the cheaper one"
+            )
+        self.fidelity = cfg.fidelity or tuple(
+            tier_fidelity(lay.key.name, lay.value.name, lay.key.group_size, dim) for lay in self.layouts
+        )
 
     # ------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
@@ -169,7 +206,11 @@ class TriStateLayer(CacheLayerMixin):
                 self.tiers.append_flat(tier, b, h, rec)
 
     def _refresh_tier_peak(self) -> None:
-        held = self.tiers.counts.sum(-1)  # [B, H]
+        counts = self.tiers.counts
+        if self.memory_budget:  # bytes
+            held = counts[..., ORIGINAL] * self.cost[0] + counts[..., QUANTIZED] * self.cost[1]
+        else:
+            held = counts.sum(-1)  # [B, H] tokens
         held = held.sum(-1) if self.cfg.head_adaptive else held
         self._tier_peak = int(held.max()) if held.numel() else 0
 
@@ -181,7 +222,10 @@ class TriStateLayer(CacheLayerMixin):
         if not due and cfg.budget is not None:
             # Between policy runs only the window grows, by the same count in every head.
             heads = self.window.k.shape[1] if cfg.head_adaptive else 1
-            due = self._tier_peak + heads * self.window.count > heads * cfg.budget
+            if self.memory_budget:
+                due = self._tier_peak + heads * self.window.count * self.window_cost > heads * self.cap
+            else:
+                due = self._tier_peak + heads * self.window.count > heads * cfg.budget
         if due:
             self.run_policy()
 
@@ -192,9 +236,29 @@ class TriStateLayer(CacheLayerMixin):
         return sums / count
 
     def _classify(self, scores, state, pos, window_count: int, rho) -> torch.Tensor:
-        bsz = scores.shape[0]
+        bsz, heads = scores.shape[:2]
         sink = (state != EVICTED) & (pos < self.sink_end.view(-1, 1, 1))
         cfg = self.cfg
+        if self.memory_budget:
+            rows = (bsz,) if cfg.head_adaptive else (bsz, heads)
+            room = self.room * (heads if cfg.head_adaptive else 1)
+            cap = None
+            if rho is not None:  # ARKV's OQ ratio: the layer's share of the exact tokens that would fit
+                cap = torch.floor(rho.to(self.device).float() * (room / self.cost[0])).long()
+                cap = cap if cfg.head_adaptive else cap.view(bsz, 1).expand(bsz, heads)
+            return allocate(
+                scores,
+                state,
+                sink,
+                torch.full((bsz,), self.length, dtype=torch.int64, device=self.device),
+                self.alpha_h,
+                self.alpha_l,
+                torch.full(rows, room, dtype=torch.int64, device=self.device),
+                self.cost,
+                self.fidelity,
+                cfg.head_adaptive,
+                cap,
+            )
         return classify(
             scores,
             state,

@@ -32,6 +32,10 @@ PRESETS: tuple[str, ...] = ("full", "evict", "quant", "streaming", "arkv", "diff
 SCORE_REDUCTIONS: tuple[str, ...] = ("max", "mean", "l2")
 SCORE_MODES: tuple[str, ...] = ("mean", "sum")
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+# "tokens": the budget counts tokens per KV head (ARKV, paper-faithful); "fp_tokens": it caps the bytes a
+# head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per
+# token), so quantized tokens cost what they weigh; "bytes": the same cap given directly in bytes.
+BUDGET_UNITS: tuple[str, ...] = ("tokens", "fp_tokens", "bytes")
 
 Alpha = float | list[float] | list[list[float]]
 
@@ -174,13 +178,19 @@ class TriStateConfig:
     alpha_h: Alpha = 1.0
     alpha_l: Alpha = 0.02
     budget: int | None = 1024
-    slack: float = 0.75
+    budget_unit: str = "fp_tokens"
+    # Share of the budget a policy run fills: ARKV tailors token budgets to 75% so tailoring is amortised;
+    # a memory budget already reserves the window's growth until the next run, so it fills all of it.
+    slack: float = 1.0
     head_adaptive: bool = True
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 16
     original: TierFormat = _DEFAULT_TIERS["original"]
     quantized: TierFormat = _DEFAULT_TIERS["quantized"]
+    # Value an original / quantized token keeps relative to full precision, for memory budgets (how much
+    # significance a quantized token is worth per byte). None: the measured table of hfkv.quant.fidelity.
+    fidelity: tuple[float, float] | None = None
     page_bytes: int | None = None  # None: chosen per layer so every tier's records tile pages exactly
     backend: str = "auto"
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -219,7 +229,12 @@ class TriStateConfig:
             )
         if self.page_bytes is not None and self.page_bytes % 4:
             raise _fail(f"{w}.page_bytes", self.page_bytes, "a multiple of 4")
-        for f, allowed in (("score_reduction", SCORE_REDUCTIONS), ("score_mode", SCORE_MODES), ("backend", BACKENDS)):
+        for f, allowed in (
+            ("score_reduction", SCORE_REDUCTIONS),
+            ("score_mode", SCORE_MODES),
+            ("backend", BACKENDS),
+            ("budget_unit", BUDGET_UNITS),
+        ):
             v = getattr(self, f)
             if not isinstance(v, str) or v not in allowed:
                 raise _fail(f"{w}.{f}", v, f"one of {allowed}")
@@ -238,6 +253,13 @@ class TriStateConfig:
         self.tau = tuple(float(t) for t in tau)  # type: ignore[assignment]
         for f in ("original", "quantized"):
             setattr(self, f, _tier_from(f"{w}.{f}", getattr(self, f), _DEFAULT_TIERS[f]))
+        if self.fidelity is not None:
+            fid = self.fidelity
+            if not isinstance(fid, (list, tuple)) or len(fid) != 2 or not all(_is_real(x) for x in fid):
+                raise _fail(f"{w}.fidelity", fid, "None or two numbers (original, quantized)")
+            if not 0 <= fid[1] <= fid[0] <= 1:
+                raise _fail(f"{w}.fidelity", fid, "two numbers with 0 <= quantized <= original <= 1")
+            self.fidelity = (float(fid[0]), float(fid[1]))
         if not isinstance(self.provenance, dict):
             raise _fail(f"{w}.provenance", self.provenance, "a mapping")
         _check_yaml_safe(f"{w}.provenance", self.provenance)
@@ -277,6 +299,28 @@ class TriStateConfig:
         if not _is_int(b):
             raise _fail(f"{w}.budget", b, "an integer number of tokens per KV head, or None")
         self.budget = b = int(b)
+        if self.budget_unit == "bytes":
+            # Bytes are checked against the model (record sizes, dtype) when the cache is built.
+            if b <= 0:
+                raise _fail(f"{w}.budget", b, "a positive number of bytes per KV head, or None")
+            return
+        if self.budget_unit == "fp_tokens":
+            # The ring holds up to window + interval full-precision tokens between policy runs.
+            ring = self.window + self.interval
+            if b <= ring + self.sink_tokens:
+                raise _fail(
+                    f"{w}.budget",
+                    b,
+                    f"> window + interval + sink_tokens = {ring + self.sink_tokens} full-precision tokens "
+                    "(the budget includes the window, which may grow by `interval` tokens between policy runs)",
+                )
+            if math.floor(self.slack * (b - ring)) < self.sink_tokens:
+                raise ValueError(
+                    f"{w}.slack={self.slack!r} with budget={b} fp_tokens leaves room for "
+                    f"{math.floor(self.slack * (b - ring))} full-precision tokens outside the window, fewer than "
+                    f"sink_tokens={self.sink_tokens}; raise slack or budget"
+                )
+            return
         if b <= self.window + self.sink_tokens:
             raise _fail(
                 f"{w}.budget",
@@ -308,6 +352,29 @@ class TriStateConfig:
             )
         return h, lo
 
+    def uses_quantized_tier(self) -> bool:
+        """Whether any token can ever be quantized: a memory budget, an OQ cap, or a band between the
+        thresholds. ``evict`` (alpha 0 / 0) and ``streaming`` (inf / inf) never quantize, so their
+        quantized tier is neither validated against the model nor allocated beyond its layout."""
+        if not self.compress:
+            return False
+        if (self.budget is not None and self.budget_unit != "tokens") or (self.oq_ratios and self.budget is not None):
+            return True
+        h, hs = _normalize_alpha("alpha_h", self.alpha_h)
+        lo, ls = _normalize_alpha("alpha_l", self.alpha_l)
+        if hs and ls and len(hs) != len(ls) and hs[0] != ls[0]:
+            return True  # shapes only line up on a model; assume a band exists
+        shape = max(hs, ls, key=len)
+        return any(_alpha_at(lo, ls, idx[: len(ls)]) < _alpha_at(h, hs, idx[: len(hs)]) for idx in _indices(shape))
+
+    def group_for(self, tier: str, head_dim: int) -> int:
+        """The group size a tier uses on a model: never more than the head dimension (a group is a
+        slice of one token's head), and for a tier the config never uses, one that divides it."""
+        g = min(getattr(self, tier).group_size, head_dim)
+        if tier == "quantized" and not self.uses_quantized_tier():
+            g = math.gcd(g, head_dim)
+        return g
+
     def validate_for_model(
         self, num_layers: int, num_kv_heads: int, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,7 +386,8 @@ class TriStateConfig:
             for f in ("original", "quantized"):
                 tier: TierFormat = getattr(self, f)
                 used = [x for x in (tier.key, tier.value) if x in INT_FORMATS]
-                if used and head_dim % tier.group_size:
+                g = self.group_for(f, head_dim)
+                if used and head_dim % g:
                     raise ValueError(
                         f"TriStateConfig.{f}.group_size={tier.group_size} must divide "
                         f"head_dim={head_dim} (groups of one token and head, used by {tier})"
@@ -333,7 +401,7 @@ class TriStateConfig:
             v = getattr(self, f.name)
             if isinstance(v, TierFormat):
                 v = v.to_dict()
-            elif f.name == "tau":
+            elif f.name in ("tau", "fidelity") and v is not None:
                 v = list(v)
             else:
                 v = copy.deepcopy(v)
@@ -438,7 +506,8 @@ class TriStateConfig:
         parts = [f"{self.name}:", f"W={self.window}"]
         if self.sink_tokens:
             parts.append(f"sinks={self.sink_tokens}")
-        parts.append(f"budget={self.budget if self.budget is not None else 'none'}")
+        unit = "" if self.budget is None or self.budget_unit == "tokens" else f" {self.budget_unit}"
+        parts.append(f"budget={self.budget if self.budget is not None else 'none'}{unit}")
         parts += [
             f"alpha_h={_alpha_str(self.alpha_h)}",
             f"alpha_l={_alpha_str(self.alpha_l)}",
@@ -505,23 +574,30 @@ _ARKV_GAMMA = 263.81
 _ARKV_SCORING: dict[str, Any] = dict(
     score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA, pool_kernel=5, window=32, obs_window=32
 )
+# ARKV's tailor: a hard budget in tokens per head, evicting down to 75% of it when exceeded (IV-F).
+_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75)
 _STREAMING_TOTAL = 1024
 
 _PRESET_VALUES: dict[str, dict[str, Any]] = {
     # Never compress: the cache must be token-identical to DynamicCache. Policy fields are inert.
-    "full": dict(compress=False, budget=None, oq_ratios=False, head_adaptive=False),
+    "full": dict(_TOKEN_BUDGET, compress=False, budget=None, oq_ratios=False, head_adaptive=False),
     # ARKV's "origin" baseline (V-C): budgeted heavy-hitter eviction, everything kept in full precision.
     # Deviation from a plain H2O-style evictor: it uses ARKV's scorer (gamma, pool 5, GQA mean) as in ARKV.
-    "evict": dict(_ARKV_SCORING, alpha_h=0.0, alpha_l=0.0, budget=1024, oq_ratios=False, head_adaptive=False),
+    "evict": dict(
+        _ARKV_SCORING, **_TOKEN_BUDGET, alpha_h=0.0, alpha_l=0.0, budget=1024, oq_ratios=False, head_adaptive=False
+    ),
     # Everything outside the window quantised, nothing evicted unless a budget is given (KIVI-style).
     # With budget=B it is ARKV's "quant" baseline, which the paper runs in fp8 (V-C: "all tokens are in
     # fp8 form"); we keep the K4V2 default tier and document that ARKV's exact baseline is
     # from_preset("quant", budget=B, quantized={"key": "fp8", "value": "fp8"}).
-    "quant": dict(_ARKV_SCORING, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False, head_adaptive=False),
+    "quant": dict(
+        _ARKV_SCORING, **_TOKEN_BUDGET, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False, head_adaptive=False
+    ),
     # StreamingLLM: 4 attention sinks + the recent window, everything else evicted (alpha_l = inf).
     # `budget=` passed to from_preset sets the total size (window = budget - sink_tokens).
     # interval 1: without a budget nothing else would stop the ring from holding `interval` extra tokens.
     "streaming": dict(
+        _TOKEN_BUDGET,
         sink_tokens=4,
         pool_kernel=1,
         window=_STREAMING_TOTAL - 4,
@@ -538,6 +614,7 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
     # Budgets evaluated in the paper: 512, 1024, 2048.
     "arkv": dict(
         _ARKV_SCORING,
+        **_TOKEN_BUDGET,
         alpha_h=0.0,
         alpha_l=0.0,
         budget=1024,
@@ -552,6 +629,7 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
     # models it evaluates); we keep group 32 so the preset runs on any head_dim divisible by 32
     # (configs/papers/diffkv/*.yaml use 128).
     "diffkv": dict(
+        _TOKEN_BUDGET,
         alpha_h=1.0,
         alpha_l=0.02,
         budget=None,
@@ -566,7 +644,7 @@ _PRESET_VALUES: dict[str, dict[str, Any]] = {
         quantized=TierFormat("int4", "int2", 32),
         interval=1,
     ),  # DiffKV re-evaluates significance every step
-    # The unified policy: the dataclass defaults.
+    # The unified policy: a memory budget (tiers chosen by value per byte), the rest are the dataclass defaults.
     "hfkv": dict(),
 }
 assert tuple(_PRESET_VALUES) == PRESETS

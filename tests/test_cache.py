@@ -103,11 +103,11 @@ def test_small_budget_manual_loop_equals_generate_and_bound_holds_every_step():
     assert int(_held(layer).max()) < ids.shape[1] + 19  # it really evicted
 
 
-def test_head_adaptive_budget_bound_holds_every_step():
-    """hfkv (head-adaptive, interval 16): a row's heads share H * budget, checked after every step."""
+def test_head_adaptive_token_budget_bound_holds_every_step():
+    """Token budget, head-adaptive, interval 16: a row's heads share H * budget, checked after every step."""
     model = tiny_model("llama")
     budget, window = 24, 8
-    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=budget, window=window, obs_window=8)
+    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=budget, window=window, obs_window=8, budget_unit="tokens")
     cache = hfkv.TriStateCache(model, cfg)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
     out = model(input_ids=ids, past_key_values=cache)
@@ -119,6 +119,73 @@ def test_head_adaptive_budget_bound_holds_every_step():
             held = _held(layer)
             assert int(held.sum(-1).max()) <= budget * held.shape[1], step
     assert int(_held(cache.layers[0]).sum()) < 2 * 80  # it really evicted
+
+
+def _held_bytes(layer) -> torch.Tensor:
+    """``[B, H]`` bytes the policy accounts for: tier records at their size + window tokens (K, V, score)."""
+    c = layer.tiers.counts
+    recs = [lay.nbytes for lay in layer.layouts]
+    win = layer.window
+    win_cost = 2 * win.k.shape[-1] * win.k.element_size() + 4
+    return c[..., ORIGINAL] * recs[0] + c[..., QUANTIZED] * recs[1] + win.count * win_cost
+
+
+@pytest.mark.parametrize("head_adaptive", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_budget_bound_holds_every_step(head_adaptive, dtype):
+    """fp_tokens budget: bytes held per head (per row when head-adaptive) never exceed budget x the bytes of
+    a model-dtype token, after prefill and after every decode step; the cache really quantizes and evicts,
+    and the pool (measured) never holds more than the records it accounts for plus page slack."""
+    model = tiny_model("llama", dtype=dtype)
+    budget, window = 48, 8
+    cfg = hfkv.TriStateConfig.from_preset(
+        "hfkv", budget=budget, window=window, obs_window=8, interval=4, head_adaptive=head_adaptive
+    )
+    cache = hfkv.TriStateCache(model, cfg)
+    ids, mask = left_padded_batch(lengths=(70, 52))
+    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    tok = out.logits[:, -1:].argmax(-1)
+    cap = budget * 2 * 32 * torch.empty((), dtype=dtype).element_size()
+    heads = 2
+    for step in range(30):
+        for layer in cache.layers:
+            held = _held_bytes(layer)
+            if head_adaptive:
+                assert int(held.sum(-1).max()) <= heads * cap, step
+            else:
+                assert int(held.max()) <= cap, step
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        out = model(input_ids=tok, attention_mask=mask, past_key_values=cache)
+        tok = out.logits[:, -1:].argmax(-1)
+    counts = cache.layers[0].tiers.counts
+    assert int(counts[..., QUANTIZED].sum()) > 0
+    st = cache.stats()
+    assert any(sum(map(sum, ls.evicted)) > 0 for ls in st.layers)
+    # The pool's capacity is within one page per (row, head, tier) of the bytes accounted for.
+    for layer in cache.layers:
+        pool = layer.tiers.pool
+        slack = 2 * heads * 2 * pool.page_bytes + pool.page_bytes
+        assert pool.num_pages * pool.page_bytes <= int(_held_bytes(layer).sum()) + slack
+
+
+@pytest.mark.parametrize("preset", ["evict", "streaming", "quant"])
+def test_presets_run_on_head_dim_16(preset):
+    """evict once failed here on the quantized tier it never uses ("group_size=32 must divide head_dim")."""
+    model = tiny_model("llama", hidden_size=64)  # 4 heads of 16
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9))
+    kw = {"quant": {"window": 8}, "streaming": {"budget": 16}}.get(preset, {"budget": 24, "window": 8})
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, **kw))
+    _generate(model, cache, ids, new=6)
+    for ls in cache.stats().layers:
+        held = [
+            [sum(x) for x in zip(*hs, strict=True)] for hs in zip(ls.window, ls.original, ls.quantized, strict=True)
+        ]
+        assert all(
+            h + e == ls.logical_length
+            for row, ev in zip(held, ls.evicted, strict=True)
+            for h, e in zip(row, ev, strict=True)
+        )
+        assert sum(map(sum, ls.evicted)) > 0 or sum(map(sum, ls.quantized)) > 0  # it compressed something
 
 
 def test_compressed_presets_run_and_respect_their_shape():

@@ -49,6 +49,10 @@ def test_preset_values() -> None:
     assert (full.compress, full.budget, full.oq_ratios, full.head_adaptive) == (False, None, False, False)
     evict = TriStateConfig.from_preset("evict")
     assert (evict.alpha_h, evict.alpha_l, evict.budget, evict.oq_ratios, evict.window) == (0.0, 0.0, 1024, False, 32)
+    # Token budgets stay paper-faithful for evict / arkv / streaming (ARKV's tailor to 75%).
+    for name in ("evict", "arkv", "streaming", "quant", "diffkv"):
+        p = TriStateConfig.from_preset(name)
+        assert (p.budget_unit, p.slack) == ("tokens", 0.75), name
     quant = TriStateConfig.from_preset("quant")
     assert (quant.alpha_h, quant.alpha_l, quant.budget, quant.oq_ratios) == (INF, 0.0, None, False)
     arkv = TriStateConfig.from_preset("arkv")
@@ -63,7 +67,7 @@ def test_preset_values() -> None:
     hfkv = TriStateConfig.from_preset("hfkv")
     assert dataclasses.replace(hfkv, name="custom") == TriStateConfig()
     assert hfkv.summary() == (
-        "hfkv: W=32 budget=1024 alpha_h=1.0 alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
+        "hfkv: W=32 budget=1024 fp_tokens alpha_h=1.0 alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
     )
 
 
@@ -193,6 +197,12 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(provenance=[1]), "provenance", "[1]"),
     (dict(provenance={"trial": (1, 2)}), "provenance.trial", "(1, 2)"),
     (dict(provenance={"loss": NAN}), "provenance.loss", "nan"),
+    (dict(budget_unit="kb"), "budget_unit", "'kb'"),
+    (dict(budget=48, window=32, interval=16), "budget", "48"),
+    (dict(budget=0, budget_unit="bytes"), "budget", "0"),
+    (dict(fidelity=(0.5, 0.9)), "fidelity", "(0.5, 0.9)"),
+    (dict(fidelity=(1.0,)), "fidelity", "(1.0,)"),
+    (dict(fidelity=(1.5, 0.5)), "fidelity", "(1.5, 0.5)"),
 ]
 
 
@@ -313,6 +323,22 @@ def test_validate_for_model_group_size() -> None:
         TriStateConfig(alpha_h=[1.0, 1.0, 1.0], alpha_l=0.0).validate_for_model(2, 2, 64)
 
 
+def test_unused_tiers_are_not_validated_and_groups_never_exceed_head_dim() -> None:
+    # evict and streaming never quantize: their quantized tier must not stop them on any head_dim.
+    for name in ("evict", "streaming", "full"):
+        cfg = TriStateConfig.from_preset(name)
+        assert not cfg.uses_quantized_tier()
+        cfg.validate_for_model(2, 2, 16)
+        cfg.validate_for_model(2, 2, 48)
+        assert 48 % cfg.group_for("quantized", 48) == 0
+    # A group larger than the head is the whole head (one group per token and head).
+    quant = TriStateConfig.from_preset("quant", quantized={"group_size": 128})
+    assert quant.uses_quantized_tier() and quant.group_for("quantized", 64) == 64
+    quant.validate_for_model(2, 2, 64)
+    assert TriStateConfig.from_preset("evict", alpha_h=[0.5, 0.0]).uses_quantized_tier()
+    assert TriStateConfig.from_preset("hfkv").uses_quantized_tier()  # a memory budget may always quantize
+
+
 # ---------------------------------------------------------------------------------------- property test
 _pos = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
 _alpha_h = st.one_of(
@@ -354,8 +380,10 @@ _tier = st.builds(
 
 @st.composite
 def valid_configs(draw: st.DrawFn) -> TriStateConfig:
-    window, sinks = draw(st.integers(1, 64)), draw(st.integers(0, 8))
-    budget = draw(st.one_of(st.none(), st.integers(window + 2 * sinks + 2, 4096)))
+    window, sinks, interval = draw(st.integers(1, 64)), draw(st.integers(0, 8)), draw(st.integers(1, 16))
+    unit = draw(st.sampled_from(["tokens", "fp_tokens", "bytes"]))
+    # Valid for every unit (fp_tokens: the ring of window + interval tokens and the sinks, with slack >= 0.5).
+    budget = draw(st.one_of(st.none(), st.integers(window + interval + 2 * sinks + 2, 4096)))
     alpha_h, alpha_l = draw(_alphas())
     return TriStateConfig(
         name=draw(st.text(min_size=1, max_size=12)),
@@ -372,13 +400,15 @@ def valid_configs(draw: st.DrawFn) -> TriStateConfig:
         alpha_h=alpha_h,
         alpha_l=alpha_l,
         budget=budget,
+        budget_unit=unit,
         slack=draw(st.floats(0.5, 1.0)),
         head_adaptive=budget is not None and draw(st.booleans()),
-        interval=draw(st.integers(1, 16)),
+        interval=interval,
         original=draw(_tier),
         quantized=draw(_tier),
         page_bytes=4 * draw(st.integers(16, 4096)),
         backend=draw(st.sampled_from(["auto", "torch", "triton"])),
+        fidelity=draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 1.0), st.floats(0.0, 0.5)))),
         provenance=draw(_provenance),
     )
 
