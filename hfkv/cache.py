@@ -258,6 +258,7 @@ class TriStateLayer(CacheLayerMixin):
                 self.fidelity,
                 cfg.head_adaptive,
                 cap,
+                cfg.score_prior,
             )
         return classify(
             scores,

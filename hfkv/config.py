@@ -191,6 +191,10 @@ class TriStateConfig:
     # Value an original / quantized token keeps relative to full precision, for memory budgets (how much
     # significance a quantized token is worth per byte). None: the measured table of hfkv.quant.fidelity.
     fidelity: tuple[float, float] | None = None
+    # Memory budgets: significance every token is credited with on top of its score, in units of uniform
+    # attention 1/N. Past attention predicts future attention only roughly, and an evicted token is gone
+    # while a quantized one is only blurred: a prior keeps more tokens (quantized) before upgrading any.
+    score_prior: float = 0.0
     page_bytes: int | None = None  # None: chosen per layer so every tier's records tile pages exactly
     backend: str = "auto"
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -241,6 +245,9 @@ class TriStateConfig:
         if not _is_real(self.gamma) or math.isnan(self.gamma) or self.gamma < 0 or math.isinf(self.gamma):
             raise _fail(f"{w}.gamma", self.gamma, "a finite number >= 0")
         self.gamma = float(self.gamma)
+        if not _is_real(self.score_prior) or not math.isfinite(self.score_prior) or self.score_prior < 0:
+            raise _fail(f"{w}.score_prior", self.score_prior, "a finite number >= 0")
+        self.score_prior = float(self.score_prior)
         if not _is_real(self.slack) or math.isnan(self.slack) or not 0 < self.slack <= 1:
             raise _fail(f"{w}.slack", self.slack, "a number in (0, 1]")
         self.slack = float(self.slack)

@@ -134,13 +134,13 @@ def _f32_key(x: float) -> float:
 
 
 def reference_allocate(
-    scores, state, sink, logical_len, alpha_h, alpha_l, room, cost, fidelity, head_adaptive, exact_cap=None
+    scores, state, sink, logical_len, alpha_h, alpha_l, room, cost, fidelity, head_adaptive, exact_cap=None, prior=0.0
 ):
     """Loop version of ``hfkv.policy.budget.allocate``, written from its docstring; nested lists out.
 
     Items per token: keep (cost c1) and upgrade (cost c0 - c1, only for ORIGINAL tokens). Order:
-    tokens at or above alpha_h / N first, then value per byte (fp32), then slot, head, keep before
-    upgrade. Items are taken in order while their cumulative cost fits the room left after the
+    value per byte (fp32; both items of a token at or above alpha_h / N at the exact tier's rate), then
+    slot, head, keep before upgrade. Items are taken in order while their cumulative cost fits the room left after the
     sinks; upgrades past ``exact_cap`` are skipped.
     """
     sc, st, sk = _as_list(scores), _as_list(state), _as_list(sink)
@@ -178,11 +178,14 @@ def reference_allocate(
                 if cur == EVICTED:
                     continue
                 cand.append((b, h, n))
-                first = cur == ORIGINAL and s >= np.float32(a_h[h]) / length
-                rate = k_rate if cur == ORIGINAL else np.float32(f1 / c1)
-                items.append((0 if first else 1, -_f32_key(s * rate), 0, n, h, b, c1))
+                exact_only = cur == ORIGINAL and s >= np.float32(a_h[h]) / length
+                if prior:
+                    s = np.float32(s + np.float32(prior) / length)
+                e_rate = np.float32(f0 / c0)
+                rate = e_rate if cur == ORIGINAL and (exact_only or not pays) else np.float32(f1 / c1)
+                items.append((-_f32_key(s * rate), 0, n, h, b, c1))
                 if cur == ORIGINAL:
-                    items.append((0 if first else 1, -_f32_key(s * u_rate), 1, n, h, b, c0 - c1))
+                    items.append((-_f32_key(s * (e_rate if exact_only else u_rate)), 1, n, h, b, c0 - c1))
         r = room_l[b0] if head_adaptive else room_l[b0][heads[0][1]]
         cap = None if cap_l is None else (cap_l[b0] if head_adaptive else cap_l[b0][heads[0][1]])
         left = r - sink_bytes
@@ -192,7 +195,7 @@ def reference_allocate(
             continue  # (the vectorised version decides this for all rows at once; same result)
         kept, upgraded, spent, ups = set(), set(), 0, 0
         stopped = False
-        for _, _, kind, n, h, b, c in sorted(items, key=lambda it: (it[0], it[1], it[3], it[4], it[2])):
+        for _, kind, n, h, b, c in sorted(items, key=lambda it: (it[0], it[2], it[3], it[1])):
             if kind == 1:
                 if cap is not None and ups >= cap:
                     continue

@@ -21,7 +21,7 @@ from tests.policy_reference import reference_allocate
 
 
 @st.composite
-def cases(draw, max_n=7, with_floors=True, with_cap=True):
+def cases(draw, max_n=7, with_floors=True, with_cap=True, with_prior=True):
     b, h, n = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(0, max_n))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
@@ -43,7 +43,9 @@ def cases(draw, max_n=7, with_floors=True, with_cap=True):
     rows = (b,) if ha else (b, h)
     room = torch.randint(0, c0 * (n + 1) * (h if ha else 1) + 1, rows, generator=g)
     cap = torch.randint(0, n + 1, rows, generator=g) if with_cap and draw(st.booleans()) else None
+    prior = draw(st.sampled_from([0.0, 0.0, 0.5, 4.0])) if with_prior else 0.0
     return dict(
+        prior=prior,
         scores=scores,
         state=state,
         sink=sink,
@@ -96,7 +98,7 @@ def _value(states, scores, fid):
 
 
 @settings(max_examples=150, deadline=None)
-@given(cases(max_n=4, with_floors=False, with_cap=False))
+@given(cases(max_n=4, with_floors=False, with_cap=False, with_prior=False))
 def test_allocate_is_within_one_item_of_the_brute_force_optimum(case):
     """Every feasible assignment (no promotion, sinks fixed, bytes <= room) is enumerated per row."""
     scores, state, sink, ha = case["scores"], case["state"], case["sink"], case["head_adaptive"]
@@ -167,7 +169,8 @@ def test_floors_and_exact_cap():
         fidelity=(1.0, 0.9),
         head_adaptive=False,
     )
-    # alpha_l / N = 0.075: the last token goes though it would fit; alpha_h / N = 0.2 puts the first two first.
+    # alpha_l / N = 0.075: the last token goes though it would fit; alpha_h / N = 0.2: the first two are exact
+    # or nothing (ranked at the exact rate), the third is worth more per byte quantized.
     new = allocate(
         scores, state, alpha_h=torch.tensor([0.8]), alpha_l=torch.tensor([0.3]), room=torch.tensor([[230]]), **kw
     )
@@ -201,3 +204,23 @@ def test_allocate_rejects_bad_costs_and_shapes():
         allocate(room=torch.tensor([[10]]), cost=(10, 20), **kw)
     with pytest.raises(ValueError, match="room must have shape"):
         allocate(room=torch.tensor([10]), cost=(20, 10), **kw)
+
+
+def test_prior_keeps_coverage_before_precision():
+    """A heavy hitter and two unattended tokens; room for one exact token or three quantized ones.
+    Without a prior the heavy hitter is kept exact and the others dropped; a prior keeps all three."""
+    scores = torch.tensor([[[0.9, 0.0, 0.0]]])
+    state = torch.full((1, 1, 3), ORIGINAL, dtype=torch.int8)
+    kw = dict(
+        state=state,
+        sink=torch.zeros(1, 1, 3, dtype=torch.bool),
+        logical_len=torch.tensor([3]),
+        alpha_h=torch.tensor([np.inf]),
+        alpha_l=torch.tensor([0.0]),
+        room=torch.tensor([[100]]),
+        cost=(100, 30),
+        fidelity=(1.0, 0.9),
+        head_adaptive=False,
+    )
+    assert allocate(scores, **kw).tolist() == [[[ORIGINAL, EVICTED, EVICTED]]]
+    assert allocate(scores, prior=1.0, **kw).tolist() == [[[QUANTIZED, QUANTIZED, QUANTIZED]]]

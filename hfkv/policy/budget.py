@@ -23,10 +23,17 @@ point): tokens are then kept exact or dropped, and a token cut off between its t
 its quantized copy. The same scan runs per (row, head), or per layer row across heads with
 ``head_adaptive`` (AdaKV-style sharing of the layer's bytes).
 
+**A prior.** Attention received so far predicts attention to come only roughly: a token nobody
+attends now may be the one a later step needs (the definition a chain of thought reaches next),
+and an evicted token is gone while a quantized one is merely blurred. ``prior`` credits every
+token with ``prior / N`` more significance (``1 / N`` is uniform attention) in the item values:
+large priors keep as many tokens as the bytes allow before any is upgraded to exact, ``0`` is
+the pure attention-mass objective.
+
 **Inputs from the papers.** DiffKV's thresholds become floors, not a separate mechanism:
-``score < alpha_l / N`` is evicted whatever the room (per-head dynamic sparsity); ``score >=
-alpha_h / N`` ranks the token's items ahead of all others (kept exact first, as long as bytes
-last). ARKV's OQ ratio becomes a cap on the number of exact tokens (``exact_cap``): upgrades past
+``score < alpha_l / N`` is evicted whatever the room (per-head dynamic sparsity); a token with
+``score >= alpha_h / N`` is kept exact or not at all (both its items are ranked at the exact
+tier's value per byte, as DiffKV keeps significant tokens in high precision). ARKV's OQ ratio becomes a cap on the number of exact tokens (``exact_cap``): upgrades past
 the cap are skipped, and their bytes go to keeping more tokens quantized.
 
 **Constraints.** No promotion: a QUANTIZED token has only its keep item; EVICTED stays evicted.
@@ -59,12 +66,11 @@ def held_bytes_of(state: Tensor, cost: tuple[int, int]) -> Tensor:
     return (state == ORIGINAL).sum(-1) * cost[0] + (state == QUANTIZED).sum(-1) * cost[1]
 
 
-def _item_order(cls: Tensor, eff: Tensor) -> Tensor:
-    """Permutation of the last dim sorting items by class desc, then efficiency desc; ties keep their
-    flattened order (slot, head, keep before upgrade), so a token's two items stay together when the
-    hull ranks them alike."""
+def _item_order(present: Tensor, eff: Tensor) -> Tensor:
+    """Permutation of the last dim sorting present items by efficiency desc, absent ones last; ties keep
+    their flattened order (slot, head, keep before upgrade), so a token's two items stay in order."""
     desc = ((1 << 32) - 1) - (_ordered_key(eff) + (1 << 31))
-    return torch.sort((1 - cls.to(torch.int64)) << 33 | desc, dim=-1, stable=True).indices
+    return torch.sort((~present).to(torch.int64) << 33 | desc, dim=-1, stable=True).indices
 
 
 def allocate(
@@ -79,6 +85,7 @@ def allocate(
     fidelity: tuple[float, float],
     head_adaptive: bool,
     exact_cap: Tensor | None = None,
+    prior: float = 0.0,
 ) -> Tensor:
     """New states ``[B, H, N]`` (int8) of the non-window slots of one layer under a byte budget.
 
@@ -94,6 +101,8 @@ def allocate(
         fidelity: value kept by an ``ORIGINAL`` / ``QUANTIZED`` token (``f_0 >= f_1 >= 0``).
         head_adaptive: one scan per layer row across heads instead of one per head.
         exact_cap: most ``ORIGINAL`` non-sink tokens, shaped like ``room``, or None.
+        prior: significance every token is credited with on top of its score, in units of ``1 / N``
+            (uniform attention), in the item values only (floors use the raw score).
 
     Guarantees: the bytes held (``held_bytes_of``) are at most ``room`` wherever the sinks alone
     fit; no token is promoted.
@@ -122,13 +131,13 @@ def allocate(
     sink = sink.to(torch.bool)
     movable = ~sink
 
-    # Floors: below alpha_l / N is evicted whatever the room; at or above alpha_h / N goes first.
+    # Floors: below alpha_l / N is evicted whatever the room; at or above alpha_h / N is exact or nothing.
     length = logical_len.to(device=device).clamp(min=1).to(torch.float32).view(b, 1, 1)
     evict = movable & (scores < _per_head(alpha_l, h, device) / length)
     new = torch.where(evict, torch.full_like(state, EVICTED), state)
     cand = movable & (new != EVICTED)
     can_exact = cand & (new == ORIGINAL)
-    first = can_exact & (scores >= _per_head(alpha_h, h, device) / length)
+    exact_only = can_exact & (scores >= _per_head(alpha_h, h, device) / length)
 
     def per_row(x: Tensor) -> Tensor:  # [B, H] -> rows
         return x.sum(1) if head_adaptive else x
@@ -142,23 +151,25 @@ def allocate(
         return new
 
     # Items: [B, H, N, 2] = (keep, upgrade); efficiency = value per byte.
+    if prior:
+        scores = scores + prior / length
     pays = quantizing_pays((c0, c1), (f0, f1))
+    exact_rate = scores * (f0 / c0)
     # An already quantized token can only be kept quantized: its keep item is worth s * f1 whatever pays.
-    keep_eff = torch.where(can_exact, scores * (f1 / c1 if pays else f0 / c0), scores * (f1 / c1))
-    up_eff = scores * ((f0 - f1) / (c0 - c1) if pays and c0 > c1 else f0 / c0)  # c0 == c1: a free upgrade
+    keep_eff = torch.where(can_exact & (exact_only | (not pays)), exact_rate, scores * (f1 / c1))
+    up_eff = exact_rate if not pays or c0 == c1 else scores * ((f0 - f1) / (c0 - c1))  # c0 == c1: a free upgrade
+    up_eff = torch.where(exact_only, exact_rate, up_eff)
     eff = torch.stack([keep_eff, up_eff], -1)
     present = torch.stack([cand, can_exact], -1)
-    cls = torch.stack([first, first], -1)
     item_cost = torch.tensor([c1, c0 - c1], device=device, dtype=torch.int64).expand(b, h, n, 2)
     # Flatten to rows: per head [B*H, N*2] (n-major, keep before upgrade); head-adaptive [B, N*H*2].
     if head_adaptive:
         flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, n * h * 2)  # noqa: E731
     else:
         flat = lambda x: x.reshape(b * h, n * 2)  # noqa: E731
-    eff_f, present_f, cls_f, cost_f = flat(eff), flat(present), flat(cls), flat(item_cost)
+    eff_f, present_f, cost_f = flat(eff), flat(present), flat(item_cost)
     is_up = flat(torch.tensor([False, True], device=device).expand(b, h, n, 2))
-    # Absent items sort last (class -1 below everything).
-    order = _item_order(torch.where(present_f, cls_f.to(torch.int64), -1), torch.where(present_f, eff_f, 0.0))
+    order = _item_order(present_f, torch.where(present_f, eff_f, 0.0))
     p_sorted = present_f.gather(-1, order)
     up_sorted = is_up.gather(-1, order)
     allowed = p_sorted

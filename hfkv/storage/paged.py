@@ -33,19 +33,21 @@ def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def auto_page_bytes(
-    record_sizes: Sequence[int], low: int = 2048, high: int = 16384, max_tail_waste: float = 0.01
+    record_sizes: Sequence[int], records: int = 8, high: int = 16384, max_tail_waste: float = 0.01
 ) -> int:
-    """The smallest page in ``[low, high]`` whose tail waste is under ``max_tail_waste`` for every tier.
+    """The smallest page holding at least ``records`` of the largest record whose tail waste is under
+    ``max_tail_waste`` for every tier.
 
     Unified pages hold a different number of tokens per tier, so a fixed power of two wastes
     ``page % record`` bytes on every page (12% for bf16 records at head_dim 128 in 4 KiB pages).
-    Candidates are multiples of the largest record. Around 2 KiB balances the two per-head costs
-    of a page size: the half-filled last page of each head (grows with the page) and the page table
-    and free stack entries (4 + 4 bytes per page, shrink with it).
+    Candidates are multiples of the largest record. About 8 of them per page balances the two
+    per-head costs of a page size, which both scale with the record size: the half-filled last page
+    of each head (grows with the page) and the page table and free stack entries (4 + 4 bytes per
+    page, shrink with it). Falls back to the least wasteful candidate.
     """
     big = max(record_sizes)
     best = None
-    for k in range(max(1, -(-low // big)), max(1, high // big) + 1):
+    for k in range(records, max(records, high // big) + 1):
         page = k * big
         waste = sum((page % r) / page for r in record_sizes)
         if waste <= max_tail_waste:
