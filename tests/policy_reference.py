@@ -153,7 +153,6 @@ def reference_allocate(
     c0, c1 = cost
     f0, f1 = fidelity
     pays = f1 * c0 >= f0 * c1
-    k_rate = np.float32(f1 / c1 if pays else f0 / c0)
     u_rate = np.float32((f0 - f1) / (c0 - c1) if pays and c0 > c1 else f0 / c0)
     room_l = _as_list(room)
     cap_l = _as_list(exact_cap) if exact_cap is not None else None
@@ -163,7 +162,7 @@ def reference_allocate(
         if head_adaptive
         else [[(b, h)] for b in range(b_n) for h in range(h_n)]
     )
-    for gi, heads in enumerate(groups):
+    for heads in groups:
         b0 = heads[0][0]
         length = np.float32(max(1, lens[b0]))
         items, sink_bytes, cand = [], 0, []

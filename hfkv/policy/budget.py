@@ -33,8 +33,9 @@ the pure attention-mass objective.
 **Inputs from the papers.** DiffKV's thresholds become floors, not a separate mechanism:
 ``score < alpha_l / N`` is evicted whatever the room (per-head dynamic sparsity); a token with
 ``score >= alpha_h / N`` is kept exact or not at all (both its items are ranked at the exact
-tier's value per byte, as DiffKV keeps significant tokens in high precision). ARKV's OQ ratio becomes a cap on the number of exact tokens (``exact_cap``): upgrades past
-the cap are skipped, and their bytes go to keeping more tokens quantized.
+tier's value per byte, as DiffKV keeps significant tokens in high precision). ARKV's OQ ratio
+becomes a cap on the number of exact tokens (``exact_cap``): upgrades past the cap are skipped,
+and their bytes go to keeping more tokens quantized.
 
 **Constraints.** No promotion: a QUANTIZED token has only its keep item; EVICTED stays evicted.
 Sinks never change state; their bytes are taken from the room first. Ties break by slot index,
