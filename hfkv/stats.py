@@ -20,6 +20,15 @@ class LayerStats:
     evicted: list[list[int]] = field(default_factory=list)
     compressed: bool = True
 
+    def totals(self) -> dict[str, int]:
+        """Tokens per state summed over batch rows and KV heads (``window`` first, then ``STATE_NAMES``)."""
+        return {name: sum(map(sum, getattr(self, name))) for name in ("window", *STATE_NAMES)}
+
+    def _repr_html_(self) -> str:
+        from hfkv.inspect import stats_html
+
+        return stats_html([self])
+
 
 @dataclass
 class CacheStats:
@@ -55,13 +64,41 @@ class CacheStats:
                     )
         return pd.DataFrame(rows)
 
+    def layer_frame(self):
+        """One row per layer: bytes, compression and tokens per state summed over rows and heads.
+
+        The per-layer view a plot of "where the memory goes" needs, without re-aggregating
+        :meth:`to_dataframe` (whose rows repeat each layer's bytes once per (row, head)).
+        """
+        import pandas as pd
+
+        rows = [
+            {
+                "layer": ls.layer,
+                "compressed": ls.compressed,
+                "tokens": ls.logical_length,
+                "kv_bytes": ls.kv_bytes,
+                "dense_bytes": ls.dense_bytes,
+                "compression": ls.dense_bytes / ls.kv_bytes if ls.kv_bytes else float("inf"),
+                **ls.totals(),
+            }
+            for ls in self.layers
+        ]
+        columns = ["layer", "compressed", "tokens", "kv_bytes", "dense_bytes", "compression", "window", *STATE_NAMES]
+        return pd.DataFrame(rows, columns=columns)
+
+    def _repr_html_(self) -> str:
+        from hfkv.inspect import stats_html
+
+        return stats_html(self.layers, kv_bytes=self.kv_bytes, dense_bytes=self.dense_bytes)
+
     def __str__(self) -> str:
         lines = [
             f"CacheStats: kv_bytes={self.kv_bytes:,} dense_bytes={self.dense_bytes:,} "
             f"compression_ratio={self.compression_ratio:.2f}x"
         ]
         for ls in self.layers:
-            tot = {n: sum(map(sum, getattr(ls, n))) for n in ("window", *STATE_NAMES)}
+            tot = ls.totals()
             lines.append(
                 f"  layer {ls.layer:>3}: len={ls.logical_length:>6} kv={ls.kv_bytes:>12,}B "
                 f"dense={ls.dense_bytes:>12,}B " + " ".join(f"{k}={v}" for k, v in tot.items())
