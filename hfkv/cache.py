@@ -56,6 +56,9 @@ class TriStateLayer(CacheLayerMixin):
         self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
         self.steps_since_policy = 0
         self._chunk: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # Tokens a multi-token chunk pushed out of the window: attended densely by the chunk's queries,
+        # classified (with those scores) right after, so they are written once, to the tier they end in.
+        self._exits: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
@@ -166,32 +169,21 @@ class TriStateLayer(CacheLayerMixin):
         q = key_states.shape[2]
         self._chunk = (key_states, value_states, self.length)
         if self.length > 0:
-            self._ingest(key_states, value_states, self.length)
+            exits = self.window.push(key_states, value_states, self.length)
+            self._exits = exits if exits[2].numel() else None
         self.length += q
-        if self.length > q:
+        if self.length > q and self._exits is None:
             self._maybe_run_policy()
         set_pending(self)
         return key_states, value_states
 
     # ------------------------------------------------------------ internals
-    def _ingest(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """New tokens enter the window; those pushed out enter the original tier."""
-        self._to_original(*self.window.push(k, v, start))
-
     def _not_padding(self, pos: torch.Tensor) -> torch.Tensor:
         """``[B, H, m]``: which of the window tokens at ``pos [m]`` are real (left padding is never kept)."""
         m = pos.numel()
         return (pos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(
             self.window.k.shape[0], self.window.k.shape[1], m
         )
-
-    def _to_original(self, ok: torch.Tensor, ov: torch.Tensor, opos: torch.Tensor, oscore: torch.Tensor) -> None:
-        """Tokens pushed out of the window by a multi-token chunk enter the original tier; padding is dropped."""
-        if opos.numel() == 0:
-            return
-        new = torch.where(self._not_padding(opos), ORIGINAL, EVICTED).to(torch.int8)
-        self._admit(ok, ov, opos, oscore, new, check_finite=False)
-        self._refresh_tier_peak()
 
     def _admit(self, k, v, pos: torch.Tensor, score: torch.Tensor, new: torch.Tensor, check_finite: bool) -> None:
         """Write already-classified tokens straight into their tiers (``k, v [B, H, m, D]``, ``pos [m]``).
@@ -275,12 +267,17 @@ class TriStateLayer(CacheLayerMixin):
             rho,
         )
 
-    def run_policy(self) -> None:
-        """Re-classify every non-window token (DESIGN §3) and move/evict what changed state."""
+    def run_policy(self, exits: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Re-classify every non-window token (DESIGN §3) and move/evict what changed state.
+
+        Tokens past the newest W leave the window now (or ``exits``, those a chunk pushed out) and are
+        classified together with the tiers, as candidates for the original tier (padding: evicted),
+        then written where they belong.
+        """
         self.steps_since_policy = 0
-        # Tokens past the newest W leave the window now and are classified together with the tiers,
-        # as candidates for the original tier (padding: evicted), then written where they belong.
-        ek, ev, epos, escore = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
+        if exits is None:
+            exits = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
+        ek, ev, epos, escore = exits
         bsz, heads, m = escore.shape
         pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
         pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
@@ -365,6 +362,11 @@ class TriStateLayer(CacheLayerMixin):
         win = self.window
         bsz, heads = win.k.shape[:2]
         parts, tags, sizes = [(win.k, win.v)], [(win.pos + 1).to(torch.int32).expand(bsz, heads, -1)], [win.capacity]
+        exits, self._exits = self._exits, None
+        if exits is not None:
+            parts.append((exits[0], exits[1]))
+            tags.append((exits[2] + 1).to(torch.int32).expand(bsz, heads, -1))
+            sizes.append(exits[2].numel())
         for tier, lay in enumerate(self.layouts):
             rec = self.tiers.read_slots(tier)  # whole pages; empty slots have tag 0 and decode finite
             if rec.shape[2]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
@@ -381,11 +383,16 @@ class TriStateLayer(CacheLayerMixin):
         out, probs = slot_attention(query, parts, slot_index, mask, scaling)
         received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
         received = received.squeeze(2) if q == 1 else received.sum(2)
-        w_delta, *tier_deltas = torch.split(received, sizes, dim=-1)
+        w_delta, *rest = torch.split(received, sizes, dim=-1)
         win.add_scores(w_delta)
-        for tier, d in enumerate(tier_deltas):
+        if exits is not None:
+            exit_delta, *rest = rest
+            exits = (*exits[:3], exits[3] + exit_delta)
+        for tier, d in enumerate(rest):
             if d.shape[-1]:  # straight into the records' score fields: masked slots received exact zeros
                 self.tiers.add_scores(tier, d)
+        if exits is not None:
+            self.run_policy(exits)
         return out
 
     # ------------------------------------------------------- batch surgery
