@@ -13,7 +13,7 @@ def test_cpu_cache_figures_writes_ratios(tmp_path, monkeypatch):
     out = tmp_path / "figures.json"
     argv = [
         "cpu_cache_figures.py",
-        *("--prompt", "80", "--new-tokens", "4", "--budget", "48", "--long-context", "160"),
+        *("--prompt", "80", "--new-tokens", "4", "--budget", "64", "--long-context", "160"),
         *("--short-context", "40", "--steps", "3", "--timed", "hfkv,evict", "--out", str(out)),
     ]
     monkeypatch.setattr(sys, "argv", argv)
