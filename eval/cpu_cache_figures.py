@@ -6,6 +6,9 @@ Model: random-weight Llama, 8 layers, hidden 512, 8 heads, 2 KV heads (head_dim 
 3. Decode step time at a short context (<= budget) -> hfkv's overhead; ``evict`` alongside, which
    at short context compresses nothing, to separate the cost of paging from that of dequantizing.
 
+The interleaved timing is ``hfkv.evaluation.bench.interleaved_decode_times`` (what ``hfkv bench`` uses);
+``hfkv bench --random-like cpu-small`` measures the same model over more contexts, methods and batches.
+
     python eval/cpu_cache_figures.py --out eval/results/cpu_cache_figures.json
 """
 
@@ -22,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 import hfkv
+from hfkv.evaluation.bench import interleaved_decode_times
 from hfkv.random_model import build_random_model
 from hfkv.storage import dynamic_cache_bytes
 
@@ -69,39 +73,6 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
         )
         print(f"  {name:>9}: kv_bytes={kv:>12,} ratio={dense / kv:6.2f}x generate={secs:6.1f}s", flush=True)
     return rows
-
-
-@torch.inference_mode()
-def _fill(model, cache, context: int, chunk: int = 1024) -> torch.Tensor:
-    """Fill ``cache`` to ``context`` tokens (chunked prefill); return the next greedy token."""
-    ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(2))
-    out = None
-    for s in range(0, context, chunk):
-        out = model(input_ids=ids[:, s : s + chunk], past_key_values=cache)
-    return out.logits[:, -1:].argmax(-1)
-
-
-@torch.inference_mode()
-def interleaved_decode_times(model, caches: dict, context: int, steps: int) -> dict[str, tuple[float, float]]:
-    """Time single-token decode steps of several caches at ``context``, interleaved step by step.
-
-    Interleaving exposes every cache to the same machine state (a shared VM drifts by 20-30% over a
-    minute), so the ratios are trustworthy even when the absolute times move. Returns
-    ``{name: (median, mean)}`` seconds per step; the mean includes the batched policy runs.
-    """
-    toks = {name: _fill(model, cache, context) for name, cache in caches.items()}
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    for i in range(steps + 2):
-        for name, cache in caches.items():
-            t0 = time.perf_counter()
-            out = model(input_ids=toks[name], position_ids=torch.tensor([[context + i]]), past_key_values=cache)
-            toks[name] = out.logits[:, -1:].argmax(-1)
-            times[name].append(time.perf_counter() - t0)
-    result = {}
-    for name, ts in times.items():
-        ts = sorted(ts[2:])  # drop warm-up steps
-        result[name] = (ts[len(ts) // 2], sum(ts) / len(ts))
-    return result
 
 
 def main() -> None:

@@ -1,0 +1,521 @@
+"""``hfkv bench``: memory and speed of caches as ratios to a DynamicCache measured in the same process.
+
+A shared machine drifts (another job starts, clocks change), so absolute times from separate runs
+cannot be compared; ratios measured side by side can. For every (context, batch) group all caches
+are filled with the same random prompt, then timed in turns: the prefills in rounds (method A, B, ...,
+then again), the decode steps one step of each cache after the other, so every cache sees the same
+machine state. Reported per cache: KV bytes held (``hfkv.storage.cache_bytes``), compression, prefill
+time, decode step time (median and mean; the mean includes batched policy runs) and tokens/s, peak
+memory, and each as a ratio to DynamicCache.
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over a prefill + decode run of that cache
+alone, minus what was allocated before (weights), i.e. cache plus activations. On CPU there is no
+allocator counter to read, so the figure is the largest number of bytes the cache held at any point
+of the run (sampled after the prefill and after every decode step) — the cache's own peak, not the
+process's. On CUDA ``--max-batch-context`` also searches the largest batch that fits at that context
+for each cache (the throughput claim of DiffKV and KV-Compress).
+
+    hfkv bench --random-like cpu-small --methods dynamic,hfkv,evict,quant --budgets 1024 \\
+        --contexts 512,2048,8192 --dtype fp32 --name cpu_small_fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEFAULT_METHODS = "dynamic,hfkv,evict,quant"
+DEFAULT_OUT = "eval/results/bench"
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class Clock:
+    """Wall time of a region: CUDA events on a GPU (no host sync inside the region), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self._pending: list[tuple[Any, Any, list[float], int]] = []
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, token, into: list[float]) -> None:
+        """Append the seconds since ``token`` to ``into`` (for CUDA once :meth:`resolve` has run)."""
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            into.append(float("nan"))
+            self._pending.append((token, ev, into, len(into) - 1))
+        else:
+            into.append(time.perf_counter() - token)
+
+    def resolve(self) -> None:
+        if self.cuda and self._pending:
+            torch.cuda.synchronize()
+            for a, b, into, i in self._pending:
+                into[i] = a.elapsed_time(b) / 1e3
+            self._pending.clear()
+
+
+def random_prompt(vocab: int, batch: int, context: int, seed: int = 2) -> torch.Tensor:
+    """Token ids ``[batch, context]`` in ``[3, vocab)`` (avoids the usual special ids 0-2)."""
+    return torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def fill_cache(model, cache, ids: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """Prefill ``cache`` with ``ids`` (in chunks of ``chunk`` tokens; 0 = one forward); next greedy tokens."""
+    ids = ids.to(model.device)
+    step = chunk or ids.shape[1]
+    out = None
+    for s in range(0, ids.shape[1], step):
+        out = model(input_ids=ids[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1:].argmax(-1)
+
+
+@torch.inference_mode()
+def decode_step(model, cache, tokens: torch.Tensor, position: int) -> torch.Tensor:
+    """One single-token forward of every row at logical ``position``; the next greedy tokens."""
+    pos = torch.full((tokens.shape[0], 1), position, dtype=torch.long, device=tokens.device)
+    out = model(input_ids=tokens, position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1:].argmax(-1)
+
+
+def interleaved_decode(
+    model,
+    caches: dict[str, Any],
+    tokens: dict[str, torch.Tensor],
+    context: int,
+    steps: int,
+    warmup: int = 2,
+    clock: Clock | None = None,
+    after_step: Callable[[str, Any], None] | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per decode step of each cache, stepping the caches in turns (one step each, repeated).
+
+    Interleaving exposes every cache to the same machine state (a shared VM drifts by 20-30% over a
+    minute), so ratios stay trustworthy when absolute times move. The first ``warmup`` steps are
+    dropped. ``after_step(name, cache)`` runs outside the timed region (memory sampling).
+    """
+    clock = clock or Clock(model.device)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    tokens = dict(tokens)
+    for i in range(warmup + steps):
+        for name, cache in caches.items():
+            t0 = clock.start()
+            tokens[name] = decode_step(model, cache, tokens[name], context + i)
+            clock.stop(t0, times[name])
+            if after_step is not None:
+                after_step(name, cache)
+            if progress is not None:
+                progress()
+    clock.resolve()
+    return {name: ts[warmup:] for name, ts in times.items()}
+
+
+def interleaved_decode_times(
+    model, caches: dict[str, Any], context: int, steps: int, chunk: int = 1024
+) -> dict[str, tuple[float, float]]:
+    """``{name: (median, mean)}`` seconds per decode step at ``context`` (caches filled here, chunked)."""
+    ids = random_prompt(model.config.vocab_size, 1, context)
+    tokens = {name: fill_cache(model, cache, ids, chunk) for name, cache in caches.items()}
+    times = interleaved_decode(model, caches, tokens, context, steps)
+    return {name: (statistics.median(ts), statistics.fmean(ts)) for name, ts in times.items()}
+
+
+# ------------------------------------------------------------------------------------ largest batch
+def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1) -> int:
+    """Largest ``b`` in ``[1, cap]`` with ``fits(b)`` (0 if even 1 does not fit), assuming monotonicity.
+
+    Doubles from ``start`` until a batch fails or ``cap`` is reached, then bisects between the last
+    batch that fitted and the first that did not: O(log cap) trials, each a real prefill + decode.
+    """
+    if cap < 1:
+        raise ValueError(f"cap={cap} must be >= 1")
+    lo, b = 0, max(1, min(start, cap))
+    while True:
+        if not fits(b):
+            hi = b
+            break
+        lo = b
+        if b == cap:
+            return cap
+        b = min(cap, b * 2)
+    while hi - lo > 1:  # lo fits (or is 0), hi does not
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def cuda_fits(model, method, context: int, decode_steps: int = 2, chunk: int = 0) -> Callable[[int], bool]:
+    """``fits(batch)``: a prefill at ``context`` and a few decode steps run without CUDA out-of-memory."""
+
+    def fits(batch: int) -> bool:
+        cache = None
+        try:
+            cache = method.make_cache(model, max_cache_len=context + decode_steps + 1)
+            ids = random_prompt(model.config.vocab_size, batch, context)
+            tok = fill_cache(model, cache, ids, chunk)
+            for i in range(decode_steps):
+                tok = decode_step(model, cache, tok, context + i)
+            torch.cuda.synchronize()
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            del cache
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return fits
+
+
+# ---------------------------------------------------------------------------------------- one group
+def _cache_bytes(cache) -> int:
+    from hfkv.storage.memory import cache_bytes
+
+    return int(cache_bytes(cache))
+
+
+def _cuda_peak(model, method, ids: torch.Tensor, steps: int, chunk: int) -> int:
+    """Peak CUDA bytes allocated above the starting point during a prefill + decode of ``method`` alone."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    cache = method.make_cache(model, max_cache_len=ids.shape[1] + steps + 1)
+    tok = fill_cache(model, cache, ids, chunk)
+    for i in range(steps):
+        tok = decode_step(model, cache, tok, ids.shape[1] + i)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del cache, tok
+    return int(peak)
+
+
+def bench_group(model, methods: list, context: int, batch: int, args, bar=None) -> list[dict[str, Any]]:
+    """All methods at one (context, batch): rows with absolute figures and ratios to ``dynamic``."""
+    device = model.device
+    clock = Clock(device)
+    ids = random_prompt(model.config.vocab_size, batch, context).to(device)
+    max_len = context + args.warmup + args.decode_steps + 1
+    prefill: dict[str, list[float]] = {m.label: [] for m in methods}
+    caches: dict[str, Any] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    peak_held: dict[str, int] = {}
+    for _ in range(args.prefill_repeats):
+        for m in methods:
+            caches.pop(m.label, None)
+            gc.collect()
+            cache = m.make_cache(model, max_cache_len=max_len)
+            t0 = clock.start()
+            tok = fill_cache(model, cache, ids, args.prefill_chunk)
+            clock.stop(t0, prefill[m.label])
+            caches[m.label], tokens[m.label] = cache, tok
+            if bar is not None:
+                bar.update(1)
+    clock.resolve()
+    for m in methods:
+        peak_held[m.label] = _cache_bytes(caches[m.label])
+    prefill_bytes = dict(peak_held)
+
+    def sample(name: str, cache) -> None:
+        peak_held[name] = max(peak_held[name], _cache_bytes(cache))
+
+    decode = interleaved_decode(
+        model,
+        caches,
+        tokens,
+        context,
+        args.decode_steps,
+        args.warmup,
+        clock,
+        after_step=sample,
+        progress=(lambda: bar.update(1)) if bar is not None else None,
+    )
+    final = {m.label: _cache_bytes(caches[m.label]) for m in methods}
+    caches.clear()
+    gc.collect()
+    cuda_peak: dict[str, int] = {}
+    if torch.device(device).type == "cuda":
+        for m in methods:
+            cuda_peak[m.label] = _cuda_peak(model, m, ids, args.warmup + args.decode_steps, args.prefill_chunk)
+    max_batch: dict[str, int] = {}
+    if torch.device(device).type == "cuda" and args.max_batch_context and context == args.max_batch_context:
+        for m in methods:
+            max_batch[m.label] = largest_fitting(cuda_fits(model, m, context, 2, args.prefill_chunk), args.max_batch)
+
+    rows = []
+    for m in methods:
+        pre = statistics.median(prefill[m.label])
+        med, mean = statistics.median(decode[m.label]), statistics.fmean(decode[m.label])
+        row = {
+            **{k: v for k, v in m.describe().items() if k != "config"},
+            "context": context,
+            "batch": batch,
+            "kv_bytes": final[m.label],
+            "kv_bytes_prefill": prefill_bytes[m.label],
+            "peak_bytes": cuda_peak.get(m.label, peak_held[m.label]),
+            "peak_kind": "cuda_max_memory_allocated" if cuda_peak else "cache_bytes_held",
+            "prefill_s": pre,
+            "decode_ms_median": med * 1e3,
+            "decode_ms_mean": mean * 1e3,
+            "decode_tok_s": batch / med if med > 0 else None,
+            "decode_steps": args.decode_steps,
+        }
+        if m.label in max_batch:
+            row["max_batch"] = max_batch[m.label]
+        rows.append(row)
+    base = next(r for r in rows if r["method"] == "dynamic")
+    for row in rows:
+        row["memory_ratio"] = row["kv_bytes"] / base["kv_bytes"]
+        row["compression"] = base["kv_bytes"] / row["kv_bytes"] if row["kv_bytes"] else None
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else None
+        row["prefill_speedup"] = base["prefill_s"] / row["prefill_s"] if row["prefill_s"] > 0 else None
+        row["decode_speedup_median"] = base["decode_ms_median"] / row["decode_ms_median"]
+        row["decode_speedup_mean"] = base["decode_ms_mean"] / row["decode_ms_mean"]
+    return rows
+
+
+# --------------------------------------------------------------------------------------- files, plots
+CSV_FIELDS = (
+    "method kind preset budget context batch kv_bytes memory_ratio compression peak_bytes peak_ratio peak_kind "
+    "prefill_s prefill_speedup decode_ms_median decode_ms_mean decode_speedup_median decode_speedup_mean "
+    "decode_tok_s max_batch"
+).split()
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    from hfkv.evaluation.results import write_text_atomic
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+    write_text_atomic(path, buf.getvalue())
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Decode speed-up and memory ratio vs context, one line per method (and batch size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hfkv.evaluation.results import write_bytes_atomic
+
+    rows = [r for g in result["groups"] for r in g["rows"]]
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "dynamic", m))
+    batches = sorted({r["batch"] for r in rows})
+    cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+    colors = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for (label, batch), pts in sorted(_series(rows).items()):
+        xs = [r["context"] for r in pts]
+        name = label if len(batches) == 1 else f"{label} (batch {batch})"
+        style = dict(marker="o", color=colors[label], ls=styles[batches.index(batch) % len(styles)], label=name)
+        axes[0].plot(xs, [r["decode_speedup_median"] for r in pts], **style)
+        axes[1].plot(xs, [r["memory_ratio"] for r in pts], **style)
+    titles = ("decode speed-up vs DynamicCache (median step)", "KV memory / DynamicCache")
+    contexts = sorted({r["context"] for r in rows})
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{result['name']}: {result['model']['description']} ({result['device']})", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["method"], r["batch"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["context"]) for k, v in out.items()}
+
+
+# -------------------------------------------------------------------------------------------- command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__
+    g = parser.add_argument_group("model (one of)")
+    g.add_argument("--model", default="testbed", help="hub id, local directory, 'testbed' (default) or 'smollm2'")
+    g.add_argument("--gguf-file", default=None, help="GGUF file inside --model (a directory or hub repo)")
+    g.add_argument("--random-like", default=None, help="random-weight model of a named shape (see --list-shapes)")
+    g.add_argument("--random-layers", type=int, default=None, help="with --random-like: keep only N layers")
+    g.add_argument("--list-shapes", action="store_true", help="print the known architecture shapes and exit")
+    c = parser.add_argument_group("what to measure")
+    c.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
+    c.add_argument("--budgets", default="1024", help="budgets for presets given without '@' (default: %(default)s)")
+    c.add_argument("--contexts", default="512,2048", help="prompt lengths in tokens (default: %(default)s)")
+    c.add_argument("--batch-sizes", default="1", help="batch sizes (default: %(default)s)")
+    c.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per cache (default 32)")
+    c.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
+    c.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per cache (median; default 1)")
+    c.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk in tokens (0: one forward)")
+    c.add_argument("--max-batch-context", type=int, default=0, help="CUDA: largest batch that fits at this context")
+    c.add_argument("--max-batch", type=int, default=256, help="upper end of the largest-batch search (default 256)")
+    r = parser.add_argument_group("run")
+    r.add_argument("--dtype", default="bf16", help="model dtype: bf16 (default), fp16, fp32")
+    r.add_argument("--device", default=None, help="cuda if available, else cpu")
+    r.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable ratios)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--name", default=None, help="result name (default: <model>_<dtype>_<device>)")
+    r.add_argument("--out-dir", default=DEFAULT_OUT, help="where <name>.json/.csv/.png go (default: %(default)s)")
+    r.add_argument("--force", action="store_true", help="re-measure (context, batch) groups already in the JSON")
+    r.add_argument("--no-plot", action="store_true")
+    r.add_argument("--no-progress", action="store_true")
+
+
+def _ints(text: str, option: str) -> list[int]:
+    from hfkv.evaluation.results import parse_list
+
+    try:
+        vals = [int(x) for x in parse_list(text)]
+    except ValueError:
+        raise SystemExit(f"{option}={text!r} must be comma-separated positive integers") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"{option}={text!r} must be comma-separated positive integers")
+    return vals
+
+
+def load_bench_model(args, max_positions: int):
+    """(model, description) from --random-like or --model / --gguf-file."""
+    from hfkv.loading import load_model, parse_dtype
+
+    dtype = parse_dtype(args.dtype)
+    if args.random_like:
+        from hfkv.evaluation.shapes import build_random_like, get_shape
+
+        shape = get_shape(args.random_like)
+        model = build_random_like(args.random_like, args.random_layers, dtype, args.device, max_positions, args.seed)
+        layers = args.random_layers or shape.layers
+        desc = f"random {args.random_like} shape ({layers} layers, {shape.kv_heads} KV heads x {shape.dim})"
+        return model, {"random_like": args.random_like, "layers": layers, "description": desc}
+    model, _ = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and max_positions > limit:
+        print(f"warning: contexts up to {max_positions} exceed max_position_embeddings={limit}", file=sys.stderr)
+    return model, {"model": args.model, "gguf_file": args.gguf_file, "description": args.model}
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tqdm.auto import tqdm
+
+    from hfkv.evaluation.methods import expand_methods
+    from hfkv.evaluation.results import git_commit, json_safe, machine_name, parse_list, provenance, write_text_atomic
+    from hfkv.evaluation.shapes import SHAPES
+
+    if args.list_shapes:
+        for name, s in SHAPES.items():
+            print(
+                f"{name:<14} {s.model_type:<8} layers={s.layers} hidden={s.hidden} heads={s.heads} "
+                f"kv_heads={s.kv_heads} head_dim={s.dim} vocab={s.vocab}"
+            )
+        return 0
+    for opt in ("decode_steps", "prefill_repeats", "max_batch"):
+        if getattr(args, opt) < 1:
+            raise SystemExit(f"--{opt.replace('_', '-')}={getattr(args, opt)} must be >= 1")
+    if args.warmup < 0 or args.prefill_chunk < 0:
+        raise SystemExit("--warmup and --prefill-chunk must be >= 0")
+    contexts = _ints(args.contexts, "--contexts")
+    batches = _ints(args.batch_sizes, "--batch-sizes")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.threads)
+    git_commit()  # the commit of the code imported now
+    methods, skipped = expand_methods(args.methods, parse_list(args.budgets))
+    for spec, why in skipped:
+        print(f"skipping {spec}: {why}", file=sys.stderr)
+    if "dynamic" not in [m.label for m in methods]:
+        methods = [*expand_methods("dynamic")[0], *methods]
+    methods = sorted(methods, key=lambda m: m.label != "dynamic")  # dynamic first: the reference
+
+    tag = args.random_like or os.path.basename(args.model.rstrip("/"))
+    name = args.name or f"{tag}_{args.dtype}_{torch.device(args.device).type}"
+    json_path = os.path.join(args.out_dir, f"{name}.json")
+    result: dict[str, Any] = {"groups": []}
+    if os.path.exists(json_path):
+        with open(json_path, encoding="utf-8") as fh:
+            result = json.load(fh)
+    labels = {m.label for m in methods}
+    done = {(g["context"], g["batch"]) for g in result.get("groups", []) if labels <= {r["method"] for r in g["rows"]}}
+    todo = [(c, b) for c in contexts for b in batches if args.force or (c, b) not in done]
+    max_pos = max(contexts) + args.warmup + args.decode_steps + 8
+    model, model_info = load_bench_model(args, max(max_pos, 4096))
+    result.update(
+        {
+            "name": name,
+            "device": machine_name(args.device),
+            "model": model_info,
+            "dtype": args.dtype,
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
+            **provenance(),
+        }
+    )
+    per_group = len(methods) * (args.prefill_repeats + args.warmup + args.decode_steps)
+    bar = tqdm(total=per_group * len(todo), desc=f"bench {name}", disable=args.no_progress)
+    for context, batch in todo:
+        bar.set_postfix_str(f"context {context} batch {batch}")
+        rows = bench_group(model, methods, context, batch, args, bar)
+        groups = [g for g in result["groups"] if (g["context"], g["batch"]) != (context, batch)]
+        groups.append({"context": context, "batch": batch, "rows": rows})
+        result["groups"] = sorted(groups, key=lambda g: (g["context"], g["batch"]))
+        write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+        for r in rows:
+            tqdm.write(
+                f"context {context:>6} batch {batch:>3} {r['method']:<14} kv={r['kv_bytes'] / 2**20:9.2f} MiB "
+                f"({r['compression']:.2f}x) prefill={r['prefill_s']:.3f}s ({r['prefill_speedup']:.2f}x) "
+                f"decode={r['decode_ms_median']:.2f} ms/step ({r['decode_speedup_median']:.2f}x median, "
+                f"{r['decode_speedup_mean']:.2f}x mean)" + (f" max_batch={r['max_batch']}" if "max_batch" in r else "")
+            )
+    bar.close()
+    if not result["groups"]:
+        raise SystemExit("nothing measured")
+    rows = [r for g in result["groups"] for r in g["rows"]]
+    write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    write_csv(os.path.join(args.out_dir, f"{name}.csv"), rows)
+    if not args.no_plot:
+        plot(result, os.path.join(args.out_dir, f"{name}.png"))
+    print(f"wrote {json_path} (+ .csv{'' if args.no_plot else ', .png'})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hfkv bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

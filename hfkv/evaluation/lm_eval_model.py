@@ -1,0 +1,173 @@
+"""lm-eval model ``hfkv``: Hugging Face's ``HFLM`` with a fresh hfkv cache for every ``generate`` call.
+
+"Does my model still score the same with this cache?" is answered by running the same lm-eval task
+with ``--model hf`` and ``--model hfkv``; everything but the cache is lm-eval's own code path
+(tokenisation, left-padded batches, stop sequences, filters, metrics).
+
+    lm_eval ... --model hfkv --model_args pretrained=<id|path|testbed|smollm2>,hfkv_config=hfkv@512,alpha_h=0.8
+
+``hfkv_config`` is any method spec of :mod:`hfkv.evaluation.methods` (a preset, ``preset@budget``, a YAML
+path, or a baseline such as ``dynamic`` / ``quanto-int4`` for a like-for-like comparison); further
+``model_args`` that name a ``TriStateConfig`` field (``budget=512``, ``alpha_h=0.8``, ``quantized.key=fp8``)
+or carry an ``hfkv.`` prefix (``hfkv.backend=torch``; ``backend`` alone is HFLM's own argument) are
+overrides. Only generation uses the cache: loglikelihood requests run the model without a cache,
+exactly as ``--model hf`` does. The cache statistics of the run land in the results JSON under
+``config.hfkv`` (overall and per task).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from dataclasses import fields
+from typing import Any
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from hfkv.config import TriStateConfig
+from hfkv.evaluation.methods import QUANTIZED_OPTIONS, TIER_FIELDS, Method, kv_and_dense_bytes, parse_method
+from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
+
+PREFIX = "hfkv."
+_HFLM_PARAMS = set(inspect.signature(HFLM.__init__).parameters)
+_CONFIG_FIELDS = {f.name for f in fields(TriStateConfig)}
+
+
+def is_cache_arg(key: str) -> bool:
+    """Whether a ``model_args`` key configures the cache rather than HFLM / ``from_pretrained``."""
+    if key.startswith(PREFIX):
+        return True
+    if "." in key and key.split(".", 1)[0] in TIER_FIELDS:
+        return True
+    return (key in _CONFIG_FIELDS or key in QUANTIZED_OPTIONS) and key not in _HFLM_PARAMS
+
+
+def split_model_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(cache overrides, HFLM kwargs)``; the ``hfkv.`` prefix is removed from the overrides."""
+    cache = {k.removeprefix(PREFIX): v for k, v in kwargs.items() if is_cache_arg(k)}
+    rest = {k: v for k, v in kwargs.items() if not is_cache_arg(k)}
+    return cache, rest
+
+
+class _Tally:
+    """Sums over the generate calls of one task (or of the whole run)."""
+
+    __slots__ = ("requests", "calls", "kv_bytes", "dense_bytes")
+
+    def __init__(self, requests: int = 0, calls: int = 0, kv_bytes: int = 0, dense_bytes: int = 0):
+        self.requests, self.calls, self.kv_bytes, self.dense_bytes = requests, calls, kv_bytes, dense_bytes
+
+    def add(self, other: _Tally) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.requests, self.calls, self.kv_bytes, self.dense_bytes)
+
+    def summary(self) -> dict[str, Any]:
+        n = max(1, self.requests)
+        return {
+            "requests": self.requests,
+            "generate_calls": self.calls,
+            "kv_bytes": self.kv_bytes,
+            "dense_bytes": self.dense_bytes,
+            "kv_bytes_per_request": self.kv_bytes / n,
+            "dense_bytes_per_request": self.dense_bytes / n,
+            # byte-weighted mean over requests: what the whole run held vs what DynamicCache would hold
+            "compression_ratio": self.dense_bytes / self.kv_bytes if self.kv_bytes else None,
+            "memory_ratio": self.kv_bytes / self.dense_bytes if self.dense_bytes else None,
+        }
+
+
+@register_model("hfkv")
+class HFKVLM(HFLM):
+    """``HFLM`` whose generation runs through a fresh cache built from ``hfkv_config`` (+ overrides)."""
+
+    def __init__(self, pretrained: Any = TESTBED, hfkv_config: str = "hfkv", **kwargs: Any) -> None:
+        overrides, kwargs = split_model_args(kwargs)
+        # Parse first: a typo in the cache config must fail before a model is loaded.
+        self.hfkv_method: Method = parse_method(str(hfkv_config), overrides)
+        self.hfkv_spec = str(hfkv_config)
+        self.hfkv_overrides = dict(overrides)
+        if pretrained == TESTBED:
+            from hfkv.testbed import TESTBED_PATH
+
+            pretrained = TESTBED_PATH
+            kwargs.setdefault("add_bos_token", True)  # the testbed was trained with <s> first
+        elif pretrained == SMOLLM2:
+            pretrained, gguf_file = smollm2_gguf()
+            kwargs.setdefault("gguf_file", gguf_file)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self._hfkv_task: str | None = None
+        self._hfkv_local: dict[str, _Tally] = defaultdict(_Tally)
+        self._hfkv_global: dict[str, _Tally] = {}
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Run each task's requests on their own, so the cache statistics can be reported per task."""
+        by_task: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_task[str(getattr(req, "task_name", None) or "unknown")].append(i)
+        out: list[str | None] = [None] * len(requests)
+        for task, idx in by_task.items():
+            self._hfkv_task = task
+            try:
+                res = super().generate_until([requests[i] for i in idx], disable_tqdm=disable_tqdm)
+            finally:
+                self._hfkv_task = None
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        self._hfkv_reduce()
+        return out  # type: ignore[return-value]
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        cache = self.hfkv_method.make_cache(self.model, max_cache_len=max_length)
+        out = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+        kv, dense = kv_and_dense_bytes(self.model, cache, batch=int(context.shape[0]))
+        self._hfkv_local[self._hfkv_task or "unknown"].add(_Tally(int(context.shape[0]), 1, kv, dense))
+        return out
+
+    def _hfkv_reduce(self) -> None:
+        """Totals over all data-parallel ranks (every rank calls ``generate_until`` the same number of times)."""
+        local = {t: tally.as_tuple() for t, tally in self._hfkv_local.items()}
+        parts = [local]
+        if getattr(self, "world_size", 1) > 1 and getattr(self, "accelerator", None) is not None:
+            from accelerate.utils import gather_object
+
+            parts = gather_object([local])
+        self._hfkv_global = merge_tallies(parts)
+
+    # ------------------------------------------------------------------ reporting
+    def hfkv_stats(self) -> dict[str, Any]:
+        """Cache statistics of the run: the method, its config, totals and one entry per task."""
+        total = _Tally()
+        for tally in self._hfkv_global.values():
+            total.add(tally)
+        return {
+            "method": self.hfkv_method.label,
+            "spec": self.hfkv_spec,
+            "overrides": {k: _plain(v) for k, v in self.hfkv_overrides.items()},
+            **{k: v for k, v in self.hfkv_method.describe().items() if k != "method"},
+            **total.summary(),
+            "per_task": {t: self._hfkv_global[t].summary() for t in sorted(self._hfkv_global)},
+            "note": "generate_until requests only; loglikelihood requests run without a cache",
+        }
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["hfkv"] = self.hfkv_stats()
+        return info
+
+
+def merge_tallies(parts: list[dict[str, tuple[int, int, int, int]]]) -> dict[str, _Tally]:
+    """Sum per-task tallies of several ranks."""
+    merged: dict[str, _Tally] = defaultdict(_Tally)
+    for part in parts:
+        for task, values in part.items():
+            merged[task].add(_Tally(*values))
+    return dict(merged)
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (str, int, float, bool, type(None))) else str(v)

@@ -1,0 +1,174 @@
+"""Result files: JSONL rows that sweeps append to and ``eval/make_tables.py`` reads.
+
+A sweep is long and the lead re-runs it with the final policy, so its file must survive an
+interruption (every write is a temp file + ``os.replace``), resume where it stopped (rows whose key
+is present are skipped unless ``--force``), and say where each row came from (version, commit, date).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def json_safe(v: Any) -> Any:
+    """NaN / inf become None / strings so files stay strict JSON."""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return None
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return v
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+def dumps_row(row: dict[str, Any]) -> str:
+    return json.dumps(json_safe(row), sort_keys=True, allow_nan=False)
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rows of a JSONL file ([] if absent); a malformed line is an error naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: not a JSON row ({exc})") from exc
+    return rows
+
+
+class ResultFile:
+    """A JSONL result file keyed by some row fields; ``add`` replaces a row with the same key."""
+
+    def __init__(self, path: str | os.PathLike[str], key_fields: Sequence[str]):
+        self.path = Path(path)
+        self.key_fields = tuple(key_fields)
+        self.rows = read_rows(self.path)
+
+    def key(self, row: dict[str, Any]) -> tuple:
+        return tuple(json.dumps(row.get(k), sort_keys=True) for k in self.key_fields)
+
+    def has(self, row: dict[str, Any]) -> bool:
+        k = self.key(row)
+        return any(self.key(r) == k for r in self.rows)
+
+    def add(self, row: dict[str, Any]) -> None:
+        k = self.key(row)
+        self.rows = [r for r in self.rows if self.key(r) != k] + [json.loads(dumps_row(row))]
+        write_text_atomic(self.path, "".join(dumps_row(r) + "\n" for r in self.rows))
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> dict[str, Any]:
+    """Commit of the checkout and whether hfkv/ had local changes, read once per process: the code a
+    long sweep runs is the code it imported at the start, whatever is committed meanwhile."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=20
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "hfkv"))
+    return {"git_commit": commit or None, "git_dirty": dirty if commit else None}
+
+
+def provenance(**extra: Any) -> dict[str, Any]:
+    """Fields every result row carries: hfkv version, commit, UTC date, library versions, machine."""
+    import torch
+    import transformers
+
+    import hfkv
+
+    return {
+        "hfkv_version": hfkv.__version__,
+        **dict(git_commit()),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": machine_name(),
+        **extra,
+    }
+
+
+def machine_name(device: str | None = None) -> str:
+    """CPU model and core count, or the CUDA device name."""
+    import torch
+
+    if device and str(device).startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)"
+
+
+def parse_list(text: str | Iterable[str] | None) -> list[str]:
+    """``"a,b c"`` or ``["a,b", "c"]`` -> ``["a", "b", "c"]``."""
+    if text is None:
+        return []
+    items = [text] if isinstance(text, str) else list(text)
+    return [p.strip() for item in items for p in item.replace(" ", ",").split(",") if p.strip()]
