@@ -1,0 +1,93 @@
+"""The sweep scripts: rows measured as ``hfkv demo`` measures them, resumed instead of re-run, and fidelity
+documents generated to exact lengths; all on the shipped testbed model with a few examples."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfkv.evaluation.results import read_rows
+from hfkv.testbed import load_testbed
+from hfkv.testbed.demo import evaluate
+from hfkv.testbed.tasks import load_test_set
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str, argv: list[str], monkeypatch, capsys) -> str:
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / "eval" / name), run_name="__main__")
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return load_testbed()
+
+
+def test_sweep_testbed_rows_match_hfkv_demo_and_resume(tmp_path, monkeypatch, capsys, testbed):
+    out = tmp_path / "sweep.jsonl"
+    argv = ["--methods", "dynamic,evict", "--budgets", "80", "--tasks", "kv_recall", "--dtypes", "fp32"]
+    argv += ["--limit", "3", "--batch-size", "1", "--out", str(out), "--no-progress"]
+    log = _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    assert "2 rows to run" in log
+    rows = {r["method"]: r for r in read_rows(out)}
+    assert sorted(rows) == ["dynamic", "evict@80"]
+    model, tok = testbed
+    data = load_test_set("kv_recall")[:3]
+    for method, preset, budget in (("dynamic", None, None), ("evict@80", "evict", 80)):
+        r, ref = rows[method], evaluate(model, tok, "kv_recall", data, preset, budget, batch_size=1)
+        assert r["n"] == 3 and r["accuracy"] == ref["accuracy"]
+        assert r["kv_bytes"] / 1024 == pytest.approx(ref["kv_kib"])
+        assert r["compression"] == pytest.approx(ref["compression"])
+        assert r["memory_ratio"] == pytest.approx(r["kv_bytes"] / r["dense_bytes"])
+        assert r["dtype"] == "fp32" and r["task"] == "kv_recall" and r["hfkv_version"] and r["date"]
+    assert rows["dynamic"]["kv_bytes"] == rows["dynamic"]["dense_bytes"]
+    assert rows["evict@80"]["preset"] == "evict" and rows["evict@80"]["budget"] == 80
+    # resumed: nothing re-run; a new budget runs only the new row
+    assert "0 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    argv[argv.index("80")] = "80,96"
+    assert "1 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    assert sorted(r["method"] for r in read_rows(out)) == ["dynamic", "evict@80", "evict@96"]
+
+
+def test_generated_documents_have_exact_lengths_and_no_special_tokens(tmp_path, testbed):
+    from hfkv.evaluation.texts import ensure_documents, generate_documents
+
+    model, tok = testbed
+    docs = generate_documents(model, tok, 2, prompt_tokens=160, continuation_tokens=8)
+    special = set(tok.all_special_ids)
+    for i, d in enumerate(docs):
+        assert d["id"] == i and d["n_tokens"] == len(d["ids"]) == 168 and d["prompt_len"] == 160
+        assert not special & set(d["ids"][d["chat_prefix_len"] :])
+    path = tmp_path / "texts.jsonl"
+    first = ensure_documents(model, tok, path, 1, 160, 8)
+    again = ensure_documents(model, tok, path, 2, 160, 8)  # appends document 1, keeps document 0
+    assert again[0] == first[0] and [d["id"] for d in again] == [0, 1]
+    with pytest.raises(ValueError, match="not 160 \\+ 16"):
+        ensure_documents(model, tok, path, 2, 160, 16)
+
+
+def test_sweep_fidelity_reference_is_exact_and_rows_resume(tmp_path, monkeypatch, capsys, testbed):
+    from hfkv.evaluation.texts import ensure_documents
+
+    model, tok = testbed
+    texts = tmp_path / "texts.jsonl"
+    ensure_documents(model, tok, texts, 1, 200, 12)
+    out = tmp_path / "fid.jsonl"
+    argv = ["--model", "testbed", "--texts", str(texts), "--docs", "1", "--methods", "dynamic,evict@64:window=8"]
+    argv += ["--budgets", "", "--out", str(out)]
+    assert "2 rows to run" in _script("sweep_fidelity.py", argv, monkeypatch, capsys)
+    rows = {r["method"]: r for r in read_rows(out)}
+    assert rows["dynamic"]["kl"] == pytest.approx(0.0, abs=1e-6) and rows["dynamic"]["top1"] == 1.0
+    assert rows["dynamic"]["memory_ratio"] == 1.0 and rows["dynamic"]["positions"] == 12
+    ev = rows["evict@64:window=8"]
+    assert ev["memory_ratio"] < 0.5 and ev["kl"] > 0 and 0 <= ev["top1"] <= 1
+    assert ev["doc"] == 0 and ev["texts"] == str(texts) and json.loads(json.dumps(ev)) == ev
+    assert "0 rows to run" in _script("sweep_fidelity.py", argv, monkeypatch, capsys)
