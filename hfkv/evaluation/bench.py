@@ -487,9 +487,10 @@ def run(args) -> int:
     bar = tqdm(total=per_group * len(todo), desc=f"bench {name}", disable=args.no_progress)
     for context, batch in todo:
         bar.set_postfix_str(f"context {context} batch {batch}")
+        t0 = time.perf_counter()
         rows = bench_group(model, methods, context, batch, args, bar)
         groups = [g for g in result["groups"] if (g["context"], g["batch"]) != (context, batch)]
-        groups.append({"context": context, "batch": batch, "rows": rows})
+        groups.append({"context": context, "batch": batch, "rows": rows, "wall_s": round(time.perf_counter() - t0, 2)})
         result["groups"] = sorted(groups, key=lambda g: (g["context"], g["batch"]))
         write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
         for r in rows:
