@@ -6,7 +6,8 @@ fed one token per forward (``--chunk 1``, as generate feeds it) through each met
 method) of the next-token distributions and top-1 agreement are averaged over the continuation
 (hfkv.evaluation.fidelity.teacher_forced). The full-cache log-probs are computed once per document and
 reused for every method. One row per (model, method, dtype, chunk, document); rows already present are
-skipped unless --force. The default command is the one the results were made with:
+skipped unless --force (or unless the method's config changed since: then they are re-run and replaced).
+The default command is the one the results were made with:
 
     OMP_NUM_THREADS=1 python eval/sweep_fidelity.py
 """
@@ -21,6 +22,7 @@ import time
 DEFAULT_METHODS = "evict,streaming,arkv,hfkv,quant@none,diffkv@none,quanto-int4,quanto-int2"
 DEFAULT_BUDGETS = "128,256,384,512"
 KEY = ("model", "texts", "doc", "method", "dtype", "chunk")
+MATCH = ("config", "options")  # a row whose method config changed since (new preset defaults) is re-run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
     texts = str(args.texts or default_path(args.model))
-    out = ResultFile(args.out, KEY)
+    out = ResultFile(args.out, KEY, MATCH)
 
     def key(doc_id: int, label: str) -> dict:
         return {
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
         have = ensure_documents(model, tok, texts, args.docs)
     docs = have[: args.docs]
-    todo = [(d, m) for d in docs for m in methods if args.force or not out.has(key(d["id"], m.label))]
+    todo = [
+        (d, m) for d in docs for m in methods if args.force or not out.has({**key(d["id"], m.label), **m.describe()})
+    ]
     print(
         f"{len(todo)} rows to run ({len(methods)} methods x {len(docs)} documents; "
         f"{len(methods) * len(docs) - len(todo)} already in {args.out})",

@@ -3,7 +3,9 @@
 One row per (task, method, dtype, n): exact-match accuracy on the shipped test set (100 examples per
 task unless --limit), KV bytes held per example, what a DynamicCache holds for the same tokens,
 memory_ratio = kv / dense, compression = dense / kv, decode tokens/s, plus version, commit and date.
-Rows already in the file are skipped unless --force, so an interrupted sweep resumes where it stopped.
+Rows already in the file are skipped unless --force, so an interrupted sweep resumes where it stopped;
+a row whose method resolves to a different config than when it ran (a preset's defaults changed) is re-run
+and replaced. After a code change that keeps configs (a policy fix), re-run with --force.
 Methods are method specs (hfkv/evaluation/methods.py); a preset without '@' is run at every --budgets
 value, '<preset>@none' without a budget. The default command is the one the results were made with:
 
@@ -20,6 +22,7 @@ import time
 DEFAULT_METHODS = "dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv"
 DEFAULT_BUDGETS = "48,64,80,112,160"
 KEY = ("task", "method", "dtype", "n")
+MATCH = ("config", "options")  # a row whose method config changed since (new preset defaults) is re-run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     methods, skipped = expand_methods(args.methods, parse_list(args.budgets))
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    out = ResultFile(args.out, KEY)
+    out = ResultFile(args.out, KEY, MATCH)
     data = {t: load_test_set(t)[: args.limit] for t in tasks}
     todo = [
         (d, t, m)
         for d in dtypes
         for t in tasks
         for m in methods
-        if args.force or not out.has({"task": t, "method": m.label, "dtype": d, "n": len(data[t])})
+        if args.force or not out.has({"task": t, "dtype": d, "n": len(data[t]), **m.describe()})
     ]
     print(
         f"{len(todo)} rows to run ({len(methods)} methods x {len(tasks)} tasks x {len(dtypes)} dtypes, "

@@ -91,3 +91,21 @@ def test_sweep_fidelity_reference_is_exact_and_rows_resume(tmp_path, monkeypatch
     assert ev["memory_ratio"] < 0.5 and ev["kl"] > 0 and 0 <= ev["top1"] <= 1
     assert ev["doc"] == 0 and ev["texts"] == str(texts) and json.loads(json.dumps(ev)) == ev
     assert "0 rows to run" in _script("sweep_fidelity.py", argv, monkeypatch, capsys)
+
+
+def test_a_row_whose_config_changed_is_rerun_and_replaced(tmp_path, monkeypatch, capsys):
+    """Resuming keys rows by method label, but a label whose config now differs (a preset's new defaults,
+    an edited YAML file) is re-run and its row replaced, never silently kept."""
+    import hfkv
+
+    cfg = tmp_path / "mine.yaml"
+    hfkv.TriStateConfig.from_preset("evict", budget=80).to_yaml(str(cfg))
+    out = tmp_path / "sweep.jsonl"
+    argv = ["--methods", str(cfg), "--budgets", "", "--tasks", "kv_recall", "--dtypes", "fp32", "--limit", "2"]
+    argv += ["--out", str(out), "--no-progress"]
+    assert "1 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    assert "0 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    cfg.write_text(cfg.read_text().replace("window: 32", "window: 16"))
+    assert "1 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
+    (row,) = read_rows(out)
+    assert row["method"] == str(cfg) and row["config"]["window"] == 16

@@ -93,19 +93,28 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 class ResultFile:
-    """A JSONL result file keyed by some row fields; ``add`` replaces a row with the same key."""
+    """A JSONL result file keyed by some row fields; ``add`` replaces a row with the same key.
 
-    def __init__(self, path: str | os.PathLike[str], key_fields: Sequence[str]):
+    ``match_fields`` (e.g. the method's full ``config``) must also be equal for a row to count as done:
+    when a preset's defaults change, its rows are re-run and replaced instead of silently kept.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], key_fields: Sequence[str], match_fields: Sequence[str] = ()):
         self.path = Path(path)
         self.key_fields = tuple(key_fields)
+        self.match_fields = tuple(match_fields)
         self.rows = read_rows(self.path)
 
     def key(self, row: dict[str, Any]) -> tuple:
-        return tuple(json.dumps(row.get(k), sort_keys=True) for k in self.key_fields)
+        return tuple(json.dumps(json_safe(row.get(k)), sort_keys=True) for k in self.key_fields)
+
+    def _match(self, row: dict[str, Any]) -> tuple:
+        return tuple(json.dumps(json_safe(row.get(k)), sort_keys=True) for k in self.match_fields)
 
     def has(self, row: dict[str, Any]) -> bool:
-        k = self.key(row)
-        return any(self.key(r) == k for r in self.rows)
+        """Whether a row with ``row``'s key and equal match fields is in the file."""
+        k, m = self.key(row), self._match(row)
+        return any(self.key(r) == k and self._match(r) == m for r in self.rows)
 
     def add(self, row: dict[str, Any]) -> None:
         k = self.key(row)
