@@ -180,6 +180,35 @@ def test_sigkill_of_the_worker_mid_trial_loses_no_finished_trial(tiny_dir, tmp_p
     assert retries[0].params == killed.params or not killed.params  # killed before sampling: nothing to repeat
 
 
+def test_sigterm_fails_the_running_trial_and_exits(tiny_dir, tmp_path):
+    args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "t", "--n-trials", 2,
+                    "--max-solution-tokens", 64)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "hfkv.cli", *args], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    url, deadline = _sqlite(tmp_path, "t"), time.time() + 300
+    try:
+        while True:
+            assert proc.poll() is None, f"finished before SIGTERM: {proc.stderr.read().decode()[-2000:]}"
+            assert time.time() < deadline, "no trial started in time"
+            time.sleep(0.05)
+            try:
+                trials = optuna.load_study(study_name="t", storage=url).get_trials()
+            except Exception:
+                continue
+            if any(t.state == TrialState.RUNNING and t.params for t in trials):
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "re-run to resume" in proc.stderr.read().decode()
+    trials = optuna.load_study(study_name="t", storage=url).get_trials()
+    assert not any(t.state == TrialState.RUNNING for t in trials)  # nothing left for the grace period
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs["failed_reason"] == "interrupted"
+
+
 def _two_workers(tiny_dir, tmp_path, storage_arg, name, n):
     """The command in this process (the parent does no trial) with two spawned worker processes."""
     args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", name, "--storage", storage_arg,

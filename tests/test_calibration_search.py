@@ -159,3 +159,42 @@ def test_heartbeat_refreshes_a_running_trial(tmp_path):
         time.sleep(0.3)
     assert study.trials[0].user_attrs[st.HEARTBEAT] > first
     assert study.trials[0].state == TrialState.RUNNING
+
+
+def _granularity_script():
+    import importlib.util
+
+    from tests.calibration_support import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_granularity", REPO / "calibration" / "compare_granularity.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _summary(granularity, points, setup="a"):
+    trials = [
+        {"number": i, "state": "COMPLETE", "metrics": {"kl": kl, "top1": 1 - kl, "memory_ratio": m}}
+        for i, (m, kl) in enumerate(points)
+    ]
+    trials.append({"number": len(points), "state": "FAIL", "metrics": None})
+    spec = {"model": setup, "objective": "fidelity", "space": {"granularity": granularity}}
+    return {"study": granularity, "spec": spec, "reference": {"kl": 0.0}, "trials": trials}
+
+
+def test_granularity_comparison_reads_fronts_at_equal_memory():
+    mod = _granularity_script()
+    g = _summary("global", [(0.2, 0.5), (0.5, 0.1), (1.0, 0.0)])
+    h = _summary("head", [(0.3, 0.2), (0.5, 0.2), (0.9, 0.05)])
+    assert mod.best_at(g["trials"][:3], "kl", 0.6) == 0.1 and mod.best_at(g["trials"][:3], "kl", 0.1) is None
+    result = mod.compare({"global": g, "head": h}, ["kl", "top1"], n_levels=3)
+    # common grid: from the larger minimum (0.3) to the smaller maximum (0.9)
+    assert [r["memory_ratio"] for r in result["grid"]] == [0.3, 0.6, 0.9]
+    assert [r["global:kl"] for r in result["grid"]] == [0.5, 0.1, 0.1]
+    assert [r["head:kl"] for r in result["grid"]] == [0.2, 0.2, 0.05]
+    assert result["wins"]["head vs global (kl)"] == {"better": 2, "equal": 0, "worse": 1}
+    assert "**0.2000**" in mod.table(result)
+    with pytest.raises(SystemExit, match="differs"):
+        mod.compare({"global": g, "head": _summary("head", [(0.3, 0.2)], setup="b")}, ["kl"])

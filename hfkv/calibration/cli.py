@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     from hfkv.calibration.search import SpecMismatch
     from hfkv.calibration.worker import load, open_study, prepare, run_worker, run_workers
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens, once per trial
     try:
         ctx = prepare(args)
         open_study(ctx)
@@ -289,7 +290,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.n_trials > 0:
         if args.n_workers == 1:
-            run_worker(args, 0, loaded, ctx=ctx)
+            import signal
+            import threading
+
+            from hfkv.calibration.worker import _on_sigterm, _Terminated
+
+            if threading.current_thread() is threading.main_thread():  # kill PID: fail the running trial, exit
+                signal.signal(signal.SIGTERM, _on_sigterm)
+            try:
+                run_worker(args, 0, loaded, ctx=ctx)
+            except _Terminated:
+                print("hfkv calibrate: terminated; finished trials are kept, re-run to resume", file=sys.stderr)
+                return 143
         else:
             codes = run_workers(args)
             dead = [(i, c) for i, c in enumerate(codes) if c != 0]
