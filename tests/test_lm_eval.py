@@ -48,13 +48,16 @@ def _cli(tmp: Path, batch_size: int, model_args: str = CACHE_ARGS, model: str | 
     return out
 
 
-@pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory):
-    return {bs: _cli(tmp_path_factory.mktemp(f"bs{bs}"), bs) for bs in (1, 4)}
+def test_cli_offline_batch_sizes_and_simple_evaluate_agree(tmp_path, task_manager):
+    """One test on purpose: the three runs it compares are the expensive part (pytest-xdist would repeat a
+    shared fixture in each worker). ``hfkv eval`` offline at batch size 1 and 4, then ``simple_evaluate``."""
+    from lm_eval import simple_evaluate
 
+    import hfkv.evaluation.lm_eval_model  # noqa: F401  (registers "hfkv")
 
-def test_cli_runs_offline_with_stats_in_results_json(cli_runs):
-    res = cli_runs[4]
+    runs = {bs: _cli(tmp_path / f"bs{bs}", bs) for bs in (1, 4)}
+    # cache statistics in the results JSON
+    res = runs[4]
     assert res["config"]["model"] == "hfkv"
     stats = res["config"]["hfkv"]
     assert stats["method"] == "evict@80:window=16" and stats["preset"] == "evict" and stats["budget"] == 80
@@ -72,20 +75,14 @@ def test_cli_runs_offline_with_stats_in_results_json(cli_runs):
     for task in TASKS:
         assert 0 <= res["results"][task][METRIC] <= 1
 
-
-def test_batch_size_1_and_4_give_identical_scores(cli_runs):
+    # batch size 1 and 4: identical scores and generations
     for task in TASKS:
-        assert cli_runs[1]["results"][task][METRIC] == cli_runs[4]["results"][task][METRIC], task
-        assert cli_runs[1]["samples"][task] == cli_runs[4]["samples"][task], task
-    assert cli_runs[1]["config"]["hfkv"]["generate_calls"] == 2 * LIMIT
+        assert runs[1]["results"][task][METRIC] == runs[4]["results"][task][METRIC], task
+        assert runs[1]["samples"][task] == runs[4]["samples"][task], task
+    assert runs[1]["config"]["hfkv"]["generate_calls"] == 2 * LIMIT
 
-
-def test_simple_evaluate_gives_the_cli_numbers(cli_runs, task_manager):
-    from lm_eval import simple_evaluate
-
-    import hfkv.evaluation.lm_eval_model  # noqa: F401  (registers "hfkv")
-
-    res = simple_evaluate(
+    # lm-eval's Python API gives the CLI's numbers
+    api = simple_evaluate(
         model="hfkv",
         model_args=CACHE_ARGS,
         tasks=["testbed"],
@@ -95,12 +92,11 @@ def test_simple_evaluate_gives_the_cli_numbers(cli_runs, task_manager):
         task_manager=task_manager,
         log_samples=True,
     )
-    cli = cli_runs[4]
     for task in TASKS:
-        assert res["results"][task][METRIC] == cli["results"][task][METRIC]
-        assert [s["filtered_resps"] for s in res["samples"][task]] == cli["samples"][task]
+        assert api["results"][task][METRIC] == res["results"][task][METRIC]
+        assert [s["filtered_resps"] for s in api["samples"][task]] == res["samples"][task]
     for key in ("requests", "kv_bytes", "dense_bytes", "per_task"):
-        assert res["config"]["hfkv"][key] == cli["config"]["hfkv"][key], key
+        assert api["config"]["hfkv"][key] == stats[key], key
 
 
 def test_dynamic_cache_through_hfkv_model_equals_plain_hf(tmp_path):
