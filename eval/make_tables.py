@@ -1,0 +1,486 @@
+"""Regenerate eval/README.md, its plots and README.md's demo table from the committed result files only.
+
+Inputs (whatever they hold; a method or budget missing from a file gives "—" cells, a missing file a note):
+
+    eval/results/testbed_sweep.jsonl    eval/sweep_testbed.py   accuracy vs KV memory on the testbed tasks
+    eval/results/fidelity_sweep.jsonl   eval/sweep_fidelity.py  teacher-forced KL / top-1 vs KV memory
+    eval/results/bench/*.json           hfkv bench              decode / prefill speed and memory ratios
+
+Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md between
+``<!-- results:demo-table:start -->`` and ``<!-- results:demo-table:end -->``. Output is deterministic
+(rows sorted, fixed float formats, no dates), so tests/test_eval_tables.py can check that running this
+on the committed files reproduces the committed markdown byte for byte:
+
+    python eval/make_tables.py            # write
+    python eval/make_tables.py --check    # exit 1 if a committed markdown file differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: the hfkv package of this checkout
+
+from hfkv.evaluation.results import read_rows, write_bytes_atomic, write_text_atomic  # noqa: E402
+
+TESTBED = "eval/results/testbed_sweep.jsonl"
+FIDELITY = "eval/results/fidelity_sweep.jsonl"
+BENCH_DIR = "eval/results/bench"
+PLOTS = "eval/results/plots"
+LINK = "results/plots"  # PLOTS as linked from eval/README.md
+EVAL_README = "eval/README.md"
+TOP_README = "README.md"
+DEMO_START, DEMO_END = "<!-- results:demo-table:start -->", "<!-- results:demo-table:end -->"
+THRESHOLDS = (0.20, 0.35)  # memory ceilings (fraction of DynamicCache) of the "best at <= X" tables
+TARGET_ACCURACY, TARGET_COMPRESSION = 0.99, 5.0  # issue 9: hfkv >= 99% of full accuracy at >= 5x
+BASELINES = ("dynamic", "static", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
+PRESET_ORDER = ("full", "evict", "quant", "streaming", "arkv", "diffkv", "hfkv")
+TASK_ORDER = ("kv_recall", "arith_cot")
+DEMO_METHODS = ("evict", "streaming", "hfkv")
+DEMO_BUDGETS = (80, 160)
+DASH = "—"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def family(row: dict[str, Any]) -> str:
+    """The preset (``evict``) or baseline (``quanto-int4``) a row belongs to."""
+    return str(row.get("preset") or row["method"])
+
+
+def family_key(name: str) -> tuple:
+    if name in BASELINES:
+        return (0, BASELINES.index(name), name)
+    if name in PRESET_ORDER:
+        return (1, PRESET_ORDER.index(name), name)
+    return (2, 0, name)
+
+
+def row_key(row: dict[str, Any]) -> tuple:
+    """Baselines first, presets in their usual order, budgets ascending, unbudgeted last, then label."""
+    budget = row.get("budget")
+    return (*family_key(family(row)), math.inf if budget is None else budget, row["method"])
+
+
+def fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if value is None or isinstance(value, float) and math.isnan(value):
+        return DASH
+    return f"{value:{spec}}{suffix}"
+
+
+def pct(value: float | None) -> str:
+    return fmt(None if value is None else 100 * value, ".1f", "%")
+
+
+def md_table(header: list[str], rows: list[list[str]], align: str) -> str:
+    """Markdown table; ``align`` has one letter per column, ``l`` or ``r``."""
+    sep = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pareto(points: list[tuple[float, float]]) -> list[bool]:
+    """Points ``(memory, score)`` that no other point dominates (no more memory and no lower score, one
+    strictly better); equal points are all on the front. Same rule as ``hfkv.inspect.pareto_front``."""
+    out = []
+    for i, (m, a) in enumerate(points):
+        dominated = any((m2 <= m and a2 >= a) and (m2 < m or a2 > a) for j, (m2, a2) in enumerate(points) if j != i)
+        out.append(not dominated)
+    return out
+
+
+def latest(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per key: the one with most examples (``n``), then the latest date (a re-run wins)."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        k = tuple(json.dumps(r.get(f), sort_keys=True) for f in key_fields)
+        cur = best.get(k)
+        if cur is None or (r.get("n", 0), r.get("date", "")) > (cur.get("n", 0), cur.get("date", "")):
+            best[k] = r
+    return list(best.values())
+
+
+def tasks_in(tasks: set[str]) -> list[str]:
+    """The testbed tasks in their usual order (as ``hfkv demo`` prints them), others after, sorted."""
+    return [t for t in TASK_ORDER if t in tasks] + sorted(tasks - set(TASK_ORDER))
+
+
+def dtype_order(d: str) -> tuple:
+    return (d != "bf16", d)
+
+
+def wall_note(rows: list[dict[str, Any]]) -> str:
+    """Sum of the rows' measured wall times: what re-running the file's rows costs on that machine."""
+    secs = sum(r.get("wall_s") or 0 for r in rows)
+    machines = sorted({str(r.get("machine")) for r in rows if r.get("machine")})
+    return f"{len(rows)} rows took {secs / 60:.1f} min on {'; '.join(machines) or 'an unrecorded machine'}"
+
+
+def provenance_note(rows: list[dict[str, Any]]) -> str:
+    commits = sorted({f"{r.get('git_commit')}{'+dirty' if r.get('git_dirty') else ''}" for r in rows})
+    dates = sorted(r["date"] for r in rows if r.get("date"))
+    versions = sorted({str(r.get("hfkv_version")) for r in rows})
+    span = f"{dates[0][:10]} to {dates[-1][:10]}" if dates else "unknown dates"
+    return f"hfkv {', '.join(versions)}, commit(s) {', '.join(commits)}, {span}"
+
+
+# ------------------------------------------------------------------------------------------ plots
+def _savefig(fig, path: Path) -> None:
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def plot_front(
+    rows: list[dict[str, Any]], score: str, on_front: list[bool], title: str, ylabel: str, path: Path, logy=False
+):
+    """Score vs memory ratio, one colour per family (lines through its budgets), the Pareto front dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fams = sorted({family(r) for r in rows}, key=family_key)
+    cmap = plt.get_cmap("tab10")
+    for i, fam in enumerate(fams):
+        pts = sorted((r["memory_ratio"], r[score]) for r in rows if family(r) == fam)
+        style = {"marker": "o", "color": cmap(i % 10), "label": fam, "ms": 4}
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, **style)
+    front = sorted((r["memory_ratio"], r[score]) for r, f in zip(rows, on_front, strict=True) if f)
+    if front:
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="black", ls="--", lw=1)
+        ax.plot([], [], color="black", ls="--", lw=1, label="Pareto front")
+    for x in THRESHOLDS:
+        ax.axvline(x, color="grey", lw=0.6, ls=":")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("KV memory / DynamicCache")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _savefig(fig, path)
+
+
+# ------------------------------------------------------------------------------------------ testbed
+def testbed_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str]:
+    out = ["## Testbed: accuracy vs KV memory", ""]
+    if not rows:
+        return [*out, f"No rows yet in `{TESTBED}` (run `eval/sweep_testbed.py`).", ""]
+    out += [
+        f"From `{TESTBED}` ({provenance_note(rows)}; {wall_note(rows)}). "
+        "Greedy exact match on the shipped test sets; memory = KV bytes "
+        "held / what a DynamicCache holds for the same tokens (left padding included, as a DynamicCache holds it); "
+        "decode tok/s on a shared 2-core CPU (rough). ✓ = on the Pareto front of its task and dtype "
+        "(no row uses less memory with at least the same accuracy).",
+        "",
+    ]
+    rows = latest(rows, ("task", "method", "dtype"))
+    for dtype in sorted({r["dtype"] for r in rows}, key=dtype_order):
+        for task in tasks_in({r["task"] for r in rows if r["dtype"] == dtype}):
+            sel = sorted((r for r in rows if r["task"] == task and r["dtype"] == dtype), key=row_key)
+            front = pareto([(r["memory_ratio"], r["accuracy"]) for r in sel])
+            full = next((r for r in sel if r["method"] == "dynamic"), None)
+            out += [f"### {task} ({dtype})", ""]
+            table = [
+                [
+                    r["method"],
+                    str(r["n"]),
+                    fmt(r["accuracy"], ".3f"),
+                    pct(r["memory_ratio"]),
+                    fmt(r["compression"], ".2f", "x"),
+                    fmt(r["kv_bytes"] / 1024, ".1f"),
+                    fmt(r.get("decode_tok_s"), ".0f"),
+                    "✓" if f else "",
+                ]
+                for r, f in zip(sel, front, strict=True)
+            ]
+            header = ["method", "n", "accuracy", "memory", "compression", "KV KiB/ex", "decode tok/s", "Pareto"]
+            out += [md_table(header, table, "lrrrrrrl"), ""]
+            name = f"testbed_{task}_{dtype}.png"
+            if plots is not None:
+                plot_front(sel, "accuracy", front, f"testbed {task} ({dtype})", "accuracy", plots / name)
+            out += [f"![{task} {dtype}]({LINK}/{name})", ""]
+            out += best_at_section(sel, front, "accuracy", max, ".3f", full)
+    return out
+
+
+def best_at_section(sel, front, score: str, pick, spec: str, full: dict[str, Any] | None) -> list[str]:
+    """Best score each family reaches at <= each memory threshold, and the hfkv / target lines."""
+    fams = sorted({family(r) for r in sel}, key=family_key)
+    name = {"kl": "KL"}.get(score, score)
+    header = ["method", *[f"best {name} at ≤ {round(100 * t)}% memory" for t in THRESHOLDS]]
+    table = []
+    for fam in fams:
+        cells = [fam]
+        for t in THRESHOLDS:
+            cand = [r for r in sel if family(r) == fam and r["memory_ratio"] <= t]
+            if not cand:
+                cells.append(DASH)
+                continue
+            best = pick(
+                cand, key=lambda r: (r[score], -r["memory_ratio"]) if pick is max else (r[score], r["memory_ratio"])
+            )
+            cells.append(f"{best[score]:{spec}} ({best['method']}, {100 * best['memory_ratio']:.1f}%)")
+        table.append(cells)
+    out = [md_table(header, table, "l" + "r" * len(THRESHOLDS)), ""]
+    hf = [(r, f) for r, f in zip(sel, front, strict=True) if family(r) == "hfkv"]
+    if hf:
+        on = [r["method"] for r, f in hf if f]
+        out.append(f"hfkv rows on the Pareto front: {', '.join(on) if on else 'none'} (of {len(hf)}).")
+    else:
+        out.append("hfkv: no rows.")
+    if score == "accuracy" and full is not None:
+        goal = TARGET_ACCURACY * full["accuracy"]
+        cand = [r for r, _ in hf if r["compression"] >= TARGET_COMPRESSION]
+        if cand:
+            best = max(cand, key=lambda r: (r["accuracy"], r["compression"]))
+            verdict = "met" if best["accuracy"] >= goal else f"missed by {goal - best['accuracy']:.3f}"
+            out.append(
+                f"Target (hfkv ≥ {TARGET_ACCURACY:.0%} of DynamicCache's {full['accuracy']:.3f} = {goal:.3f} at "
+                f"≥ {TARGET_COMPRESSION:.0f}x): best hfkv row at ≥ {TARGET_COMPRESSION:.0f}x is {best['method']} "
+                f"with {best['accuracy']:.3f} at {best['compression']:.2f}x: {verdict}."
+            )
+        else:
+            out.append(f"Target: no hfkv row reaches {TARGET_COMPRESSION:.0f}x compression.")
+    return [*out, ""]
+
+
+def demo_table(rows: list[dict[str, Any]], methods=DEMO_METHODS, budgets=DEMO_BUDGETS, dtype="bf16") -> str:
+    """README's demo excerpt, in ``hfkv demo``'s format: DynamicCache and each method at each budget."""
+    rows = {(r["task"], r["method"]): r for r in latest([r for r in rows if r["dtype"] == dtype], ("task", "method"))}
+    header = (
+        f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "
+        f"{'decode tok/s':>13}"
+    )
+    lines = ["```", header, "-" * len(header)]
+    for task in tasks_in({k[0] for k in rows}):
+        for label, method in [
+            ("DynamicCache", "dynamic"),
+            *[(f"{m}@{b}", f"{m}@{b}") for m in methods for b in budgets],
+        ]:
+            r = rows.get((task, method))
+            if r is None:
+                lines.append(f"{task:<10} {label:<16} {DASH:>4} {DASH:>9} {DASH:>12} {DASH:>10} {DASH:>13}")
+                continue
+            speed = r.get("decode_tok_s")
+            lines.append(
+                f"{task:<10} {label:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
+                f"{r['kv_bytes'] / 1024:>10.1f} {fmt(speed, '>13.1f') if speed is not None else DASH:>13}"
+            )
+    lines.append("```")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+def fidelity_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str]:
+    out = ["## Real model: teacher-forced fidelity vs KV memory", ""]
+    if not rows:
+        return [*out, f"No rows yet in `{FIDELITY}` (run `eval/sweep_fidelity.py`).", ""]
+    out += [
+        f"From `{FIDELITY}` ({provenance_note(rows)}; {wall_note(rows)}). "
+        "Each document: the prompt is prefilled, the continuation fed "
+        "one token per forward; KL(full ‖ method) of the next-token distributions and top-1 agreement with the "
+        "full cache, averaged over the continuation, then over documents (memory: bytes-weighted over documents). "
+        "✓ = on the Pareto front of KL vs memory.",
+        "",
+    ]
+    rows = latest(rows, ("model", "texts", "doc", "method", "dtype", "chunk"))
+    for setup in sorted({(r["model"], r["dtype"], r["chunk"]) for r in rows}):
+        model, dtype, chunk = setup
+        by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            if (r["model"], r["dtype"], r["chunk"]) == setup:
+                by[r["method"]].append(r)
+        agg = []
+        for method, rs in by.items():
+            kv, dense = sum(r["kv_bytes"] for r in rs), sum(r["dense_bytes"] for r in rs)
+            agg.append(
+                {
+                    "method": method,
+                    "preset": rs[0].get("preset"),
+                    "budget": rs[0].get("budget"),
+                    "docs": len(rs),
+                    "kl": sum(r["kl"] for r in rs) / len(rs),
+                    "top1": sum(r["top1"] for r in rs) / len(rs),
+                    "memory_ratio": kv / dense if dense else math.nan,
+                    "neg_kl": -sum(r["kl"] for r in rs) / len(rs),
+                }
+            )
+        agg.sort(key=row_key)
+        front = pareto([(r["memory_ratio"], r["neg_kl"]) for r in agg])
+        docs = sorted({r["doc"] for rs in by.values() for r in rs})
+        out += [f"### {model} ({dtype}, {chunk} token(s) per forward; documents {', '.join(map(str, docs))})", ""]
+        table = [
+            [
+                r["method"],
+                str(r["docs"]),
+                fmt(r["kl"], ".4f"),
+                fmt(r["top1"], ".3f"),
+                pct(r["memory_ratio"]),
+                "✓" if f else "",
+            ]
+            for r, f in zip(agg, front, strict=True)
+        ]
+        out += [md_table(["method", "docs", "KL", "top-1", "memory", "Pareto"], table, "lrrrrl"), ""]
+        name = f"fidelity_{model.replace('/', '--')}_{dtype}.png"
+        if plots is not None:
+            title = f"{model} ({dtype}): KL vs memory"
+            plot_front(agg, "kl", front, title, "KL(full ‖ method), nats", plots / name, logy=True)
+        out += [f"![{model} fidelity]({LINK}/{name})", ""]
+        out += best_at_section(agg, front, "kl", min, ".4f", None)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ bench
+def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str]:
+    out = ["## Speed: decode and prefill vs context (`hfkv bench`)", ""]
+    if not results:
+        return [*out, f"No files yet in `{BENCH_DIR}/` (run `hfkv bench`).", ""]
+    out += [
+        "Ratios to a DynamicCache measured in the same process, interleaved step by step (see docs/bench.md): "
+        "decode speed-up = DynamicCache's step time / the cache's (median; mean includes the policy runs), "
+        "> 1 is faster. Memory = KV bytes held after the run / DynamicCache's.",
+        "",
+    ]
+    for res in sorted(results, key=lambda r: r["name"]):
+        rows = sorted(
+            (r for g in res["groups"] for r in g["rows"]),
+            key=lambda r: (r["batch"], r["context"], *row_key(r)),
+        )
+        out += [f"### {res['name']}: {res['model']['description']}, {res['dtype']}", ""]
+        walls = [g["wall_s"] for g in res["groups"] if g.get("wall_s") is not None]
+        took = f" The groups took {sum(walls) / 60:.1f} min." if len(walls) == len(res["groups"]) else ""
+        out += [
+            f"Device: {res['device']}; hfkv {res.get('hfkv_version')}, commit {res.get('git_commit')}"
+            f"{'+dirty' if res.get('git_dirty') else ''}.{took}",
+            "",
+        ]
+        table = [
+            [
+                str(r["context"]),
+                str(r["batch"]),
+                r["method"],
+                fmt(r["kv_bytes"] / 2**20, ".2f"),
+                pct(r["memory_ratio"]),
+                fmt(r["decode_ms_median"], ".2f"),
+                fmt(r["decode_speedup_median"], ".2f", "x"),
+                fmt(r["decode_speedup_mean"], ".2f", "x"),
+                fmt(r["prefill_speedup"], ".2f", "x"),
+            ]
+            for r in rows
+        ]
+        header = ["context", "batch", "method", "KV MiB", "memory", "decode ms", "decode ×", "mean ×", "prefill ×"]
+        align = "rrlrrrrrr"
+        if any("max_batch" in r for r in rows):  # CUDA runs with --max-batch-context
+            table = [[*cells, str(r.get("max_batch", DASH))] for cells, r in zip(table, rows, strict=True)]
+            header, align = [*header, "max batch"], align + "r"
+        out += [md_table(header, table, align), ""]
+        name = f"bench_{res['name']}.png"
+        if plots is not None:
+            from hfkv.evaluation.bench import plot
+
+            plot(res, str(plots / name))
+        out += [f"![{res['name']}]({LINK}/{name})", ""]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def render(root: Path, plots: bool = True) -> tuple[str, str]:
+    """``(eval/README.md text, README demo block)`` from the result files under ``root``."""
+    plot_dir = root / PLOTS if plots else None
+    testbed = read_rows(root / TESTBED)
+    fidelity = read_rows(root / FIDELITY)
+    bench = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((root / BENCH_DIR).glob("*.json"))]
+    lines = [
+        "# Evaluation results",
+        "",
+        "<!-- generated by eval/make_tables.py from eval/results/; do not edit by hand -->",
+        "",
+        "Every table and plot here is generated by `python eval/make_tables.py` from the committed result files; "
+        "the commands that produce those files (and their run times) are listed at the end. Memory is always the "
+        "KV bytes a cache holds, read from its tensors, relative to what a DynamicCache holds for the same tokens.",
+        "",
+    ]
+    lines += testbed_section(testbed, plot_dir)
+    lines += fidelity_section(fidelity, plot_dir)
+    lines += bench_section(bench, plot_dir)
+    lines += COMMANDS.splitlines()
+    return "\n".join(lines).rstrip() + "\n", demo_table(testbed)
+
+
+COMMANDS = """\
+## How the result files are made
+
+Run from the repository root with the project's venv; each sweep appends to its file, skips rows already
+there with the same method config (`--force` re-runs them; a row whose preset now resolves to another config is
+re-run and replaced) and records hfkv version, commit, date, wall time and machine in every row. After a change
+of the cache's code, start from an empty file (or `--force`). Expected wall times on the shared 2-core VM with
+one torch thread (from runs at small `--limit` / one document, under load from other jobs): testbed sweep 132 rows
+(33 methods x 2 tasks x 2 dtypes) at ~1.5 s per row per 10 examples, ~35 min; SmolLM2 sweep 80 rows (20 methods x
+4 documents) at 70-150 s per row plus ~115 s of reference per document, ~2-2.5 h; each bench command ~7.5 min.
+
+```
+# testbed accuracy vs memory (both tasks, 100 examples each, bf16 then fp32)
+OMP_NUM_THREADS=1 python eval/sweep_testbed.py \\
+    --methods dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv \\
+    --budgets 48,64,80,112,160 --dtypes bf16,fp32
+# SmolLM2-135M-Instruct fidelity on the 4 committed documents (eval/results/texts/smollm2.jsonl)
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py \\
+    --methods evict,streaming,arkv,hfkv,quant@none,diffkv@none,quanto-int4,quanto-int2 --budgets 128,256,384,512
+# CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32 and bf16)
+OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024 \\
+    --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 48 --prefill-chunk 1024 \\
+    --dtype fp32 --name cpu_small_fp32      # and --dtype bf16 --name cpu_small_bf16
+# then
+python eval/make_tables.py
+```
+"""
+
+
+def replace_block(text: str, block: str, start: str = DEMO_START, end: str = DEMO_END) -> str:
+    """``text`` with the lines between the ``start`` / ``end`` markers replaced by ``block``."""
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < 0 or j < i:
+        raise ValueError(f"markers {start!r} ... {end!r} not found (in this order)")
+    return text[: i + len(start)] + "\n" + block + "\n" + text[j:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=REPO, help="repository root holding eval/results (default: this one)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a markdown file would change")
+    args = ap.parse_args(argv)
+    root = args.root.resolve()
+    readme, demo = render(root, plots=not args.check)
+    top = (root / TOP_README).read_text(encoding="utf-8")
+    new_top = replace_block(top, demo)
+    targets = {root / EVAL_README: readme, root / TOP_README: new_top}
+    if args.check:
+        stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
+        for p in stale:
+            print(f"{p.relative_to(root)} is out of date: run python eval/make_tables.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p, text in targets.items():
+        if not p.exists() or p.read_text(encoding="utf-8") != text:
+            write_text_atomic(p, text)
+            print(f"wrote {p.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
