@@ -28,7 +28,7 @@ CACHE_ARGS = "pretrained=testbed,hfkv_config=evict@80:window=16"
 def task_manager():
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(REPO / "eval" / "tasks"))
+    return TaskManager(include_path=str(REPO / "eval" / "tasks"), include_defaults=False)
 
 
 def _cli(tmp: Path, batch_size: int, model_args: str = CACHE_ARGS, model: str | None = None) -> dict:
@@ -134,7 +134,7 @@ def test_loglikelihood_runs_unchanged(tmp_path):
     from lm_eval.tasks import TaskManager
 
     (tmp_path / "ll.yaml").write_text(LOGLIK_TASK.format(data=REPO / "eval" / "tasks" / "testbed_kv_recall.jsonl"))
-    tm = TaskManager(include_path=str(tmp_path))
+    tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
     ours = HFKVLM(pretrained="testbed", hfkv_config="hfkv@80", batch_size=4, device="cpu")
     hfkv.enable(ours.model)  # as after a generate call: attention goes through hfkv's delegate
     ref = HFLM(pretrained=TESTBED_PATH, add_bos_token=True, batch_size=4, device="cpu")
