@@ -284,6 +284,27 @@ def test_stats_dense_bytes_match_dynamic_cache():
     assert "TriStateCache(" in repr(cache)
 
 
+@pytest.mark.slow
+def test_storage_costs_what_it_holds_with_nothing_to_evict():
+    """Issue 10: with a budget above the length, a bf16 head_dim-64 cache holds <= 5% more than DynamicCache.
+
+    The remaining overhead is the 8 bytes of tag and score per token (3.1% at head_dim 64), the ring's
+    empty slots between policy runs, one zero page per layer and the last page's tail.
+    """
+    model = tiny_model(
+        "llama", dtype=torch.bfloat16, hidden_size=256, num_attention_heads=4, max_position_embeddings=2048
+    )
+    ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(3))
+    dense = _dense(model)
+    _generate(model, dense, ids, new=17)
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096))
+    _generate(model, cache, ids, new=17)
+    st = cache.stats()
+    assert all(layer.totals()["evicted"] == layer.totals()["quantized"] == 0 for layer in st.layers)
+    payload = sum(held_bytes([layer.keys, layer.values]) for layer in dense.layers)
+    assert payload < st.kv_bytes <= 1.05 * payload
+
+
 def test_misuse_errors_are_clear():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 12))

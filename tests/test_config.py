@@ -67,7 +67,7 @@ def test_preset_values() -> None:
     hfkv = TriStateConfig.from_preset("hfkv")
     assert dataclasses.replace(hfkv, name="custom") == TriStateConfig()
     assert hfkv.summary() == (
-        "hfkv: W=32 budget=1024 fp_tokens alpha_h=1.0 alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
+        "hfkv: W=16 budget=1024 fp_tokens alpha_h=inf alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
     )
 
 
@@ -175,12 +175,12 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(alpha_h=[]), "alpha_h", "[]"),
     (dict(alpha_h=[1.0, -2.0]), "alpha_h[1]", "-2.0"),
     (dict(alpha_h=[[1.0, [2.0]]]), "alpha_h[0]", "[1.0, [2.0]]"),
-    (dict(budget=32), "budget", "32"),
-    (dict(budget=40, sink_tokens=8), "budget", "40"),
+    (dict(budget=24), "budget", "24"),
+    (dict(budget=30, sink_tokens=8), "budget", "30"),
     (dict(budget=1.5), "budget", "1.5"),
     (dict(slack=0), "slack", "0"),
     (dict(slack=1.5), "slack", "1.5"),
-    (dict(budget=1024, sink_tokens=100, slack=0.1), "slack", "0.1"),
+    (dict(budget=1024, sink_tokens=100, slack=0.05), "slack", "0.05"),
     (dict(budget=None, head_adaptive=False), "oq_ratios", "True"),
     (dict(budget=None, oq_ratios=False), "head_adaptive", "True"),
     (dict(interval=0), "interval", "0"),
