@@ -1,0 +1,70 @@
+"""Bytes held with nothing to evict: ``evict`` with a budget above the length against DynamicCache.
+
+What a paged cache costs beyond its payload (tags and scores in the records, the window ring's
+empty slots, the zero page, page tails), measured from the tensors held after ``generate``
+(docs/architecture.md, "Memory"):
+
+    python eval/storage_overhead.py --model smollm2 --dtype bf16 --lengths 256,1064,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import hfkv
+from hfkv.storage import dynamic_cache_bytes
+
+
+@torch.inference_mode()
+def overhead(model, length: int, new_tokens: int) -> dict:
+    """Held bytes of ``evict`` (budget 2x the length) and DynamicCache after the same greedy run."""
+    ids = torch.randint(
+        3, model.config.vocab_size, (1, length - new_tokens), generator=torch.Generator().manual_seed(0)
+    )
+    sizes = {}
+    for name in ("dynamic", "evict"):
+        cache = (
+            DynamicCache(config=model.config)
+            if name == "dynamic"
+            else hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=2 * length))
+        )
+        model.generate(
+            ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
+        sizes[name] = dynamic_cache_bytes(cache) if name == "dynamic" else cache.stats().kv_bytes
+    return {"tokens": length, **sizes, "ratio": sizes["evict"] / sizes["dynamic"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--lengths", default="256,1064,2048", help="tokens held at the end (prompt + 40 new)")
+    ap.add_argument("--out", default=None, help="JSON file (default eval/results/storage_overhead_<model>.json)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.loading import load_model
+
+    torch.set_num_threads(1)
+    model, _ = load_model(args.model, dtype=args.dtype)
+    rows = []
+    for n in (int(x) for x in args.lengths.split(",")):
+        r = overhead(model, n, 40)
+        rows.append(r)
+        print(f"{n:6d} tokens: evict {r['evict']:,} B / DynamicCache {r['dynamic']:,} B = {r['ratio']:.4f}")
+    meta = {"model": args.model, "dtype": args.dtype, "hfkv": hfkv.__version__, "machine": platform.machine()}
+    out = Path(args.out or f"eval/results/storage_overhead_{args.model}.json")
+    write_text_atomic(out, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
