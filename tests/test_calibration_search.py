@@ -66,8 +66,10 @@ def test_search_space_parameters_and_ranges():
 
 
 def test_warm_start_is_the_base_point_and_budgets_are_clipped_to_valid():
-    base = TriStateConfig.from_preset("hfkv")
+    base = TriStateConfig.from_preset("hfkv", alpha_h=1.0, alpha_l=0.02)  # explicit: the preset's values may change
     assert SearchSpace("global").warm_start(base) == {"alpha_h": 1.0, "alpha_l": 0.02}
+    inf = TriStateConfig.from_preset("hfkv", alpha_h=math.inf, alpha_l=0.02)
+    assert SearchSpace("global").warm_start(inf) is None  # not a point of alpha_h in [0, 5]
     assert SearchSpace("head").warm_start(base) == {"alpha_h": 1.0, "alpha_l": 0.02, "beta_h": 0.0, "beta_l": 0.0,
                                                     "delta": 0.0}  # fmt: skip
     assert SearchSpace("global", ranges=["alpha_h=2:5"]).warm_start(base) is None  # outside the space

@@ -218,6 +218,7 @@ def _trial_record(t: FrozenTrial) -> dict:
         "state": t.state.name,
         "params": t.params,
         "metrics": t.user_attrs.get("metrics"),
+        "config": t.user_attrs.get("config"),  # the config fields the trial set: the trial is rebuildable
         "worker": t.user_attrs.get("worker"),
         **{k: t.user_attrs[k] for k in ("retry_of", "warm_start", "error", "failed_reason") if k in t.user_attrs},
         "duration_s": t.duration.total_seconds() if t.duration else None,

@@ -153,6 +153,12 @@ def open_study(ctx: Context, sampler: optuna.samplers.BaseSampler | None = None)
             warm = ctx.space.warm_start(ctx.base) if ctx.args.warm_start else None
             if warm is not None:
                 study.enqueue_trial(warm, user_attrs={"warm_start": ctx.base.name})
+            elif ctx.args.warm_start:
+                print(
+                    f"note: the alphas of --base {ctx.args.base} are tables or lie outside the searched ranges; "
+                    "no warm-start trial",
+                    file=sys.stderr,
+                )
     return study
 
 
