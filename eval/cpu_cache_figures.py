@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 import hfkv
 from hfkv.evaluation.bench import interleaved_decode_times
+from hfkv.evaluation.methods import parse_method
 from hfkv.random_model import build_random_model
 from hfkv.storage import dynamic_cache_bytes
 
@@ -37,8 +38,11 @@ def build_model(seed: int = 0):
 
 
 def make_cache(model, name: str, budget: int):
+    """A preset at ``budget``, or any method spec of hfkv.evaluation.methods (``hfkv@1024:budget_unit=tokens``)."""
     if name == "dynamic":
         return DynamicCache(config=model.config)
+    if "@" in name or ":" in name:
+        return parse_method(name).make_cache(model)
     return hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(name, budget=budget))
 
 
@@ -83,7 +87,7 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=8192)
     ap.add_argument("--short-context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--timed", default="hfkv,evict", help="presets timed against DynamicCache (at --budget)")
+    ap.add_argument("--timed", default="hfkv,evict", help="presets or method specs timed vs DynamicCache")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1 keeps timings stable on a shared machine)"
@@ -110,7 +114,7 @@ def main() -> None:
         for name in timed:
             med, mean = times[name]
             entry[name] = {
-                "budget": args.budget,
+                "budget": args.budget if "@" not in name else name.split("@")[1].split(":")[0],
                 "ms_median": med * 1e3,
                 "ms_mean": mean * 1e3,
                 "speedup_median": dyn / med,
