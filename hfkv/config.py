@@ -13,7 +13,6 @@ import copy
 import math
 import numbers
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from hfkv.atomic import write_atomic
 
 # Kept here rather than imported so that reading a config never pulls in the quantisation code;
 # hfkv.quant.formats exports the same tuple and the two are reconciled by the lead.
@@ -455,20 +456,7 @@ class TriStateConfig:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
         if header:
             text = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + text
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return write_atomic(path, text)
 
     # ------------------------------------------------------------------ presets
     @classmethod

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import platform
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hfkv.atomic import write_atomic
 from hfkv.calibration.objectives import METRICS
 from hfkv.calibration.search import quality_loss, quality_ok
 from hfkv.config import TriStateConfig
@@ -31,21 +31,7 @@ DEFAULT_TOLERANCE = {"kl": 0.01, "top1": 0.01, "accuracy": 0.01}
 
 # --------------------------------------------------------------------------- files
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_atomic(path, data)
 
 
 def save_figure(fig, path: str | os.PathLike) -> Path:
