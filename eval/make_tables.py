@@ -429,23 +429,27 @@ COMMANDS = """\
 Run from the repository root with the project's venv; each sweep appends to its file, skips rows already
 there with the same method config (`--force` re-runs them; a row whose preset now resolves to another config is
 re-run and replaced) and records hfkv version, commit, date, wall time and machine in every row. After a change
-of the cache's code, start from an empty file (or `--force`). Expected wall times on the shared 2-core VM with
-one torch thread (from runs at small `--limit` / one document, under load from other jobs): testbed sweep 132 rows
-(33 methods x 2 tasks x 2 dtypes) at ~1.5 s per row per 10 examples, ~35 min; SmolLM2 sweep 80 rows (20 methods x
-4 documents) at 70-150 s per row plus ~115 s of reference per document, ~2-2.5 h; each bench command ~7.5 min.
+of the cache's code, start from an empty file (or `--force`). The committed files were made by the commands
+below on the shared 2-core VM, one torch thread per process, three processes at a time (wall times in the
+tables' headers). The fp32 testbed rows, documents 2-3 of SmolLM2 and the bf16 bench were not re-run for the
+current policy (add `--dtypes bf16,fp32`, `--docs 4`, `--dtype bf16 --name cpu_small_bf16`).
 
 ```
-# testbed accuracy vs memory (both tasks, 100 examples each, bf16 then fp32)
-OMP_NUM_THREADS=1 python eval/sweep_testbed.py \\
+# testbed accuracy vs memory (both tasks, 100 examples each, bf16; ~8 min)
+OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
     --methods dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv \\
-    --budgets 48,64,80,112,160 --dtypes bf16,fp32
-# SmolLM2-135M-Instruct fidelity on the 4 committed documents (eval/results/texts/smollm2.jsonl)
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py \\
-    --methods evict,streaming,arkv,hfkv,quant@none,diffkv@none,quanto-int4,quanto-int2 --budgets 128,256,384,512
-# CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32 and bf16)
-OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024 \\
-    --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 48 --prefill-chunk 1024 \\
-    --dtype fp32 --name cpu_small_fp32      # and --dtype bf16 --name cpu_small_bf16
+    --budgets 48,64,80,112,160
+# SmolLM2-135M-Instruct fidelity, bf16, on the first 2 committed documents (eval/results/texts/smollm2.jsonl)
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
+    --methods hfkv evict streaming 'hfkv@256:quantized.value=int4'
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
+    --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 640,768 --methods hfkv
+# CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32)
+OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
+    --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
+    --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
+    --dtype fp32 --name cpu_small_fp32
 # then
 python eval/make_tables.py
 ```
