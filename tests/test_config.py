@@ -424,3 +424,11 @@ def test_property_dict_round_trip(cfg: TriStateConfig) -> None:
 @given(valid_configs())
 def test_property_yaml_round_trip(tmp_path: Path, cfg: TriStateConfig) -> None:
     assert TriStateConfig.from_yaml(cfg.to_yaml(tmp_path / "p.yaml")) == cfg
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "calibrated").glob("*.yaml")), ids=lambda p: p.stem)
+def test_committed_calibrated_configs_load_with_provenance(path) -> None:
+    cfg = TriStateConfig.from_yaml(path)
+    assert cfg.name == path.stem
+    assert cfg.provenance["tool"] == "hfkv calibrate" and cfg.provenance["study"]["name"] == path.stem
+    assert cfg.provenance["params"]["budget"] == cfg.budget
