@@ -3,12 +3,15 @@ resuming, a SIGKILLed worker, several workers on one journal file or PostgreSQL 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import optuna
 import pytest
@@ -129,6 +132,17 @@ def test_max_memory_ratio_is_a_constrained_single_objective(tiny_dir, tmp_path):
         assert rc == 3 and not (tmp_path / "configs" / "c.yaml").exists()
 
 
+def _study_exists(db: Path, name: str) -> bool:
+    """Whether ``db`` already holds study ``name`` (read-only: never creates tables)."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)) as con:
+            return con.execute("SELECT 1 FROM studies WHERE study_name = ?", (name,)).fetchone() is not None
+    except sqlite3.Error:  # no schema yet, or busy
+        return False
+
+
 def test_sigkill_of_the_worker_mid_trial_loses_no_finished_trial(tiny_dir, tmp_path):
     # Longer solutions than elsewhere (~1.5 s a trial): long enough to catch the worker mid-trial on a busy machine.
     args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "k", "--n-trials", 4,
@@ -143,7 +157,9 @@ def test_sigkill_of_the_worker_mid_trial_loses_no_finished_trial(tiny_dir, tmp_p
             assert time.time() < deadline, "no trial finished in time"
             time.sleep(0.05)
             try:
-                if storage is None and (tmp_path / "studies" / "k.db").exists():
+                # Open the storage only once the worker has created the schema and the study: RDBStorage
+                # creates missing tables itself, and doing so beside the worker makes the worker fail.
+                if storage is None and _study_exists(tmp_path / "studies" / "k.db", "k"):
                     storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 2}})
                 trials = optuna.load_study(study_name="k", storage=storage).get_trials()
             except Exception:  # not created yet, or the database is busy
