@@ -291,3 +291,31 @@ def test_help_documents_every_option(capsys):
     for a in options:
         assert a.option_strings[0] in out
     assert "optuna-dashboard" in out and "resumes" in out
+
+
+def test_storage_creation_retries_when_another_worker_is_creating_the_tables(tmp_path, monkeypatch):
+    import sqlalchemy.exc
+
+    from hfkv.calibration import storage as st
+
+    real, calls = optuna.storages.RDBStorage, []
+
+    def racing(url, **kw):  # the first construction loses the race to create the schema
+        calls.append(url)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.OperationalError("CREATE TABLE studies", {}, Exception("table studies already exists"))
+        return real(url, **kw)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", racing)
+    opened = st.open_storage(None, "race", tmp_path)
+    assert len(calls) == 2 and opened.kind == "sqlite"
+    calls.clear()
+
+    def broken(url, **kw):  # any other database error is not retried
+        calls.append(url)
+        raise sqlalchemy.exc.OperationalError("SELECT", {}, Exception("disk I/O error"))
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", broken)
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="disk I/O"):
+        st.open_storage(None, "other", tmp_path)
+    assert len(calls) == 1

@@ -142,11 +142,28 @@ def open_storage(spec: str | None, study_name: str, directory: str | Path = DEFA
         # Several local workers write to one file: wait for SQLite's lock instead of failing at 5 s.
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
     try:
-        rdb = optuna.storages.RDBStorage(spec, **kwargs)
+        rdb = _create_rdb(spec, kwargs)
     except ImportError as exc:
         raise ModuleNotFoundError(f"--storage {redact(spec)}: {exc} (PostgreSQL needs psycopg[binary])") from exc
     key = f"{spec.split('://')[0]}:{redact(spec)}"
     return Storage(rdb, spec, kind, key)
+
+
+def _create_rdb(spec: str, kwargs: dict, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """RDBStorage creates missing tables on construction; workers starting together on a new database race
+    to do it and the losers fail with "already exists" / a duplicate key. Once the winner is done the tables
+    exist and construction only checks them, so the losers retry."""
+    import sqlalchemy.exc
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(spec, **kwargs)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            text = str(exc).lower()
+            if attempt == attempts - 1 or not ("already exists" in text or "duplicate" in text):
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _with_postgres_driver(url: str) -> str:
