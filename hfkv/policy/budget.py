@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hfkv.policy.unified import _ordered_key, _per_head
+from hfkv.policy.unified import _check_shapes, _lengths, _ordered_key, _per_head
 from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
 
 __all__ = ["allocate", "held_bytes_of", "quantizing_pays"]
@@ -108,12 +108,7 @@ def allocate(
     Guarantees: the bytes held (``held_bytes_of``) are at most ``room`` wherever the sinks alone
     fit; no token is promoted.
     """
-    if scores.dim() != 3:
-        raise ValueError(f"scores must be [B, H, N], got shape {tuple(scores.shape)}")
-    b, h, n = scores.shape
-    for name, t in (("state", state), ("sink", sink)):
-        if tuple(t.shape) != (b, h, n):
-            raise ValueError(f"{name} must have shape {(b, h, n)}, got {tuple(t.shape)}")
+    b, h, n = _check_shapes(scores, state, sink)
     c0, c1 = int(cost[0]), int(cost[1])
     f0, f1 = float(fidelity[0]), float(fidelity[1])
     if not (c0 >= c1 > 0 and f0 >= f1 >= 0):
@@ -133,7 +128,7 @@ def allocate(
     movable = ~sink
 
     # Floors: below alpha_l / N is evicted whatever the room; at or above alpha_h / N is exact or nothing.
-    length = logical_len.to(device=device).clamp(min=1).to(torch.float32).view(b, 1, 1)
+    length = _lengths(logical_len, device)
     evict = movable & (scores < _per_head(alpha_l, h, device) / length)
     new = torch.where(evict, torch.full_like(state, EVICTED), state)
     cand = movable & (new != EVICTED)

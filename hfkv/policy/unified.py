@@ -131,6 +131,22 @@ def _apply_lowest(
     return torch.where(sel, torch.full_like(new, to_state), new)
 
 
+def _check_shapes(scores: Tensor, state: Tensor, sink: Tensor) -> tuple[int, int, int]:
+    """``(B, H, N)`` of ``scores``, after checking that ``state`` and ``sink`` share it."""
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, H, N], got shape {tuple(scores.shape)}")
+    b, h, n = scores.shape
+    for name, t in (("state", state), ("sink", sink)):
+        if tuple(t.shape) != (b, h, n):
+            raise ValueError(f"{name} must have shape {(b, h, n)}, got {tuple(t.shape)}")
+    return b, h, n
+
+
+def _lengths(logical_len: Tensor, device: torch.device) -> Tensor:
+    """Each row's logical length ``N`` as fp32 ``[B, 1, 1]`` (at least 1): thresholds are ``alpha / N``."""
+    return logical_len.to(device=device).clamp(min=1).to(torch.float32).view(-1, 1, 1)
+
+
 def _per_head(alpha: Tensor, h: int, device: torch.device) -> Tensor:
     a = torch.as_tensor(alpha, dtype=torch.float32, device=device).reshape(-1)
     if a.numel() == 1:
@@ -171,12 +187,7 @@ def classify(
 
     See the module docstring for the rules and the tie-break.
     """
-    if scores.dim() != 3:
-        raise ValueError(f"scores must be [B, H, N], got shape {tuple(scores.shape)}")
-    b, h, n = scores.shape
-    for name, t in (("state", state), ("sink", sink)):
-        if tuple(t.shape) != (b, h, n):
-            raise ValueError(f"{name} must have shape {(b, h, n)}, got {tuple(t.shape)}")
+    b, h, n = _check_shapes(scores, state, sink)
     device = scores.device
     state = state.to(torch.int8)
     if n == 0:
@@ -186,7 +197,7 @@ def classify(
     movable = ~sink
 
     # Rule 1: per-head thresholds alpha / N, no promotion; sinks untouched.
-    length = logical_len.to(device=device).clamp(min=1).to(torch.float32).view(b, 1, 1)
+    length = _lengths(logical_len, device)
     thr_l = _per_head(alpha_l, h, device) / length
     thr_h = _per_head(alpha_h, h, device) / length
     proposed = torch.where(
