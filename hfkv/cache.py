@@ -25,6 +25,7 @@ from transformers.cache_utils import (
 from hfkv.attention.interface import NAME, enable, pending, request_logical_mask, set_pending
 from hfkv.attention.slots import slot_attention
 from hfkv.config import TriStateConfig
+from hfkv.kernels.backend import resolve_backend
 from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce_gqa, token_scores
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
@@ -69,7 +70,7 @@ class TriStateLayer(CacheLayerMixin):
         c = self.tiers.counts.sum((0, 1)).tolist()
         return (
             f"TriStateLayer({self.layer_idx}, len={self.length}, window={self.window.count}, "
-            f"original={c[0]}, quantized={c[1]})"
+            f"original={c[0]}, quantized={c[1]}, backend={self.backend})"
         )
 
     # ------------------------------------------------------------ set-up
@@ -77,6 +78,7 @@ class TriStateLayer(CacheLayerMixin):
         bsz, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.cfg
+        self.backend = resolve_backend(cfg.backend, self.device)
 
         def layout(name: str) -> RecordLayout:
             tier, group = getattr(cfg, name), cfg.group_for(name, dim)
@@ -89,7 +91,9 @@ class TriStateLayer(CacheLayerMixin):
         self._init_memory_budget(dim)
         # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
         growth = 0.0 if cfg.budget is not None else GROWTH
-        self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth)
+        self.tiers = PagedTiers(
+            self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth, backend=self.backend
+        )
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
         self.is_initialized = True
@@ -194,8 +198,7 @@ class TriStateLayer(CacheLayerMixin):
         for tier in (ORIGINAL, QUANTIZED):
             b, h, i = (new == tier).nonzero(as_tuple=True)
             if i.numel():
-                rec = self.layouts[tier].encode(k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
-                self.tiers.append_flat(tier, b, h, rec)
+                self.tiers.append_tokens(tier, b, h, k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
 
     def _refresh_tier_peak(self) -> None:
         counts = self.tiers.counts
@@ -305,15 +308,15 @@ class TriStateLayer(CacheLayerMixin):
         if bool(demote.any()):
             b, h, s = demote.nonzero(as_tuple=True)
             rec = tiers.gather(ORIGINAL, b, h, s)
-            lay0, lay1 = self.layouts
+            lay0 = self.layouts[ORIGINAL]
             k, v = lay0.decode_kv(rec, torch.float32)
-            moved = (b, h, lay1.encode(k, v, lay0.positions(rec), lay0.scores(rec), False))
+            moved = (b, h, k, v, lay0.positions(rec), lay0.scores(rec))
         # Free the original slots before the demoted copies take quantized ones: the pool's peak
         # (its capacity, which is held) never has to hold a token twice.
         if bool((v0 & (new0 != ORIGINAL)).any()):
             tiers.remove(ORIGINAL, new0 == ORIGINAL)
         if moved is not None:
-            tiers.append_flat(QUANTIZED, *moved)
+            tiers.append_tokens(QUANTIZED, *moved)
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
@@ -358,6 +361,8 @@ class TriStateLayer(CacheLayerMixin):
         return out
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._attend_slots_triton(query, scaling)
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
@@ -391,6 +396,27 @@ class TriStateLayer(CacheLayerMixin):
         for tier, d in enumerate(rest):
             if d.shape[-1]:  # straight into the records' score fields: masked slots received exact zeros
                 self.tiers.add_scores(tier, d)
+        if exits is not None:
+            self.run_policy(exits)
+        return out
+
+    def _attend_slots_triton(self, query, scaling) -> torch.Tensor:
+        """The same attention through the paged kernels: records are read and dequantized in registers,
+        scores are added in place, and the mask comes from slot positions (causal + left padding)."""
+        from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
+
+        self._chunk = None
+        win, tiers = self.window, self.tiers
+        parts = [DenseSlots(win.k, win.v, win.pos, win.score)]
+        exits, self._exits = self._exits, None
+        if exits is not None:
+            exits = (*exits[:3], exits[3].contiguous().float())
+            parts.append(DenseSlots(*exits))
+        parts += [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)]
+        q = query.shape[2]
+        out, _ = paged_attention(
+            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, add_scores=True
+        )
         if exits is not None:
             self.run_policy(exits)
         return out
@@ -542,8 +568,17 @@ class TriStateCache(DynamicCache):
         n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)
         return (
             f"TriStateCache({self.config.summary()}, layers={len(self.layers)}, compressed={n}, "
-            f"len={self.get_seq_length()})"
+            f"len={self.get_seq_length()}, backend={self.backend})"
         )
+
+    @property
+    def backend(self) -> str:
+        """The backend compressed layers run on: ``config.backend`` resolved on the first layer's device
+        (``auto`` until a layer has seen a tensor)."""
+        for layer in self._tri_layers():
+            if layer.is_initialized:
+                return layer.backend
+        return self.config.backend if self.config.compress else "torch"
 
     def _repr_html_(self) -> str:
         from hfkv.inspect import cache_html
@@ -621,4 +656,5 @@ class TriStateCache(DynamicCache):
             kv_bytes=sum(ls.kv_bytes for ls in per_layer),
             dense_bytes=sum(ls.dense_bytes for ls in per_layer),
             layers=per_layer,
+            backend=self.backend,
         )

@@ -38,6 +38,8 @@ class CacheStats:
     kv_bytes: int
     dense_bytes: int
     layers: list[LayerStats]
+    # The path compressed layers ran on ("torch" or "triton"; "torch" too where nothing is compressed).
+    backend: str = "torch"
 
     @property
     def compression_ratio(self) -> float:
@@ -95,7 +97,7 @@ class CacheStats:
     def __str__(self) -> str:
         lines = [
             f"CacheStats: kv_bytes={self.kv_bytes:,} dense_bytes={self.dense_bytes:,} "
-            f"compression_ratio={self.compression_ratio:.2f}x"
+            f"compression_ratio={self.compression_ratio:.2f}x backend={self.backend}"
         ]
         for ls in self.layers:
             tot = ls.totals()

@@ -115,10 +115,18 @@ class QuantFormat:
         if self.name == "model":
             return x.to(self.model_dtype).contiguous().view(torch.uint8)
         if check_finite:
-            _check_finite(x, f"QuantFormat({self.name}).encode")
+            self.check_encodable(x)
         if self.name == "fp8":
             return self._encode_fp8(x)
-        return self._encode_int(x, check_finite)
+        return self._encode_int(x)
+
+    def check_encodable(self, x: torch.Tensor) -> None:
+        """Raise where quantizing ``x`` would silently corrupt a group (NaN/Inf, beyond fp16 range)."""
+        if self.name == "model":
+            return
+        _check_finite(x, f"QuantFormat({self.name}).encode")
+        if self.name in INT_BITS and bool((x.float().abs() > _FP16_MAX).any()):
+            raise ValueError(f"QuantFormat({self.name}).encode: values beyond fp16 range cannot be quantized")
 
     def _encode_fp8(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -127,15 +135,13 @@ class QuantFormat:
         codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return torch.cat([codes, scale.contiguous().view(torch.uint8)], dim=-1)
 
-    def _encode_int(self, x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
+    def _encode_int(self, x: torch.Tensor) -> torch.Tensor:
         b = self.bits
         qmax = (1 << b) - 1
         lead = x.shape[:-1]
         xg = x.float().reshape(*lead, self.groups, self.group_size)
         mn = xg.amin(-1, keepdim=True)
         mx = xg.amax(-1, keepdim=True)
-        if check_finite and bool((mx.abs() > _FP16_MAX).any() | (mn.abs() > _FP16_MAX).any()):
-            raise ValueError(f"QuantFormat({self.name}).encode: values beyond fp16 range cannot be quantized")
         zero16 = mn.to(torch.float16)
         # Guard max == min: a constant group gets scale 0 and decodes exactly to fp16(min), even when
         # fp16 rounding put zero16 below min (which would otherwise give a tiny non-zero scale).

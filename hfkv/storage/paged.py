@@ -67,8 +67,11 @@ class PagedTiers:
         device: torch.device | str = "cpu",
         initial_pages: int = 0,
         growth: float = GROWTH,
+        backend: str = "torch",
     ) -> None:
         self.layouts = tuple(layouts)
+        # "triton": records are encoded, moved and cleared by the kernels of hfkv.kernels (same bytes).
+        self.backend = backend
         if page_bytes is None:
             page_bytes = auto_page_bytes([lay.nbytes for lay in self.layouts])
         self.tpp = []
@@ -145,11 +148,46 @@ class PagedTiers:
 
         ``(b, h)`` must be grouped in row-major order (as ``nonzero`` returns them).
         """
-        lay, tpp = self.layouts[tier], self.tpp[tier]
+        lay = self.layouts[tier]
         if records.shape[-1] != lay.nbytes:
             raise ValueError(f"append: record size {records.shape[-1]} != tier {tier} layout {lay.nbytes}")
         if b.numel() == 0:
             return
+        page, off = self._reserve(tier, b, h)
+        self.pool.tier_view(lay.nbytes)[page, off] = records
+
+    def append_tokens(
+        self,
+        tier: int,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        score: torch.Tensor,
+        check_finite: bool = False,
+    ) -> None:
+        """Encode tokens ``k, v [n, D]`` (positions ``pos [n]``, score sums ``score [n]``) into the tier's
+        format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`).
+
+        The Triton backend quantizes, packs and writes each record in one kernel, straight into its slot.
+        """
+        if b.numel() == 0:
+            return
+        lay = self.layouts[tier]
+        if self.backend != "triton":
+            self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite))
+            return
+        from hfkv.kernels.encode import encode_write
+
+        if check_finite:
+            lay.check_encodable(k, v)
+        page, off = self._reserve(tier, b, h)
+        encode_write(self.pool.data, page * self.pool.page_bytes + off * lay.nbytes, lay, k, v, pos, score)
+
+    def _reserve(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the next slot of heads ``(b[j], h[j])`` for every j (pages allocated in bulk); its page and offset."""
+        tpp = self.tpp[tier]
         bsz, heads = self.batch, self.heads
         bh = b * heads + h
         k = torch.bincount(bh, minlength=bsz * heads)
@@ -168,10 +206,9 @@ class PagedTiers:
             self.tables[tier].view(bsz * heads, -1)[owner, col] = ids
         first = torch.cumsum(k, 0) - k
         s = old[bh] + torch.arange(bh.numel(), device=self.device) - first[bh]
-        page, off = self._locate(tier, b, h, s)
-        self.pool.tier_view(lay.nbytes)[page, off] = records
         self.counts[..., tier] = new.view(bsz, heads)
         self.versions[tier] += 1
+        return self._locate(tier, b, h, s)
 
     def remove(self, tier: int, keep: torch.Tensor) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
@@ -180,7 +217,7 @@ class PagedTiers:
         the vacated slots of pages the head keeps are tagged empty, then the tail pages that
         became empty go back to the pool.
         """
-        lay, tpp = self.layouts[tier], self.tpp[tier]
+        tpp = self.tpp[tier]
         cnt = self.counts[..., tier]
         m = keep.shape[-1]
         s = torch.arange(m, device=self.device)
@@ -190,14 +227,12 @@ class PagedTiers:
         below = s < new.unsqueeze(-1)
         hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
         sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
-        view = self.pool.tier_view(lay.nbytes)
         if hs.numel():
-            view[self._locate(tier, hb, hh, hs)] = view[self._locate(tier, sb, sh, ss)]
+            self._move(tier, self._locate(tier, sb, sh, ss), self._locate(tier, hb, hh, hs))
         old_pages, new_pages = _ceil_div(cnt, tpp), _ceil_div(new, tpp)
         vb, vh, vs = (live & ~below & (s < (new_pages * tpp).unsqueeze(-1))).nonzero(as_tuple=True)
         if vs.numel():
-            page, off = self._locate(tier, vb, vh, vs)
-            self._field(tier, lay.pos_offset, torch.int32)[page, off] = 0
+            self._clear_tags(tier, *self._locate(tier, vb, vh, vs))
         table = self.tables[tier]
         col = torch.arange(table.shape[-1], device=self.device)
         freed = (col >= new_pages.unsqueeze(-1)) & (col < old_pages.unsqueeze(-1))
@@ -206,6 +241,30 @@ class PagedTiers:
         self.counts[..., tier] = new
         self._set_width(tier, int(new_pages.max()) if new_pages.numel() else 0)
         self.versions[tier] += 1
+
+    def _byte_offsets(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        return page * self.pool.page_bytes + off * self.layouts[tier].nbytes
+
+    def _move(self, tier: int, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy records from slots ``src`` to the (disjoint) slots ``dst``: compaction's only data movement."""
+        lay = self.layouts[tier]
+        if self.backend == "triton":
+            from hfkv.kernels.move import move_records
+
+            move_records(self.pool.data, self._byte_offsets(tier, *src), self._byte_offsets(tier, *dst), lay.nbytes)
+            return
+        view = self.pool.tier_view(lay.nbytes)
+        view[dst] = view[src]
+
+    def _clear_tags(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> None:
+        """Mark slots empty (tag 0) so reads of whole pages skip them."""
+        lay = self.layouts[tier]
+        if self.backend == "triton":
+            from hfkv.kernels.move import clear_tags
+
+            clear_tags(self.pool.data, self._byte_offsets(tier, page, off) + lay.pos_offset)
+            return
+        self._field(tier, lay.pos_offset, torch.int32)[page, off] = 0
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
         """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)`` of every head.

@@ -68,6 +68,10 @@ class RecordLayout:
         parts.append(_as_bytes(score.to(torch.float32), lead))
         return torch.cat(parts, dim=-1)
 
+    def check_encodable(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.key.check_encodable(k)
+        self.value.check_encodable(v)
+
     def decode_kv(self, rec: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of records ``[..., nbytes]``, read in place when the records are word-aligned."""
         kb = self.key.nbytes

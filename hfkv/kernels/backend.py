@@ -1,0 +1,47 @@
+"""Which path a layer's attention and storage writes take: the Triton kernels or the torch reference.
+
+The choice is made once per layer, from the device its first tensors arrive on, so ``auto`` does
+the right thing for a model on a GPU and for the same code on a laptop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from hfkv.config import BACKENDS
+
+
+def interpreter_on() -> bool:
+    """Triton's CPU interpreter: read when a kernel is decorated, so it must be set before hfkv.kernels loads."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(requested: str, device: torch.device | str) -> str:
+    """``auto``: triton on CUDA tensors (when triton is installed), torch elsewhere; ``triton``: checked."""
+    device = torch.device(device)
+    if requested not in BACKENDS:
+        raise ValueError(f"TriStateConfig.backend={requested!r} is not a backend; allowed: {BACKENDS}")
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise ValueError(
+            "TriStateConfig.backend='triton' needs the triton package (pip install triton), which is not "
+            "installed; use backend='torch' or 'auto'"
+        )
+    if device.type != "cuda" and not interpreter_on():
+        raise ValueError(
+            f"TriStateConfig.backend='triton' runs on CUDA tensors, but this cache's tensors are on "
+            f"{device.type!r}. Move the model to a GPU, use backend='auto' or 'torch', or set "
+            "TRITON_INTERPRET=1 before importing hfkv to run the kernels in Triton's CPU interpreter "
+            "(slow; meant for tests)."
+        )
+    return "triton"

@@ -1,0 +1,494 @@
+"""Paged attention of new queries over the window ring and the tiers, reading the compressed pages.
+
+Decode attention is bandwidth-bound, so a step gets faster in proportion to the bytes it no
+longer reads only if one kernel reads the packed records, dequantizes them in registers and never
+materialises dense keys. The work is three small kernels (flash-decoding):
+
+1. ``_partial_kernel``, once per part (window ring, a chunk's exits, each tier): a program owns a
+   (row, KV head, split of slots) and all ``g * q`` query rows of that KV head (GQA packing, so
+   each record is read once per group), computes masked logits, keeps an online softmax in fp32
+   and writes its partial max / sum / output, plus the logits themselves (4 bytes per slot and
+   query row; keys are never read again).
+2. ``_combine_kernel``: joins the splits of every part into one softmax per query row and writes
+   the output in the query dtype.
+3. ``_score_kernel``, once per part: turns the stored logits into probabilities, reduces them over
+   the GQA group (``max`` / ``mean`` / ``l2``) and over the chunk's queries, and adds them to the
+   slots' score sums in place (the records' score fields, the ring's score array): the decode-time
+   significance scores come out of the same pass, with no second read of K.
+
+Masking is by logical position, from the slots' tags (``position + 1``, 0 = empty): a slot is
+visible to query ``i`` iff it is not empty, not left padding (``pos >= pad_end[row]``) and not in
+the future (``pos <= q_start + i``). Grid sizes come from host-known maxima (table widths, the
+ring's capacity), so a step makes no host sync.
+
+``paged_attention_reference`` is the torch twin, built on the torch backend's own reading and
+attention code; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.attention.slots import slot_attention
+from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.dequant import format_constants, load_field, tl_dtype
+from hfkv.policy.scores import reduce_gqa
+from hfkv.storage.record import RecordLayout
+
+REDUCTIONS = {"max": 0, "mean": 1, "l2": 2}
+
+
+@dataclass(frozen=True)
+class DenseSlots:
+    """Slots held densely in the model dtype (the window ring, a chunk's exits).
+
+    ``k, v [B, H, S, D]``; ``pos [S]`` logical positions shared by every row (-1: empty slot);
+    ``score [B, H, S]`` fp32 sums that attention adds to in place (None: not scored).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    score: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class PagedSlots:
+    """One tier of a layer's paged storage: its byte pool, page table ``[B, H, W]`` and record layout."""
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    tpp: int
+    layout: RecordLayout
+
+    @property
+    def slots(self) -> int:
+        return self.table.shape[-1] * self.tpp
+
+    def record_offsets(self) -> torch.Tensor:
+        """``[B, H, slots]`` int64 byte offset of every slot's record (null-page entries included)."""
+        s = torch.arange(self.slots, device=self.table.device)
+        page = self.table.long()[..., s // self.tpp]
+        return page * self.pool.shape[1] + (s % self.tpp) * self.layout.nbytes
+
+
+Part = DenseSlots | PagedSlots
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _partial_kernel(
+    q_ptr,
+    pad_end_ptr,
+    q_start,
+    scaling,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    pool_ptr,
+    table_ptr,
+    table_w,
+    tpp,
+    page_bytes,
+    n_slots,
+    split_slots,
+    logits_ptr,
+    s_total,
+    col0,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    ns_total,
+    split0,
+    H,
+    HQ,
+    PAGED: tl.constexpr,
+    G: tl.constexpr,
+    QLEN: tl.constexpr,
+    QB: tl.constexpr,
+    NQB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REC: tl.constexpr,
+    V_OFF: tl.constexpr,
+    TAG_OFF: tl.constexpr,
+    K_FAM: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    K_DTYPE: tl.constexpr,
+    V_FAM: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    qb = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    r = tl.arange(0, BLOCK_R)
+    gi = r // QB
+    qi = qb * QB + r % QB
+    row_ok = (gi < G) & (qi < QLEN)
+    blk = bh * NQB + qb  # this program's block of query rows
+    d = tl.arange(0, BLOCK_D)
+    q_rows = ((b * HQ + h * G + gi) * QLEN + qi).to(tl.int64) * D
+    qf = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    qf = qf.to(tl.float32) * scaling
+    pad_end = tl.load(pad_end_ptr + b)
+    qpos = q_start + qi
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    lo = sp * split_slots
+    hi = tl.minimum(lo + split_slots, n_slots)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + tl.arange(0, BLOCK_N)
+        in_range = s < hi
+        if PAGED:
+            page = tl.load(table_ptr + bh.to(tl.int64) * table_w + s // tpp, mask=in_range, other=0)
+            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
+            words = pool_ptr.to(tl.pointer_type(tl.int32))
+            tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
+            k = load_field(pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D)
+            v = load_field(pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D)
+        else:
+            tag = tl.load(pos_ptr + s, mask=in_range, other=-1).to(tl.int32) + 1
+            rows = (bh.to(tl.int64) * n_slots + s) * D
+            kv_mask = in_range[:, None] & (d < D)[None, :]
+            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        pos = tag - 1
+        allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
+        logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
+        logits = tl.where(allowed, logits, float("-inf"))
+        lg_rows = (blk * BLOCK_R + r).to(tl.int64) * s_total + col0
+        tl.store(logits_ptr + lg_rows[:, None] + s[None, :], logits, mask=row_ok[:, None] & in_range[None, :])
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(logits - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = (blk * ns_total + split0 + sp).to(tl.int64) * BLOCK_R + r
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    ns_total,
+    out_ptr,
+    mf_ptr,
+    lf_ptr,
+    H,
+    HQ,
+    G: tl.constexpr,
+    QLEN: tl.constexpr,
+    QB: tl.constexpr,
+    NQB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    qb = tl.program_id(1)
+    blk = bh * NQB + qb
+    b = bh // H
+    h = bh % H
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    big_m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    big_l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for sp in range(0, ns_total):
+        at = (blk * ns_total + sp).to(tl.int64) * BLOCK_R + r
+        m_s = tl.load(m_ptr + at)
+        l_s = tl.load(l_ptr + at)
+        a_s = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :])
+        m_new = tl.maximum(big_m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(big_m - m_safe)
+        beta = tl.exp(m_s - m_safe)
+        big_l = big_l * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        big_m = m_new
+    # A query row that sees no slot (a padding query of a chunk) gets zeros, as in the torch path.
+    o = tl.where((big_l > 0)[:, None], acc / tl.where(big_l > 0, big_l, 1.0)[:, None], 0.0)
+    gi = r // QB
+    qi = qb * QB + r % QB
+    row_ok = (gi < G) & (qi < QLEN)
+    o_rows = ((b * QLEN + qi) * HQ + h * G + gi).to(tl.int64) * D
+    tl.store(out_ptr + o_rows[:, None] + d[None, :], o, mask=row_ok[:, None] & (d < D)[None, :])
+    tl.store(mf_ptr + blk * BLOCK_R + r, big_m)
+    tl.store(lf_ptr + blk * BLOCK_R + r, big_l)
+
+
+@triton.jit
+def _score_kernel(
+    logits_ptr,
+    s_total,
+    col0,
+    mf_ptr,
+    lf_ptr,
+    delta_ptr,
+    score_ptr,
+    pool_ptr,
+    table_ptr,
+    table_w,
+    tpp,
+    page_bytes,
+    n_slots,
+    PAGED: tl.constexpr,
+    ADD: tl.constexpr,
+    RED: tl.constexpr,
+    G: tl.constexpr,
+    QLEN: tl.constexpr,
+    QB: tl.constexpr,
+    NQB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    REC: tl.constexpr,
+    TAG_OFF: tl.constexpr,
+    SCORE_OFF: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = s < n_slots
+    r = tl.arange(0, BLOCK_R)
+    delta = tl.zeros([BLOCK_S], tl.float32)
+    for qb in range(0, NQB):
+        blk = bh * NQB + qb
+        row_ok = (r // QB < G) & (qb * QB + r % QB < QLEN)
+        big_m = tl.load(mf_ptr + blk * BLOCK_R + r)
+        big_l = tl.load(lf_ptr + blk * BLOCK_R + r)
+        lg_rows = (blk * BLOCK_R + r).to(tl.int64) * s_total + col0
+        lg = tl.load(
+            logits_ptr + lg_rows[:, None] + s[None, :],
+            mask=row_ok[:, None] & in_range[None, :],
+            other=float("-inf"),
+        )
+        seen = (lg > float("-inf")) & (big_l > 0)[:, None]
+        m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
+        p = tl.where(seen, tl.exp(lg - m_safe[:, None]) / tl.where(big_l > 0, big_l, 1.0)[:, None], 0.0)
+        grouped = tl.reshape(p, [BLOCK_R // QB, QB, BLOCK_S])
+        if RED == 0:
+            red = tl.max(grouped, 0)
+        elif RED == 1:
+            red = tl.sum(grouped, 0) / G
+        else:
+            red = tl.sqrt(tl.sum(grouped * grouped, 0) / G)
+        delta += tl.sum(red, 0)  # over the chunk's queries
+    tl.store(delta_ptr + bh.to(tl.int64) * s_total + col0 + s, delta, mask=in_range)
+    if ADD:
+        if PAGED:
+            page = tl.load(table_ptr + bh.to(tl.int64) * table_w + s // tpp, mask=in_range, other=0)
+            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
+            words = pool_ptr.to(tl.pointer_type(tl.int32))
+            live = in_range & (tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0) > 0)
+            sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
+        else:  # empty ring slots receive exact zeros, as in the torch path
+            live = in_range
+            sc = score_ptr + bh.to(tl.int64) * n_slots + s
+        tl.store(sc, tl.load(sc, mask=live, other=0.0) + delta, mask=live)
+
+
+# --------------------------------------------------------------------------------------------- wrappers
+def _check(query: torch.Tensor, parts: Sequence[Part], pad_end: torch.Tensor, reduction: str) -> None:
+    if query.dim() != 4:
+        raise ValueError(f"paged_attention: query must be [B, Hq, q, D], got shape {tuple(query.shape)}")
+    if not parts:
+        raise ValueError("paged_attention: parts is empty; at least the window ring is needed")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"paged_attention: reduction={reduction!r}; allowed: {tuple(REDUCTIONS)}")
+    bsz = query.shape[0]
+    if pad_end.shape != (bsz,):
+        raise ValueError(f"paged_attention: pad_end must be [B]={bsz}, got shape {tuple(pad_end.shape)}")
+    for i, p in enumerate(parts):
+        if isinstance(p, DenseSlots):
+            if p.k.shape[0] != bsz or p.k.shape[-1] != query.shape[-1] or p.k.shape != p.v.shape:
+                raise ValueError(f"paged_attention: part {i} keys/values {tuple(p.k.shape)} do not match the query")
+        elif p.layout.key.head_dim != query.shape[-1]:
+            raise ValueError(f"paged_attention: part {i} head_dim {p.layout.key.head_dim} != {query.shape[-1]}")
+
+
+def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None) -> int:
+    """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding)."""
+    if split_slots is not None:
+        return max(block_n, -(-split_slots // block_n) * block_n)
+    if interpreter_on():  # programs run one after another there: fewest programs is fastest
+        return max(block_n, triton.cdiv(n, block_n) * block_n)
+    target = 256  # programs worth launching across all (row, head) pairs: ~2 waves on a large GPU
+    per_head = -(-target // max(1, programs))
+    return max(block_n, triton.cdiv(triton.cdiv(n, per_head), block_n) * block_n)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    parts: Sequence[Part],
+    q_start: int,
+    pad_end: torch.Tensor,
+    scaling: float,
+    reduction: str = "max",
+    add_scores: bool = True,
+    split_slots: int | None = None,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
+
+    Returns ``(out [B, q, Hq, D]`` in the query dtype, ``delta [B, H, sum slots]`` fp32: the
+    GQA-reduced probabilities each slot received, summed over the queries, in part order)``. With
+    ``add_scores`` the deltas are also added to the parts' score sums in place.
+    """
+    _check(query, parts, pad_end, reduction)
+    bsz, hq, qlen, dim = query.shape
+    first = parts[0]
+    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
+    if hq % heads:
+        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {heads} KV heads")
+    g = hq // heads
+    # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
+    # are tiled over query blocks so a program's rows stay few.
+    qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))
+    nqb = triton.cdiv(qlen, qb)
+    block_r = max(16, _next_pow2(g) * qb)
+    block_d = max(16, _next_pow2(dim))
+    device = query.device
+    query = query.contiguous()
+    pad_end = pad_end.to(device=device, dtype=torch.int64).contiguous()
+    sizes = [p.slots for p in parts]
+    s_total = sum(sizes)
+    splits = [_split_slots(n, bsz * heads, block_n, split_slots) for n in sizes]
+    n_splits = [triton.cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
+    ns_total = sum(n_splits)
+    f32 = dict(dtype=torch.float32, device=device)
+    blocks = bsz * heads * nqb
+    logits = torch.empty(blocks * block_r * max(1, s_total), **f32)
+    m = torch.empty(blocks * ns_total * block_r, **f32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(blocks * ns_total * block_r * block_d, **f32)
+    out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
+    mf = torch.empty(blocks * block_r, **f32)
+    lf = torch.empty_like(mf)
+    delta = torch.empty(bsz, heads, s_total, **f32)
+    shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
+
+    col0 = split0 = 0
+    for part, n, sp, nsp in zip(parts, sizes, splits, n_splits, strict=True):
+        if nsp == 0:
+            continue
+        if isinstance(part, DenseSlots):
+            dt = tl_dtype(part.k.dtype)
+            k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
+            paged = (None, None, 0, 1, 0)
+            fmt = dict(REC=4, V_OFF=0, TAG_OFF=0, K_FAM=0, K_BITS=8 * part.k.element_size(), K_GROUP=dim)
+            fmt |= dict(K_DTYPE=dt, V_FAM=0, V_BITS=8 * part.k.element_size(), V_GROUP=dim, V_DTYPE=dt)
+        else:
+            lay = part.layout
+            kc, vc = format_constants(lay.key), format_constants(lay.value)
+            k = v = pos = None
+            paged = (part.pool, part.table, part.table.shape[-1], part.tpp, part.pool.shape[1])
+            fmt = dict(REC=lay.nbytes, V_OFF=lay.key.nbytes, TAG_OFF=lay.pos_offset)
+            fmt |= dict(K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"])
+            fmt |= dict(V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"])
+        _partial_kernel[(bsz * heads, nsp, nqb)](
+            query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
+            m, l_, acc, ns_total, split0, heads, hq,
+            PAGED=isinstance(part, PagedSlots), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, **shape, **fmt,
+        )  # fmt: skip
+        col0 += n
+        split0 += nsp
+    _combine_kernel[(bsz * heads, nqb)](m, l_, acc, ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=block_d, **shape)
+
+    col0 = 0
+    block_s = 64
+    for part, n in zip(parts, sizes, strict=True):
+        if n == 0:
+            continue
+        paged_part = isinstance(part, PagedSlots)
+        if paged_part:
+            lay = part.layout
+            score, paged = None, (part.pool, part.table, part.table.shape[-1], part.tpp, part.pool.shape[1])
+            offs = dict(REC=lay.nbytes, TAG_OFF=lay.pos_offset, SCORE_OFF=lay.score_offset)
+        else:
+            score, paged, offs = part.score, (None, None, 0, 1, 0), dict(REC=4, TAG_OFF=0, SCORE_OFF=0)
+            if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
+                raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
+        add = add_scores and (paged_part or score is not None)
+        _score_kernel[(bsz * heads, triton.cdiv(n, block_s))](
+            logits, s_total, col0, mf, lf, delta, score, *paged, n,
+            PAGED=paged_part, ADD=add, RED=REDUCTIONS[reduction], BLOCK_S=block_s, **shape, **offs,
+        )  # fmt: skip
+        col0 += n
+    return out, delta
+
+
+# --------------------------------------------------------------------------------------------- torch twin
+def _dense_of(part: Part, bsz: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values (fp32) and tags ``[B, H, S]`` of a part, read the way the torch backend reads it."""
+    if isinstance(part, DenseSlots):
+        tags = (part.pos + 1).to(torch.int32).view(1, 1, -1).expand(bsz, heads, -1)
+        return part.k.float(), part.v.float(), tags
+    offs = part.record_offsets()
+    rec = part.pool.view(-1)[offs.unsqueeze(-1) + torch.arange(part.layout.nbytes, device=offs.device)]
+    k, v = part.layout.decode_kv(rec, torch.float32)
+    return k, v, part.layout.tags(rec)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    parts: Sequence[Part],
+    q_start: int,
+    pad_end: torch.Tensor,
+    scaling: float,
+    reduction: str = "max",
+    add_scores: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`paged_attention`: the torch backend's slot attention with a positional mask."""
+    _check(query, parts, pad_end, reduction)
+    bsz, hq, qlen, _ = query.shape
+    first = parts[0]
+    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
+    dense = [_dense_of(p, bsz, heads) for p in parts]
+    length = q_start + qlen
+    col = torch.arange(length, device=query.device)
+    qpos = torch.arange(q_start, length, device=query.device)
+    mask = (col.view(1, 1, -1) <= qpos.view(1, -1, 1)) & (col.view(1, 1, -1) >= pad_end.view(-1, 1, 1).to(col))
+    out, probs = slot_attention(
+        query, [(k, v) for k, v, _ in dense], torch.cat([t for *_, t in dense], -1).long(), mask[:, None], scaling
+    )
+    delta = reduce_gqa(probs.flatten(1, 2), heads, reduction).sum(2)
+    if add_scores:
+        start = 0
+        for part, (_, _, tags) in zip(parts, dense, strict=True):
+            d = delta[..., start : start + part.slots]
+            start += part.slots
+            if isinstance(part, DenseSlots):
+                if part.score is not None:
+                    part.score.add_(d)
+                continue
+            live = tags > 0
+            at = (part.record_offsets() + part.layout.score_offset)[live] // 4
+            part.pool.view(torch.float32).view(-1).index_add_(0, at, d[live])
+    return out, delta

@@ -1,0 +1,83 @@
+"""Reading one field of a tile of records in registers, for every tier format.
+
+The decode kernel never materialises dense keys: each tile of records is read from the byte pool
+and dequantized here, right before the dot products. Formats are compile-time constants, so a
+kernel instance contains only the code of the formats its tiers use. The byte layout is the one
+``hfkv.quant.formats`` writes (integer codes in planes, fp16 scale/zero per group, fp8 codes
+with an fp32 scale); the torch twin of every function here is ``QuantFormat.decode_at``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.quant.formats import INT_BITS, QuantFormat
+
+# Format families (tl.constexpr values).
+MODEL, INT, FP8 = 0, 1, 2
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def tl_dtype(dtype: torch.dtype):
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"hfkv Triton kernels: model dtype {dtype} is not supported; allowed: {list(_TL_DTYPES)}"
+        ) from None
+
+
+def format_constants(fmt: QuantFormat) -> dict:
+    """The constexpr arguments describing one field format: family, bits, group size, model dtype."""
+    if fmt.name == "model":
+        return {"fam": MODEL, "bits": fmt.bits, "group": fmt.head_dim, "dtype": tl_dtype(fmt.model_dtype)}
+    if fmt.name == "fp8":
+        return {"fam": FP8, "bits": 8, "group": fmt.head_dim, "dtype": tl.float32}
+    return {"fam": INT, "bits": INT_BITS[fmt.name], "group": fmt.group_size, "dtype": tl.float32}
+
+
+@triton.jit
+def load_field(
+    pool_ptr,
+    rec,  # [N] int64: byte offset of each record
+    live,  # [N] bool: records to read (others give 0)
+    OFF: tl.constexpr,  # byte offset of the field inside the record
+    FAM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DTYPE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``[N, BLOCK_D]`` fp32 values of the field (columns past ``D`` are 0)."""
+    d = tl.arange(0, BLOCK_D)
+    m = live[:, None] & (d < D)[None, :]
+    if FAM == 0:  # full precision in the model dtype; bf16 is upcast right after the load
+        ESIZE: tl.constexpr = BITS // 8
+        ptr = pool_ptr.to(tl.pointer_type(DTYPE))
+        x = tl.load(ptr + ((rec + OFF) // ESIZE)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    elif FAM == 1:  # integer codes in planes: element d is plane d // P of byte d % P
+        PER: tl.constexpr = 8 // BITS
+        P: tl.constexpr = D // PER
+        NB: tl.constexpr = D * BITS // 8
+        G: tl.constexpr = D // GROUP
+        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + (d % P)[None, :], mask=m, other=0).to(tl.int32)
+        code = (byte >> ((d // P) * BITS)[None, :]) & ((1 << BITS) - 1)
+        half = pool_ptr.to(tl.pointer_type(tl.float16))
+        meta = ((rec + OFF + NB) // 2)[:, None] + (d // GROUP)[None, :]
+        scale = tl.load(half + meta, mask=m, other=0.0).to(tl.float32)
+        zero = tl.load(half + meta + G, mask=m, other=0.0).to(tl.float32)
+        x = code.to(tl.float32) * scale + zero
+    else:  # fp8 e4m3 codes and one fp32 scale, read bytewise (the scale need not be 4-aligned)
+        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + d[None, :], mask=m, other=0)
+        codes = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sb = rec + OFF + D
+        w = tl.load(pool_ptr + sb, mask=live, other=0).to(tl.int32)
+        w = w | (tl.load(pool_ptr + sb + 1, mask=live, other=0).to(tl.int32) << 8)
+        w = w | (tl.load(pool_ptr + sb + 2, mask=live, other=0).to(tl.int32) << 16)
+        w = w | (tl.load(pool_ptr + sb + 3, mask=live, other=0).to(tl.int32) << 24)
+        x = codes * w.to(tl.float32, bitcast=True)[:, None]
+    return x

@@ -1,0 +1,92 @@
+"""Compaction's data movement inside the byte pool: copying whole records and emptying vacated slots.
+
+A removal keeps each head's live slots a dense prefix by moving the tier's last kept records into
+the holes below the new count, then zeroes the tags of the slots it vacated. On the torch path
+that is a gather and a scatter through a ``[pages, tpp, record]`` view per tier; here it is one
+launch that copies 4-byte words (records are 4-byte multiples at 4-aligned offsets) and one that
+stores zero tags.
+
+The copy assumes what compaction guarantees: sources and destinations are disjoint sets of
+records (the holes lie below the new count, the moved records at or above it). Programs run in no
+particular order, so a record that were both read and written by the same launch could be read
+before or after it is overwritten.
+
+``move_records_reference`` and ``clear_tags_reference`` are the torch twins.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.kernels.encode import check_offsets, check_pool
+
+_MAX_BLOCK = 1024  # words per program; a record is copied by cdiv(words, block) programs
+
+
+@triton.jit
+def _move_kernel(words_ptr, src_ptr, dst_ptr, n_words, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = w < n_words
+    src = tl.load(src_ptr + i) // 4
+    dst = tl.load(dst_ptr + i) // 4
+    tl.store(words_ptr + dst + w, tl.load(words_ptr + src + w, mask=m), mask=m)
+
+
+@triton.jit
+def _clear_kernel(words_ptr, at_ptr, n, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = j < n
+    at = tl.load(at_ptr + j, mask=m, other=0)
+    tl.store(words_ptr + at // 4, tl.zeros([BLOCK], tl.int32), mask=m)
+
+
+def _check_move(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, record_bytes: int, where: str) -> None:
+    check_pool(pool, where)
+    if not isinstance(record_bytes, int) or record_bytes <= 0 or record_bytes % 4:
+        raise ValueError(f"{where}: record_bytes={record_bytes!r} must be a positive multiple of 4")
+    check_offsets(src, "src", None, pool.device, where)
+    check_offsets(dst, "dst", src.shape[0], pool.device, where)
+
+
+def move_records(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, record_bytes: int) -> None:
+    """Copy the ``record_bytes`` bytes at byte offset ``src[i]`` of ``pool`` to ``dst[i]``, for every i.
+
+    Offsets must be 4-aligned and the source and destination records disjoint (see the module
+    docstring); neither is checked, as that would cost a host sync.
+    """
+    _check_move(pool, src, dst, record_bytes, "move_records")
+    n = src.shape[0]
+    if n == 0:
+        return
+    n_words = record_bytes // 4
+    block = min(triton.next_power_of_2(n_words), _MAX_BLOCK)
+    _move_kernel[(n, triton.cdiv(n_words, block))](pool.view(torch.int32), src, dst, n_words, BLOCK=block)
+
+
+def move_records_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, record_bytes: int) -> None:
+    """Torch twin of :func:`move_records` (a gather, then a scatter)."""
+    _check_move(pool, src, dst, record_bytes, "move_records_reference")
+    e = torch.arange(record_bytes, device=pool.device)
+    flat = pool.view(-1)
+    flat[dst[:, None] + e] = flat[src[:, None] + e]
+
+
+def clear_tags(pool: torch.Tensor, at: torch.Tensor) -> None:
+    """Store int32 0 at each 4-aligned byte offset ``at [M]`` of ``pool``: the tags of vacated slots."""
+    check_pool(pool, "clear_tags")
+    check_offsets(at, "at", None, pool.device, "clear_tags")
+    m = at.shape[0]
+    if m == 0:
+        return
+    block = min(triton.next_power_of_2(m), _MAX_BLOCK)
+    _clear_kernel[(triton.cdiv(m, block),)](pool.view(torch.int32), at, m, BLOCK=block)
+
+
+def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
+    """Torch twin of :func:`clear_tags`."""
+    check_pool(pool, "clear_tags_reference")
+    check_offsets(at, "at", None, pool.device, "clear_tags_reference")
+    pool.view(torch.int32).view(-1)[at // 4] = 0

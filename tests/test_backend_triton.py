@@ -1,0 +1,97 @@
+"""The Triton backend inside ``generate``: same tokens and same statistics as the torch backend.
+
+On a CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which is
+slow, so the models are tiny and the generations short; the budgets are small enough that every
+preset evicts or quantizes within them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfkv import TriStateCache
+from hfkv.kernels.backend import resolve_backend
+from tests.models import left_padded_batch, tiny_model
+
+PRESETS = {
+    "full": {},
+    "quant": {},
+    "arkv": {"budget": 20, "window": 4},
+    "diffkv": {"window": 4, "obs_window": 8},
+    "hfkv": {"budget": 16, "window": 4},
+}
+
+
+def _stats_key(cache: TriStateCache):
+    st = cache.stats()
+    return st.kv_bytes, [(ls.window, ls.original, ls.quantized, ls.evicted) for ls in st.layers]
+
+
+def _generate(model, ids, mask, preset, backend, new_tokens):
+    cache = TriStateCache(model, preset, backend=backend, **PRESETS[preset])
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    return out, cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_triton_generate_equals_torch(family, preset):
+    model = tiny_model(family, num_hidden_layers=1 if family == "qwen3" else 2)
+    if family == "llama":  # a left-padded batch of 2
+        ids, mask = left_padded_batch(lengths=(28, 19))
+    else:
+        ids = torch.randint(3, 128, (1, 26), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+    ref, ref_cache = _generate(model, ids, mask, preset, "torch", 10)
+    got, got_cache = _generate(model, ids, mask, preset, "triton", 10)
+    assert torch.equal(got, ref)
+    assert _stats_key(got_cache) == _stats_key(ref_cache)
+    if preset != "full":
+        st = got_cache.stats()
+        assert st.backend == "triton" and ref_cache.stats().backend == "torch"
+        assert "backend=triton" in repr(got_cache)
+        # The budgets bite: something left the window for a tier or was dropped.
+        totals = [ls.totals() for ls in st.layers]
+        assert sum(t["quantized"] + t["evicted"] for t in totals) > 0
+
+
+@pytest.mark.slow
+def test_second_generate_call_goes_through_the_chunk_path():
+    """A second turn on a non-empty cache: multi-token queries, window exits attended densely, causal by slot."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(22, 15))
+    results = {}
+    for backend in ("torch", "triton"):
+        cache = TriStateCache(model, "hfkv", backend=backend, budget=16, window=4)
+        first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        turn = torch.cat([first, torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))], 1)
+        mask2 = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        out = model.generate(turn, attention_mask=mask2, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        results[backend] = (out, _stats_key(cache))
+    assert torch.equal(results["triton"][0], results["torch"][0])
+    assert results["triton"][1] == results["torch"][1]
+
+
+def test_backend_selection(monkeypatch):
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", "cpu") == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", "cpu") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"TriStateConfig.backend='triton'.*'cpu'.*TRITON_INTERPRET=1"):
+        resolve_backend("triton", "cpu")
+    model = tiny_model("llama")
+    cache = TriStateCache(model, "quant", backend="triton")
+    with pytest.raises(ValueError, match="TriStateConfig.backend='triton'"):
+        model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
+
+
+def test_auto_on_cpu_reports_torch():
+    model = tiny_model("llama")
+    cache = TriStateCache(model, "quant")
+    assert cache.backend == "auto"  # unresolved until a layer sees a tensor
+    model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
+    assert cache.backend == "torch" and cache.stats().backend == "torch"
+    assert "backend=torch" in repr(cache)

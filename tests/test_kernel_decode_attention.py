@@ -1,0 +1,158 @@
+"""The paged decode-attention kernel against its torch twin (Triton's interpreter on CPU, toy sizes).
+
+Storage is built by the real ``PagedTiers`` (appends, then removals that leave vacated slots and
+null-page padding), so the kernel reads exactly the layout the cache writes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention, paged_attention_reference
+from hfkv.quant.formats import QuantFormat
+from hfkv.storage import PagedTiers, RecordLayout
+
+
+def _layout(key: str, value: str, dim: int, dtype: torch.dtype, group: int = 32) -> RecordLayout:
+    group = min(group, dim)
+    return RecordLayout(QuantFormat(key, dim, group, dtype), QuantFormat(value, dim, group, dtype))
+
+
+def _storage(layouts, bsz, heads, dim, length, counts, page_bytes, seed):
+    """Tiers whose heads hold very different numbers of tokens (``counts[t]``: max per head, 0 = empty tier)."""
+    g = torch.Generator().manual_seed(seed)
+    tiers = PagedTiers(layouts, bsz, heads, page_bytes)
+    perm = torch.stack([torch.randperm(length - 8, generator=g) for _ in range(bsz * heads)]).view(bsz, heads, -1)
+    start = 0
+    for t, lay in enumerate(layouts):
+        n = counts[t]
+        if n == 0:
+            continue
+        pos = perm[..., start : start + n]
+        start += n
+        # Ragged: each head keeps a different random share, one head may keep none.
+        keep = torch.rand(bsz, heads, n, generator=g) < torch.rand(bsz, heads, 1, generator=g)
+        k = torch.randn(bsz, heads, n, dim, generator=g) * 2
+        v = torch.randn(bsz, heads, n, dim, generator=g)
+        score = torch.rand(bsz, heads, n, generator=g)
+        tiers.append(t, lay.encode(k, v, pos, score), keep)
+        # Remove some: holes are filled from the tail and vacated tags zeroed, as after an eviction.
+        m = tiers.max_count(t)
+        if m:
+            tiers.remove(t, torch.rand(bsz, heads, m, generator=g) < 0.8)
+    return tiers
+
+
+def _window(bsz, heads, dim, dtype, length, cap, filled, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    pos = torch.full((cap,), -1, dtype=torch.int64)
+    pos[:filled] = torch.arange(length - filled, length)
+    k = (torch.randn(bsz, heads, cap, dim, generator=g) * 2).to(dtype)
+    v = torch.randn(bsz, heads, cap, dim, generator=g).to(dtype)
+    return k, v, pos, torch.rand(bsz, heads, cap, generator=g)
+
+
+def _run(fn, query, tiers, layouts, win, q_start, pad_end, reduction, **kw):
+    pool = tiers.pool.data.clone()
+    score = win[3].clone()
+    parts = [DenseSlots(win[0], win[1], win[2], score)]
+    parts += [PagedSlots(pool, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+    out, delta = fn(query, parts, q_start, pad_end, query.shape[-1] ** -0.5, reduction, **kw)
+    return out, delta, pool, score
+
+
+def _tier_scores(tiers, layouts, pool):
+    """Score fields of every live slot, read through the torch storage code."""
+    saved, tiers.pool.data = tiers.pool.data, pool
+    try:
+        return [tiers.read_meta(t)[1] for t in range(len(layouts))]
+    finally:
+        tiers.pool.data = saved
+
+
+CASES = [
+    # key, value, model dtype, head_dim, GQA ratio, queries, reduction, page bytes, counts (original, quantized)
+    ("model", "model", torch.float32, 64, 1, 1, "max", None, (40, 0)),
+    ("int4", "int2", torch.float32, 64, 2, 1, "max", None, (24, 56)),
+    ("int8", "int4", torch.float16, 64, 4, 1, "mean", 1024, (30, 40)),
+    ("int2", "int2", torch.bfloat16, 128, 2, 1, "l2", None, (10, 50)),
+    ("fp8", "fp8", torch.float32, 128, 4, 1, "max", 4096, (16, 33)),
+    ("int4", "fp8", torch.float16, 64, 1, 3, "mean", None, (20, 20)),
+    ("int4", "int2", torch.bfloat16, 64, 4, 2, "max", 2048, (0, 60)),
+    ("int8", "int8", torch.float32, 32, 2, 1, "max", 528, (12, 12)),
+    ("int4", "int2", torch.float32, 32, 4, 20, "l2", None, (20, 30)),  # a chunk tiled over 3 query blocks
+]
+
+
+@pytest.mark.parametrize("key,value,dtype,dim,ratio,qlen,reduction,page_bytes,counts", CASES)
+def test_decode_kernel_matches_torch_twin(key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts):
+    bsz, heads, length = 2, 2, 120
+    layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
+    tiers = _storage(layouts, bsz, heads, dim, length, counts, page_bytes, seed=dim + ratio + qlen)
+    win = _window(bsz, heads, dim, dtype, length, cap=12 + qlen, filled=7 + qlen, seed=3)
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(bsz, heads * ratio, qlen, dim, generator=g).to(dtype)
+    pad_end = torch.tensor([0, 5])  # row 1 is left-padded: its first 5 positions are never attended
+    q_start = length - qlen
+    got = _run(paged_attention, query, tiers, layouts, win, q_start, pad_end, reduction, split_slots=32)
+    ref = _run(paged_attention_reference, query, tiers, layouts, win, q_start, pad_end, reduction)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    # Probabilities (GQA-reduced, summed over the queries) agree to fp32 tolerance in every dtype.
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[3], ref[3], atol=1e-6, rtol=1e-5)  # the ring's score sums
+    for a, b in zip(_tier_scores(tiers, layouts, got[2]), _tier_scores(tiers, layouts, ref[2]), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # Nothing but score fields changed: records, tags and the null page are untouched.
+    changed = (got[2] != tiers.pool.data).view(-1).nonzero().squeeze(-1)
+    assert changed.numel() > 0
+    for t, lay in enumerate(layouts):
+        if tiers.max_count(t):
+            offs = PagedSlots(got[2], tiers.tables[t], tiers.tpp[t], lay).record_offsets()
+            live = lay.tags(tiers.pool.data.view(-1)[offs.unsqueeze(-1) + torch.arange(lay.nbytes)]) > 0
+            score_bytes = (offs[live] + lay.score_offset).unsqueeze(-1) + torch.arange(4)
+            changed = changed[~torch.isin(changed, score_bytes.view(-1))]
+    assert changed.numel() == 0
+    assert (got[2][0] == 0).all()
+
+
+def test_masking_is_by_slot_position():
+    """Causal + left padding from the tags alone: a slot at a future position or in padding gets nothing."""
+    bsz, heads, dim, dtype = 2, 1, 32, torch.float32
+    layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    tiers = _storage(layouts, bsz, heads, dim, 60, (20, 20), None, seed=1)
+    win = _window(bsz, heads, dim, dtype, 60, cap=8, filled=8, seed=1)
+    query = torch.randn(bsz, heads, 4, dim)
+    pad_end = torch.tensor([0, 30])
+    out, delta, pool, _ = _run(paged_attention, query, tiers, layouts, win, 56, pad_end, "max", split_slots=32)
+    pos = torch.cat([win[2].view(1, 1, -1).expand(bsz, heads, -1)] + [tiers.read_meta(t, tiers.max_slots(t))[0].long()
+                     for t in range(2)], -1)  # fmt: skip
+    # The slot layout of delta is [window | tier slots (whole pages)]; read_meta pads with -1.
+    assert delta.shape[-1] == pos.shape[-1]
+    assert (delta[pos < 0] == 0).all()
+    assert (delta[1][pos[1] < 30] == 0).all()
+    assert (delta[pos >= 30] > 0).all()
+
+
+def test_a_query_that_sees_nothing_gives_zeros():
+    bsz, heads, dim = 1, 1, 16
+    layouts = (_layout("model", "model", dim, torch.float32), _layout("int4", "int2", dim, torch.float32, 16))
+    tiers = PagedTiers(layouts, bsz, heads, None)
+    win = _window(bsz, heads, dim, torch.float32, 10, cap=4, filled=2, seed=0)
+    query = torch.randn(bsz, heads, 3, dim)
+    # Queries at positions 7, 8, 9 with padding up to 9: the first two see no slot (positions 8, 9 only).
+    out, delta, _, _ = _run(paged_attention, query, tiers, layouts, win, 7, torch.tensor([9]), "mean")
+    assert (out[0, :2] == 0).all() and out[0, 2].abs().sum() > 0
+    torch.testing.assert_close(delta[0, 0, :2].sum(), torch.tensor(1.0))
+
+
+def test_bad_input_is_named():
+    q = torch.randn(1, 2, 1, 16)
+    win = DenseSlots(torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), torch.arange(4))
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, "sum")
+    with pytest.raises(ValueError, match="pad_end"):
+        paged_attention(q, [win], 3, torch.zeros(2, dtype=torch.long), 1.0)
+    with pytest.raises(ValueError, match="query must be"):
+        paged_attention(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
