@@ -156,3 +156,30 @@ def test_bad_input_is_named():
         paged_attention(q, [win], 3, torch.zeros(2, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="query must be"):
         paged_attention(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
+
+
+def test_single_tokens_and_heads_of_very_different_sizes():
+    """One token in a tier, a head holding nothing, a head holding several pages: per-head ragged reads."""
+    bsz, heads, dim, dtype = 1, 3, 64, torch.float32
+    layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    tiers = PagedTiers(layouts, bsz, heads, 1056)  # 4 exact or 14 quantized records per page
+    g = torch.Generator().manual_seed(5)
+    for t, lay in enumerate(layouts):
+        n = 40
+        k, v = torch.randn(bsz, heads, n, dim, generator=g), torch.randn(bsz, heads, n, dim, generator=g)
+        pos = torch.randperm(80, generator=g)[:n].view(1, 1, n).expand(bsz, heads, n) + 0
+        valid = torch.zeros(bsz, heads, n, dtype=torch.bool)
+        valid[0, 0, :1] = True  # head 0: a single token
+        valid[0, 2] = True  # head 2: every token (several pages); head 1: none
+        tiers.append(t, lay.encode(k, v, pos, torch.rand(bsz, heads, n, generator=g)), valid)
+    assert tiers.counts[0, :, 1].tolist() == [1, 0, 40] and tiers.max_pages(1) > 1
+    win = _window(bsz, heads, dim, dtype, 90, cap=8, filled=1, seed=2)
+    query = torch.randn(bsz, heads * 2, 1, dim, generator=g)
+    pad = torch.zeros(1, dtype=torch.long)
+    got = _run(paged_attention, query, tiers, layouts, win, 89, pad, "mean", split_slots=32)
+    ref = _run(paged_attention_reference, query, tiers, layouts, win, 89, pad, "mean")
+    torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+    # Head 1 attends only its window token: probability 1 there, nothing anywhere else.
+    torch.testing.assert_close(got[1][0, 1].sum(), torch.tensor(1.0))
+    assert got[1][0, 1, 0] == 1.0

@@ -254,6 +254,8 @@ def bench_group(model, methods: list, context: int, batch: int, args, bar=None) 
         progress=(lambda: bar.update(1)) if bar is not None else None,
     )
     final = {m.label: _cache_bytes(caches[m.label]) for m in methods}
+    # Which attention path a TriStateCache ran (auto resolves per device); other caches: their own.
+    backends = {m.label: getattr(caches[m.label], "backend", "transformers") for m in methods}
     caches.clear()
     gc.collect()
     cuda_peak: dict[str, int] = {}
@@ -273,6 +275,7 @@ def bench_group(model, methods: list, context: int, batch: int, args, bar=None) 
             **{k: v for k, v in m.describe().items() if k != "config"},
             "context": context,
             "batch": batch,
+            "backend": backends[m.label],
             "kv_bytes": final[m.label],
             "kv_bytes_prefill": prefill_bytes[m.label],
             "peak_bytes": cuda_peak.get(m.label, peak_held[m.label]),
