@@ -70,11 +70,24 @@ def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
     return seen
 
 
-def part_losses(qkv, observers: int, dtype: torch.dtype) -> dict[str, float]:
-    """``{"K:int4/64": loss, "V:int2/32": loss, ...}`` summed over layers (ratio of attention-weighted sums)."""
+def stored_quantizers(dim: int, dtype: torch.dtype) -> dict:
+    """``{"int4/32": round trip, ...}``: hfkv's own encode/decode of every format of PARTS_FORMATS."""
     from hfkv.quant.formats import QuantFormat
 
-    num = {f"{p}:{f}/{g}": 0.0 for p in "KV" for f, g in PARTS_FORMATS}
+    out = {}
+    for f, grp in PARTS_FORMATS:
+        fmt = QuantFormat(f, dim, min(grp, dim) if grp else 32, dtype)
+        out[f"{f}/{grp}"] = lambda x, fmt=fmt: fmt.decode(fmt.encode(x.to(dtype)), torch.float32)
+    return out
+
+
+def part_losses(qkv, observers: int, dtype: torch.dtype, quantizers: dict | None = None) -> dict[str, float]:
+    """``{"K:int4/64": loss, "V:int2/32": loss, ...}`` summed over layers (ratio of attention-weighted sums).
+
+    ``quantizers``: name -> round trip of ``[H, T, D]`` fp32 (default: the stored formats).
+    """
+    quantizers = quantizers or stored_quantizers(qkv[0][1].shape[-1], dtype)
+    num = {f"{p}:{name}": 0.0 for p in "KV" for name in quantizers}
     den = 0.0
     for q, k, v in qkv:
         hq, t, d = q.shape
@@ -89,14 +102,12 @@ def part_losses(qkv, observers: int, dtype: torch.dtype) -> dict[str, float]:
         o = p @ vv  # [Hq, w, D]
         dist = (vv.unsqueeze(1) - o.unsqueeze(2)).norm(dim=-1)  # [Hq, w, T]: |v_i - o_q|
         den += float((p * dist).sum())
-        for f, grp in PARTS_FORMATS:
-            group = min(grp, d) if grp else 32
-            fmt = QuantFormat(f, d, group, dtype)
-            kq = fmt.decode(fmt.encode(k.to(dtype)), torch.float32).repeat_interleave(g, 0)
-            vq = fmt.decode(fmt.encode(v.to(dtype)), torch.float32).repeat_interleave(g, 0)
+        for name, roundtrip in quantizers.items():
+            kq = roundtrip(k).repeat_interleave(g, 0)
+            vq = roundtrip(v).repeat_interleave(g, 0)
             dlog = (qo @ (kq - kk).transpose(-1, -2)) * d**-0.5  # logit error [Hq, w, T]
-            num[f"K:{f}/{grp}"] += float((p * dlog.abs() * dist).sum())
-            num[f"V:{f}/{grp}"] += float((p * (vq - vv).norm(dim=-1).unsqueeze(1)).sum())
+            num[f"K:{name}"] += float((p * dlog.abs() * dist).sum())
+            num[f"V:{name}"] += float((p * (vq - vv).norm(dim=-1).unsqueeze(1)).sum())
     return {key: val / den for key, val in num.items()}
 
 
@@ -177,7 +188,36 @@ def write_docs(results: list[dict], path: Path = DOCS) -> None:
                 f"{r['kl']:.4f} | {r['top1']:.3f} |"
             )
         lines.append("")
+    lines += variant_sections(sorted(Path("eval/results").glob("format_variants_*.json")))
     write_text_atomic(path, "\n".join(lines))
+
+
+def variant_sections(paths: list[Path]) -> list[str]:
+    """Where the integer tiers' scales could live, per model (``eval/format_variants.py``)."""
+    if not paths:
+        return []
+    lines = [
+        "## Metadata variants of the integer tiers",
+        "",
+        "From `eval/results/format_variants_*.json` (`python eval/format_variants.py`): the relative loss",
+        "of a part (as above) when its scale and zero are stored per token and group of 32 (`token`, what",
+        "hfkv stores), one per group position shared by a block of tokens (`page`), or one per channel",
+        "over a block of tokens (`channel`, KIVI); bytes are per token and head, codes + scale/zero.",
+        "",
+    ]
+    for path in paths:
+        res = json.loads(path.read_text())
+        m = res["meta"]
+        lines += [f"### {m['model']} ({m['dtype']}, head_dim {m['head_dim']}, {m['docs']} sequences)", ""]
+        lines += ["| bits | placement | group / block | scale dtype | bytes | key loss | value loss |"]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for r in res["rows"]:
+            lines.append(
+                f"| {r['bits']} | {r['placement']} | {r['size']} | {r['meta']} | "
+                f"{r['code_bytes'] + r['meta_bytes']:.1f} | {r['loss_keys']:.4f} | {r['loss_values']:.4f} |"
+            )
+        lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -450,6 +450,10 @@ OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
     --dtype fp32 --name cpu_small_fp32
+# where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
+OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
+OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
+python eval/format_fidelity.py --docs-only
 # then
 python eval/make_tables.py
 ```

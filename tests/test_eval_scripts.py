@@ -31,3 +31,49 @@ def test_cpu_cache_figures_writes_ratios(tmp_path, monkeypatch):
         for name in ("hfkv", "evict"):
             t = entry[name]
             assert t["speedup_median"] == pytest.approx(entry["dynamic_ms_median"] / t["ms_median"])
+
+
+def _format_variants():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("format_variants", "eval/format_variants.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_format_variants_token_placement_is_hfkvs_stored_format(bits):
+    """The fake quantizer's per-token fp16 variant is bit-identical to what hfkv stores and decodes."""
+    import torch
+
+    from hfkv.quant.formats import QuantFormat
+
+    fv = _format_variants()
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(0)) * 3
+    fmt = QuantFormat(f"int{bits}", 64, 32, torch.float32)
+    assert torch.equal(fv.fake_quant(x, bits, "token", 32, "fp16"), fmt.decode(fmt.encode(x), torch.float32))
+    assert fv.metadata_bytes("token", 32, "fp16", 64) + 64 * bits // 8 == fmt.nbytes
+
+
+def test_format_variants_channel_and_page_groups_span_tokens():
+    import torch
+
+    fv = _format_variants()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 37, 64, generator=g)
+    x[..., 5] *= 50  # an outlier channel: per-channel groups isolate it, per-token groups spread it
+    chan = fv.fake_quant(x, 4, "channel", 16, "fp32")
+    tok = fv.fake_quant(x, 4, "token", 32, "fp32")
+    assert chan.shape == x.shape
+    # Error bound of a channel group: half a step of that channel's range over its block of 16 tokens.
+    for start in range(0, 37, 16):
+        blk = x[:, start : start + 16]
+        step = (blk.amax(1) - blk.amin(1)) / 15
+        assert ((chan[:, start : start + 16] - blk).abs() <= step.unsqueeze(1) / 2 + 1e-5).all()
+    others = [c for c in range(64) if c != 5]
+    assert (chan - x)[..., others].abs().mean() < (tok - x)[..., others].abs().mean()
+    # Page placement: one scale per group position for the block, so at most 16 distinct levels per block.
+    page = fv.fake_quant(x, 4, "page", 16, "fp32")
+    assert page[:, :16, :32].unique().numel() <= 16
+    assert fv.metadata_bytes("channel", 32, "fp16", 64) == 8 and fv.metadata_bytes("page", 16, "fp16", 64) == 0.5

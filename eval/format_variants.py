@@ -1,0 +1,156 @@
+"""Cheaper metadata for the integer tiers: where their scales live and how precise they are, per byte.
+
+docs/formats.md chose the quantized tier (K4V2, group 32) among the formats hfkv stores. At
+head_dim 64 the fp16 scale and zero of each group, and the 8 bytes of tag and score, are a third
+of a K4V2 record, so this script measures what other placements of that metadata would keep:
+
+- ``token``: one scale/zero per group of ``g`` elements of one token (what hfkv stores), with the
+  scale and zero in fp16, bf16 or fp32;
+- ``page``: the same groups, one scale/zero per group position shared by a block of ``T`` tokens
+  (a page), 4 * G / T bytes per token instead of 4 * G;
+- ``channel``: KIVI-style, one scale/zero per channel over a block of ``T`` tokens (4 * D / T bytes
+  per token), which follows the outlier channels of keys.
+
+Each variant is fake-quantized on a real model's own keys and values and scored with the relative
+loss of ``format_fidelity.part_losses`` (attention-weighted output error of quantizing a part,
+relative to evicting the token). A record's bytes are ``codes + metadata + 8`` (tag and score), or
+``+ 4`` for the narrower slot metadata the last table considers (int16 position offset, fp16 score).
+
+    python eval/format_variants.py --model smollm2 --dtype bf16 --out eval/results/format_variants_smollm2.json
+    python eval/format_variants.py --model testbed --dtype bf16 --out eval/results/format_variants_testbed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from format_fidelity import _texts, capture_qkv, part_losses  # noqa: E402
+
+META_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (bits, placement, group or block, scale dtype)
+VARIANTS = [
+    (bits, "token", 32, meta) for bits in (4, 2) for meta in ("fp16", "bf16", "fp32")
+] + [
+    (bits, place, block, "fp16") for bits in (4, 2) for place in ("page", "channel") for block in (16, 32, 64)
+]  # fmt: skip
+
+
+def _round_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stored scale, rounded up so the top code still reaches the max (as hfkv's encoder does)."""
+    s = scale.to(dtype)
+    return torch.where(s.float() < scale, torch.nextafter(s, torch.full_like(s, torch.inf)), s).float()
+
+
+def fake_quant(x: torch.Tensor, bits: int, place: str, size: int, meta: str) -> torch.Tensor:
+    """Quantize-dequantize ``x [H, T, D]`` (fp32) with min/max groups placed as ``place`` describes."""
+    h, t, d = x.shape
+    qmax = (1 << bits) - 1
+    if place == "token":
+        xg = x.reshape(h, t, d // size, size)
+        dims = (-1,)
+    else:
+        block = size
+        pad = (-t) % block
+        xp = torch.cat([x, x[:, -1:].expand(h, pad, d)], 1) if pad else x  # the last page repeats its last token
+        if place == "page":
+            xg = xp.reshape(h, -1, block, d // 32, 32)
+            dims = (2, 4)
+        else:
+            xg = xp.reshape(h, -1, block, d)
+            dims = (2,)
+    mn, mx = xg.amin(dims, keepdim=True), xg.amax(dims, keepdim=True)
+    dtype = META_DTYPES[meta]
+    zero = mn.to(dtype).float()
+    scale = torch.where(mx > mn, _round_up((mx - zero) / qmax, dtype), 0.0)
+    codes = torch.where(scale > 0, torch.round((xg - zero) / torch.where(scale > 0, scale, 1.0)), 0.0).clamp(0, qmax)
+    out = codes * scale + zero
+    if place == "token":
+        return out.reshape(h, t, d)
+    return out.reshape(h, -1, d)[:, :t]
+
+
+def metadata_bytes(place: str, size: int, meta: str, dim: int) -> float:
+    """Scale + zero bytes per token and head."""
+    width = 2 * torch.empty((), dtype=META_DTYPES[meta]).element_size()
+    if place == "token":
+        return width * dim // size
+    if place == "page":
+        return width * (dim // 32) / size
+    return width * dim / size
+
+
+def label(bits: int, place: str, size: int, meta: str) -> str:
+    return f"int{bits}/{place}/{size}/{meta}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--docs", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=0)
+    ap.add_argument("--observers", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.loading import load_model, parse_dtype
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    dtype = parse_dtype(args.dtype) or model.dtype
+    text = model.config.get_text_config(decoder=True)
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    variants = [v for v in VARIANTS if v[2] <= dim or v[1] != "token"]
+    quantizers = {label(*v): (lambda x, v=v: fake_quant(x.to(dtype).float(), *v)) for v in variants}
+    losses: dict[str, float] = {}
+    docs = _texts(args.model, tok, args.docs, args.prompt_len)
+    for d in docs:
+        qkv = capture_qkv(model, torch.tensor([d["ids"][: d["prompt_len"]]]))
+        for key, val in part_losses(qkv, args.observers, dtype, quantizers).items():
+            losses[key] = losses.get(key, 0.0) + val / len(docs)
+    rows = []
+    for bits, place, size, meta in VARIANTS:
+        name = label(bits, place, size, meta)
+        if f"K:{name}" not in losses:
+            continue
+        rows.append(
+            {
+                "bits": bits,
+                "placement": place,
+                "size": size,
+                "meta": meta,
+                "code_bytes": dim * bits // 8,
+                "meta_bytes": metadata_bytes(place, size, meta, dim),
+                "loss_keys": losses[f"K:{name}"],
+                "loss_values": losses[f"V:{name}"],
+            }
+        )
+        r = rows[-1]
+        size = r["code_bytes"] + r["meta_bytes"]
+        print(f"{name:28s} bytes {size:6.1f} K {r['loss_keys']:.4f} V {r['loss_values']:.4f}")
+    meta_info = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "head_dim": dim,
+        "docs": len(docs),
+        "observers": args.observers,
+        "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
+        "command": "python eval/format_variants.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    out = Path(args.out or f"eval/results/format_variants_{args.model}.json")
+    write_text_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
