@@ -20,8 +20,8 @@ measured here on the same device:
   The bytes it must read are computed from the layouts, not from timings (``kernel_bytes``): the
   query, the window ring's K/V and positions, every live record's K/V bytes and tag, and the page
   tables. What the kernel moves beyond that (reads of the empty slots of each head's last page,
-  the logits it writes and reads back, the flash-decoding partials, the score read-modify-writes,
-  the deltas and the output) is counted separately as overhead, so ``read_fraction`` answers "how
+  the logits it writes and reads back, the flash-decoding partials, the score read-modify-writes
+  and the output) is counted separately as overhead, so ``read_fraction`` answers "how
   close to the copy bandwidth for the bytes it needs" and ``traffic_fraction`` "for all it moves".
 * **SDPA**: ``scaled_dot_product_attention`` of the same query over a dense bf16 K/V of the same
   logical length under the flash backend (``enable_gqa``; expanded to 32 heads only if flash
@@ -253,7 +253,7 @@ def kernel_bytes(plan: Plan, qlen: int = 1) -> dict[str, int]:
 
     ``read_*`` is the floor (each needed byte once): without it no kernel can attend. ``overhead_*``
     is what this kernel design adds (whole last pages, logits written then re-read by the score
-    pass, flash-decoding partials, the in-place score sums, deltas, output); ``records_held`` is
+    pass, flash-decoding partials, the in-place score sums, output; the cache asks for no deltas); ``records_held`` is
     what the live records occupy in the pool (their K/V, tag, score and alignment padding).
     """
     s, bh = plan.shape, plan.batch * plan.shape.kv_heads
@@ -280,9 +280,8 @@ def kernel_bytes(plan: Plan, qlen: int = 1) -> dict[str, int]:
         "overhead_page_tails": sum((w - n) * (lay.kv_bytes + 4) for w, n, lay in zip(walked, live, lays, strict=True)),
         "overhead_logits": 2 * 4 * bh * rows * n_slots,  # written by the partial pass, read by the score pass
         "overhead_partials": 2 * 4 * bh * splits * block_r * (2 + block_d) + 2 * 4 * 2 * bh * block_r,
-        # the score pass re-reads every paged slot's tag and read-modify-writes live scores and the ring's
-        "overhead_scores": 4 * sum(walked) + 8 * sum(live) + 8 * bh * plan.window,
-        "overhead_delta": 4 * bh * n_slots,
+        # the score pass read-modify-writes the score field of every slot its pages hold, and the ring's
+        "overhead_scores": 8 * sum(walked) + 8 * bh * plan.window,
         "overhead_output": plan.batch * qlen * s.heads * d * esz,
     }
     out |= over
@@ -529,7 +528,9 @@ def bench_kernel_case(
             result["check"] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
     def call():
-        return paged_attention(st.query, parts, plan.context, pad_end, scaling, "max", add_scores=True)
+        return paged_attention(
+            st.query, parts, plan.context, pad_end, scaling, "max", add_scores=True, return_delta=False
+        )
 
     result["timing"] = time_fn(call, device, repeats, warmup, graph)
     return result

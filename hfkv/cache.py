@@ -415,7 +415,7 @@ class TriStateLayer(CacheLayerMixin):
         parts += [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)]
         q = query.shape[2]
         out, _ = paged_attention(
-            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, add_scores=True
+            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False
         )
         if exits is not None:
             self.run_policy(exits)

@@ -14,7 +14,9 @@ materialises dense keys. The work is three small kernels (flash-decoding):
 3. ``_score_kernel``, once per part: turns the stored logits into probabilities, reduces them over
    the GQA group (``max`` / ``mean`` / ``l2``) and over the chunk's queries, and adds them to the
    slots' score sums in place (the records' score fields, the ring's score array): the decode-time
-   significance scores come out of the same pass, with no second read of K.
+   significance scores come out of the same pass, with no second read of K. Beyond the records,
+   a step moves per slot the logits (written and read back, ``4 g q`` bytes each way) and the
+   score field's read-modify-write (8 bytes).
 
 Masking is by logical position, from the slots' tags (``position + 1``, 0 = empty): a slot is
 visible to query ``i`` iff it is not empty, not left padding (``pos >= pad_end[row]``) and not in
@@ -262,6 +264,7 @@ def _score_kernel(
     n_slots,
     PAGED: tl.constexpr,
     ADD: tl.constexpr,
+    WRITE_DELTA: tl.constexpr,
     RED: tl.constexpr,
     G: tl.constexpr,
     QLEN: tl.constexpr,
@@ -270,7 +273,6 @@ def _score_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     REC: tl.constexpr,
-    TAG_OFF: tl.constexpr,
     SCORE_OFF: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -300,18 +302,20 @@ def _score_kernel(
         else:
             red = tl.sqrt(tl.sum(grouped * grouped, 0) / G)
         delta += tl.sum(red, 0)  # over the chunk's queries
-    tl.store(delta_ptr + bh.to(tl.int64) * s_total + col0 + s, delta, mask=in_range)
+    if WRITE_DELTA:
+        tl.store(delta_ptr + bh.to(tl.int64) * s_total + col0 + s, delta, mask=in_range)
     if ADD:
+        # Every slot of the table's pages gets its delta, as in the torch path: empty slots (the null
+        # page, vacated slots, page tails) were masked, so they receive exact zeros and stay as they
+        # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
+        # once, which stores the same zeros whatever the order.
         if PAGED:
             page = tl.load(table_ptr + bh.to(tl.int64) * table_w + s // tpp, mask=in_range, other=0)
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
-            words = pool_ptr.to(tl.pointer_type(tl.int32))
-            live = in_range & (tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0) > 0)
             sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
-        else:  # empty ring slots receive exact zeros, as in the torch path
-            live = in_range
+        else:
             sc = score_ptr + bh.to(tl.int64) * n_slots + s
-        tl.store(sc, tl.load(sc, mask=live, other=0.0) + delta, mask=live)
+        tl.store(sc, tl.load(sc, mask=in_range, other=0.0) + delta, mask=in_range)
 
 
 # --------------------------------------------------------------------------------------------- wrappers
@@ -354,12 +358,14 @@ def paged_attention(
     add_scores: bool = True,
     split_slots: int | None = None,
     block_n: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_delta: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
     Returns ``(out [B, q, Hq, D]`` in the query dtype, ``delta [B, H, sum slots]`` fp32: the
     GQA-reduced probabilities each slot received, summed over the queries, in part order)``. With
-    ``add_scores`` the deltas are also added to the parts' score sums in place.
+    ``add_scores`` the deltas are also added to the parts' score sums in place; the cache needs
+    only that, so it asks for no ``delta`` (None: 4 bytes per slot not written).
     """
     _check(query, parts, pad_end, reduction)
     bsz, hq, qlen, dim = query.shape
@@ -391,7 +397,7 @@ def paged_attention(
     out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     mf = torch.empty(blocks * block_r, **f32)
     lf = torch.empty_like(mf)
-    delta = torch.empty(bsz, heads, s_total, **f32)
+    delta = torch.empty(bsz, heads, s_total, **f32) if return_delta else None
     shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
 
     col0 = split0 = 0
@@ -430,15 +436,16 @@ def paged_attention(
         if paged_part:
             lay = part.layout
             score, paged = None, (part.pool, part.table, part.table.shape[-1], part.tpp, part.pool.shape[1])
-            offs = dict(REC=lay.nbytes, TAG_OFF=lay.pos_offset, SCORE_OFF=lay.score_offset)
+            offs = dict(REC=lay.nbytes, SCORE_OFF=lay.score_offset)
         else:
-            score, paged, offs = part.score, (None, None, 0, 1, 0), dict(REC=4, TAG_OFF=0, SCORE_OFF=0)
+            score, paged, offs = part.score, (None, None, 0, 1, 0), dict(REC=4, SCORE_OFF=0)
             if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
                 raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
         add = add_scores and (paged_part or score is not None)
         _score_kernel[(bsz * heads, triton.cdiv(n, block_s))](
             logits, s_total, col0, mf, lf, delta, score, *paged, n,
-            PAGED=paged_part, ADD=add, RED=REDUCTIONS[reduction], BLOCK_S=block_s, **shape, **offs,
+            PAGED=paged_part, ADD=add, WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s,
+            **shape, **offs,
         )  # fmt: skip
         col0 += n
     return out, delta
