@@ -95,3 +95,15 @@ def test_auto_on_cpu_reports_torch():
     model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
     assert cache.backend == "torch" and cache.stats().backend == "torch"
     assert "backend=torch" in repr(cache)
+
+
+def test_interpreter_switched_on_too_late_is_named(monkeypatch):
+    import hfkv.kernels.decode_attention as kernels
+
+    class Compiled:  # what triton.jit returns without the interpreter
+        pass
+
+    monkeypatch.setattr(kernels, "_partial_kernel", Compiled())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="imported before it was"):
+        resolve_backend("triton", "cpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -37,6 +38,12 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
             "TriStateConfig.backend='triton' needs the triton package (pip install triton), which is not "
             "installed; use backend='torch' or 'auto'"
         )
+    if device.type != "cuda" and interpreter_on() and _compiled_kernels_loaded():
+        raise ValueError(
+            "TriStateConfig.backend='triton' on a CPU tensor: TRITON_INTERPRET=1 is set, but hfkv's kernels were "
+            "imported before it was, as GPU kernels. Set TRITON_INTERPRET=1 before importing hfkv (e.g. in the "
+            "shell), or use backend='torch'."
+        )
     if device.type != "cuda" and not interpreter_on():
         raise ValueError(
             f"TriStateConfig.backend='triton' runs on CUDA tensors, but this cache's tensors are on "
@@ -45,3 +52,11 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
             "(slow; meant for tests)."
         )
     return "triton"
+
+
+def _compiled_kernels_loaded() -> bool:
+    """Whether the decode kernels were already decorated as GPU kernels (the variable came too late)."""
+    module = sys.modules.get("hfkv.kernels.decode_attention")
+    if module is None:
+        return False
+    return type(module._partial_kernel).__name__ != "InterpretedFunction"
