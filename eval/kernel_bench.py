@@ -310,7 +310,8 @@ def kernel_memory(plan: Plan) -> int:
     query = plan.batch * s.heads * d * esz
     block_r, block_d = kernel_blocks(s)
     n_slots, splits = sum(plan.slots()), sum(kernel_splits(plan))
-    scratch = 4 * bh * (block_r * n_slots + splits * block_r * (2 + block_d) + 2 * block_r + n_slots) + query
+    # logits of the valid query rows, flash-decoding partials, the combined max/sum
+    scratch = 4 * bh * (s.group * n_slots + splits * block_r * (2 + block_d) + 2 * block_r) + query
     rows = min(BUILD_ROWS, bh * max(plan.tier_tokens))
     big = max(lay.nbytes for lay in plan.layouts)
     # k, v in the model dtype, their fp32 working copies in encode, the records and their gathered copy

@@ -180,7 +180,7 @@ def _partial_kernel(
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
         logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
         logits = tl.where(allowed, logits, float("-inf"))
-        lg_rows = (blk * BLOCK_R + r).to(tl.int64) * s_total + col0
+        lg_rows = (blk * (G * QB) + r).to(tl.int64) * s_total + col0  # valid rows only: r < G * QB
         tl.store(logits_ptr + lg_rows[:, None] + s[None, :], logits, mask=row_ok[:, None] & in_range[None, :])
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -285,7 +285,7 @@ def _score_kernel(
         row_ok = (r // QB < G) & (qb * QB + r % QB < QLEN)
         big_m = tl.load(mf_ptr + blk * BLOCK_R + r)
         big_l = tl.load(lf_ptr + blk * BLOCK_R + r)
-        lg_rows = (blk * BLOCK_R + r).to(tl.int64) * s_total + col0
+        lg_rows = (blk * (G * QB) + r).to(tl.int64) * s_total + col0  # valid rows only: r < G * QB
         lg = tl.load(
             logits_ptr + lg_rows[:, None] + s[None, :],
             mask=row_ok[:, None] & in_range[None, :],
@@ -390,7 +390,7 @@ def paged_attention(
     ns_total = sum(n_splits)
     f32 = dict(dtype=torch.float32, device=device)
     blocks = bsz * heads * nqb
-    logits = torch.empty(blocks * block_r * max(1, s_total), **f32)
+    logits = torch.empty(blocks * g * qb * max(1, s_total), **f32)  # the valid query rows of each block
     m = torch.empty(blocks * ns_total * block_r, **f32)
     l_ = torch.empty_like(m)
     acc = torch.empty(blocks * ns_total * block_r * block_d, **f32)
