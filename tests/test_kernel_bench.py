@@ -87,7 +87,7 @@ def test_quantized_storage_reads_fewer_bytes_than_sdpa():
 
 
 def test_cases_over_free_memory_are_skipped_with_the_reason():
-    free = 8 << 30
+    free = 6 << 30
     cases = kb.enumerate_cases(kb.KINDS, [4096, 131072], [1, 32], LLAMA, free)
     by = {(c.plan.kind, c.plan.context, c.plan.batch): c for c in cases}
     assert len(cases) == 12
@@ -179,7 +179,7 @@ def test_main_writes_rows_skips_and_plot_with_the_gpu_parts_faked(monkeypatch, t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 80GB")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (4 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (3 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     timing = {"ms_median": 2.0, "ms_p20": 1.9, "ms_p80": 2.1, "ms_min": 1.8, "repeats": 3, "mode": "graph"}
@@ -213,7 +213,7 @@ def test_main_writes_rows_skips_and_plot_with_the_gpu_parts_faked(monkeypatch, t
     rows = {(r["kind"], r["context"], r["batch"]): r for r in result["kernel_rows"]}
     assert ("full", 1024, 1) in rows  # an earlier run's row is kept
     assert len(rows) == 1 + 2 * 2 * 2
-    cases = kb.enumerate_cases(["quant", "hfkv"], [4096, 131072], [1, 8], LLAMA, 4 << 30)
+    cases = kb.enumerate_cases(["quant", "hfkv"], [4096, 131072], [1, 8], LLAMA, 3 << 30)
     assert any(c.skip for c in cases) and not all(c.skip for c in cases)
     assert any(c.sdpa_skip for c in cases) and not all(c.sdpa_skip for c in cases)
     for c in cases:
