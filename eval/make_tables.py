@@ -445,6 +445,8 @@ OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
     --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 640,768 --methods hfkv
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 576 \\
+    --methods hfkv 'hfkv@576:quantized.value=int4'
 # CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32)
 OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
