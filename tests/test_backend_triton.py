@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hfkv import TriStateCache
+from hfkv.attention.interface import set_pending
 from hfkv.kernels.backend import resolve_backend
 from tests.models import left_padded_batch, tiny_model
 
@@ -107,3 +108,36 @@ def test_interpreter_switched_on_too_late_is_named(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="imported before it was"):
         resolve_backend("triton", "cpu")
+
+
+def test_triton_decode_step_makes_no_host_sync(monkeypatch):
+    """Between policy runs, a layer's decode step (window write, kernel launches) never reads a device value.
+
+    Kernel launches are recorded instead of run (the interpreter itself copies tensors to the host),
+    and every tensor method that would make the host wait for the device raises.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    model = tiny_model("llama")
+    cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
+    model(torch.randint(3, 128, (1, 30)), past_key_values=cache)
+    layer = cache.layers[0]
+    layer.steps_since_policy = -(10**6)  # keep the policy (which sizes its moves on the host) out of these steps
+    layer._tier_peak = 0
+    launches = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, grid, warmup, **k: launches.append(self))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host sync on the decode path")
+
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        k, v = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g)
+        layer.update(k, v)
+        set_pending(None)  # what the hfkv attention function does before calling attend()
+        out = layer.attend(None, torch.randn(1, 4, 1, 32, generator=g), k, v, None, 32**-0.5)
+        assert out.shape == (1, 1, 4, 32)
+    names = {fn.fn.__name__ if hasattr(fn, "fn") else str(fn) for fn in launches}
+    assert {"_partial_kernel", "_combine_kernel", "_score_kernel"} <= names
