@@ -446,7 +446,12 @@ OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 
     --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 640,768 --methods hfkv
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 576 \\
-    --methods hfkv 'hfkv@576:quantized.value=int4'
+    --methods hfkv 'hfkv@576:quantized.value=int4' 'hfkv@576:original.key=int8,original.value=int4'
+# the same budgets with an int8/int4 high tier instead of bf16 (DiffKV's high precision)
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
+    --methods 'hfkv:original.key=int8,original.value=int4'
+OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
+    --methods 'hfkv:original.key=int8,original.value=int4' --budgets 48,64,80,112,160
 # CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32)
 OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
