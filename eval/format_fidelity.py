@@ -150,6 +150,18 @@ def _texts(spec: str, tok, n_docs: int, prompt_len: int) -> list[dict]:
     return [{**d, "prompt_len": prompt_len or d["prompt_len"]} for d in docs]
 
 
+def run_meta(args: argparse.Namespace, dim: int, docs: int) -> dict:
+    """What a result file records about its run (the docs' section headers read it)."""
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "head_dim": dim,
+        "docs": docs,
+        "observers": args.observers,
+        "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
+    }
+
+
 def write_docs(results: list[dict], path: Path = DOCS) -> None:
     """docs/formats.md from result files: one section per model (parts table, pairs table)."""
     from hfkv.evaluation.results import write_text_atomic
@@ -256,14 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             r["record_bytes"] = RecordLayout(
                 QuantFormat(r["key"], dim, g, dtype), QuantFormat(r["value"], dim, g, dtype)
             ).nbytes
-        meta = {
-            "model": args.model,
-            "dtype": args.dtype,
-            "head_dim": dim,
-            "docs": len(docs),
-            "observers": args.observers,
-            "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
-        }
+        meta = run_meta(args, dim, len(docs))
         out = Path(args.out or f"eval/results/formats_{args.model}.json")
         write_text_atomic(out, json.dumps({"meta": meta, "parts": losses, "pairs": pairs}, indent=1) + "\n")
     results = [json.loads(p.read_text()) for p in sorted(Path("eval/results").glob("formats_*.json"))]

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from format_fidelity import _texts, capture_qkv, part_losses  # noqa: E402
+from format_fidelity import _texts, capture_qkv, part_losses, run_meta  # noqa: E402
 
 META_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (bits, placement, group or block, scale dtype)
@@ -138,15 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         size = r["code_bytes"] + r["meta_bytes"]
         print(f"{name:28s} bytes {size:6.1f} K {r['loss_keys']:.4f} V {r['loss_values']:.4f}")
-    meta_info = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "head_dim": dim,
-        "docs": len(docs),
-        "observers": args.observers,
-        "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
-        "command": "python eval/format_variants.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-    }
+    command = "python eval/format_variants.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta_info = run_meta(args, dim, len(docs)) | {"command": command}
     out = Path(args.out or f"eval/results/format_variants_{args.model}.json")
     write_text_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
     return 0

@@ -12,12 +12,13 @@ Hopper (``sm_90``) here. ``tests/test_kernels_compile.py`` runs this in a proces
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from hfkv.kernels.backend import interpreter_on
 
 _SIG = {
     torch.float32: "fp32",
@@ -108,7 +109,7 @@ CASES = [
 
 def representative_calls() -> list[tuple[Any, tuple, dict]]:
     """The launches of a decode step, a chunk, encodes and moves, for every tier format and model dtype."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreter_on():
         raise RuntimeError("aot_check compiles GPU kernels: run it without TRITON_INTERPRET=1")
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.kernels.encode import encode_write

@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.quant.formats import INT_BITS, QuantFormat
+from hfkv.kernels.dequant import format_constants
+from hfkv.quant.formats import QuantFormat
 from hfkv.storage.record import RecordLayout
 
-# Format families and the model dtypes of the full-precision family (tl.constexpr values).
-MODEL, INT, FP8 = 0, 1, 2
+# Model dtypes of the full-precision family (tl.constexpr values; the families are dequant's).
 F32, F16, BF16 = 0, 1, 2
 _MODEL_CODES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -272,16 +272,8 @@ def _encode_write_kernel(
 # --------------------------------------------------------------------------------------------- host side
 def _field_constants(prefix: str, fmt: QuantFormat) -> dict:
     """Constexpr arguments of one field: family, bits, group size, model dtype, sizes and their pow-2 blocks."""
-    if fmt.name == "model":
-        if fmt.model_dtype not in _MODEL_CODES:
-            raise ValueError(
-                f"encode_write: model dtype {fmt.model_dtype} is not supported; allowed: {list(_MODEL_CODES)}"
-            )
-        fam, bits, group = MODEL, fmt.bits, fmt.head_dim
-    elif fmt.name == "fp8":
-        fam, bits, group = FP8, 8, fmt.head_dim
-    else:
-        fam, bits, group = INT, INT_BITS[fmt.name], fmt.group_size
+    c = format_constants(fmt)  # the same family / bits / group the decode kernel reads
+    fam, bits, group = c["fam"], c["bits"], c["group"]
     d = fmt.head_dim
     return {
         f"{prefix}_FAM": fam,
