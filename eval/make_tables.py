@@ -440,18 +440,17 @@ OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
     --methods dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv \\
     --budgets 48,64,80,112,160
 # SmolLM2-135M-Instruct fidelity, bf16, on the first 2 committed documents (eval/results/texts/smollm2.jsonl)
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
-    --methods hfkv evict streaming 'hfkv@256:quantized.value=int4'
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576,640,768 --methods hfkv
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 --methods evict streaming
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
     --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 640,768 --methods hfkv
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 576 \\
-    --methods hfkv 'hfkv@576:quantized.value=int4' 'hfkv@576:original.key=int8,original.value=int4'
-# the same budgets with an int8/int4 high tier instead of bf16 (DiffKV's high precision)
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
-    --methods 'hfkv:original.key=int8,original.value=int4'
+# two-tier variants (no mid tier), measured before the mid tier existed; `mid=none` reproduces them
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256,576 \\
+    --methods 'hfkv:quantized.value=int4,mid=none'
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576 \\
+    --methods 'hfkv:original.key=int8,original.value=int4,mid=none'
 OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
-    --methods 'hfkv:original.key=int8,original.value=int4' --budgets 48,64,80,112,160
+    --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --budgets 48,64,80,112,160
 # CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32)
 OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\

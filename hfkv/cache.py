@@ -30,7 +30,7 @@ from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, WINDOW
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
 from hfkv.storage.pool import GROWTH
@@ -68,9 +68,10 @@ class TriStateLayer(CacheLayerMixin):
         if not self.is_initialized:
             return f"TriStateLayer({self.layer_idx}, empty)"
         c = self.tiers.counts.sum((0, 1)).tolist()
+        mid = f"mid={c[MID]}, " if self.cfg.uses_mid_tier() else ""
         return (
             f"TriStateLayer({self.layer_idx}, len={self.length}, window={self.window.count}, "
-            f"original={c[0]}, quantized={c[1]}, backend={self.backend})"
+            f"original={c[ORIGINAL]}, {mid}quantized={c[QUANTIZED]}, backend={self.backend})"
         )
 
     # ------------------------------------------------------------ set-up
@@ -81,12 +82,14 @@ class TriStateLayer(CacheLayerMixin):
         self.backend = resolve_backend(cfg.backend, self.device)
 
         def layout(name: str) -> RecordLayout:
+            if name == "mid" and not cfg.uses_mid_tier():
+                name = "original"  # an empty tier: never written, so its layout only has to be valid
             tier, group = getattr(cfg, name), cfg.group_for(name, dim)
             return RecordLayout(
                 QuantFormat(tier.key, dim, group, self.dtype), QuantFormat(tier.value, dim, group, self.dtype)
             )
 
-        self.layouts = (layout("original"), layout("quantized"))
+        self.layouts = tuple(layout(name) for name in TIER_NAMES)  # indexed by state
         self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
         self._init_memory_budget(dim)
         # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
@@ -110,7 +113,9 @@ class TriStateLayer(CacheLayerMixin):
         if not self.memory_budget:
             return
         token_bytes = 2 * dim * self.window.k.element_size()
-        self.cost = (self.layouts[0].nbytes, self.layouts[1].nbytes)
+        on = (True, cfg.uses_mid_tier(), True)
+        # Bytes of one record per tier (None: the mid tier is off), what the allocator trades.
+        self.cost = tuple(lay.nbytes if used else None for lay, used in zip(self.layouts, on, strict=True))
         self.window_cost = token_bytes + 4
         self.cap = cfg.budget * token_bytes if cfg.budget_unit == "fp_tokens" else cfg.budget
         reserve = self.window.capacity * self.window_cost
@@ -122,15 +127,21 @@ class TriStateLayer(CacheLayerMixin):
                 f"(window + interval = {self.window.capacity} tokens x {self.window_cost} bytes) takes "
                 f"{reserve}; raise the budget or lower window/interval"
             )
-        if self.cost[1] > self.cost[0]:
-            raise ValueError(
-                f"TriStateConfig.quantized={cfg.quantized} records ({self.cost[1]} bytes) are larger than "
-                f"original={cfg.original} records ({self.cost[0]} bytes); a memory budget needs the quantized "
-                "tier to be the cheaper one"
+        used = [(name, getattr(cfg, name), c) for name, c in zip(TIER_NAMES, self.cost, strict=True) if c is not None]
+        for (hi, hi_fmt, hi_c), (lo, lo_fmt, lo_c) in zip(used, used[1:], strict=False):
+            if lo_c > hi_c:
+                raise ValueError(
+                    f"TriStateConfig.{lo}={lo_fmt} records ({lo_c} bytes) are larger than {hi}={hi_fmt} records "
+                    f"({hi_c} bytes); a memory budget needs each tier cheaper than the one above it"
+                )
+        if cfg.fidelity is not None:
+            fid = list(cfg.fidelity)
+            self.fidelity = tuple(fid.pop(0) if c is not None else None for c in self.cost)
+        else:
+            self.fidelity = tuple(
+                tier_fidelity(lay.key.name, lay.value.name, lay.key.group_size, dim) if c is not None else None
+                for lay, c in zip(self.layouts, self.cost, strict=True)
             )
-        self.fidelity = cfg.fidelity or tuple(
-            tier_fidelity(lay.key.name, lay.value.name, lay.key.group_size, dim) for lay in self.layouts
-        )
 
     # ------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
@@ -195,7 +206,7 @@ class TriStateLayer(CacheLayerMixin):
         Deciding before writing means a token bound for the quantized tier is quantized once, from
         full precision, and an evicted one is never written at all.
         """
-        for tier in (ORIGINAL, QUANTIZED):
+        for tier in range(self.tiers.num_tiers):
             b, h, i = (new == tier).nonzero(as_tuple=True)
             if i.numel():
                 self.tiers.append_tokens(tier, b, h, k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
@@ -203,7 +214,7 @@ class TriStateLayer(CacheLayerMixin):
     def _refresh_tier_peak(self) -> None:
         counts = self.tiers.counts
         if self.memory_budget:  # bytes
-            held = counts[..., ORIGINAL] * self.cost[0] + counts[..., QUANTIZED] * self.cost[1]
+            held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)
         else:
             held = counts.sum(-1)  # [B, H] tokens
         held = held.sum(-1) if self.cfg.head_adaptive else held
@@ -239,7 +250,7 @@ class TriStateLayer(CacheLayerMixin):
             room = self.room * (heads if cfg.head_adaptive else 1)
             cap = None
             if rho is not None:  # ARKV's OQ ratio: the layer's share of the exact tokens that would fit
-                cap = torch.floor(rho.to(self.device).float() * (room / self.cost[0])).long()
+                cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
                 cap = cap if cfg.head_adaptive else cap.view(bsz, 1).expand(bsz, heads)
             return allocate(
                 scores,
@@ -282,41 +293,46 @@ class TriStateLayer(CacheLayerMixin):
             exits = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
         ek, ev, epos, escore = exits
         bsz, heads, m = escore.shape
-        pos0, s0, v0 = self.tiers.read_meta(ORIGINAL)
-        pos1, s1, v1 = self.tiers.read_meta(QUANTIZED)
-        m0, m1 = pos0.shape[-1], pos1.shape[-1]
-        ev_valid = self._not_padding(epos)
-        pos = torch.cat([pos0.long(), pos1.long(), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
-        valid = torch.cat([v0, v1, ev_valid], -1)
-        tier_of = torch.zeros_like(valid, dtype=torch.int8)
-        tier_of[..., m0 : m0 + m1] = QUANTIZED
-        state = torch.where(valid, tier_of, torch.full_like(tier_of, EVICTED))
-        scores = self._mean_scores(torch.cat([s0, s1, escore], -1), pos)
+        metas = [self.tiers.read_meta(t) for t in range(self.tiers.num_tiers)]
+        sizes = [meta[0].shape[-1] for meta in metas]
+        pos = torch.cat([*(meta[0].long() for meta in metas), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
+        valid = torch.cat([*(meta[2] for meta in metas), self._not_padding(epos)], -1)
+        # Each slot's tier; a token leaving the window is a candidate for the original tier.
+        tier_of = torch.repeat_interleave(
+            torch.tensor([*range(len(sizes)), ORIGINAL], device=self.device, dtype=torch.int8),
+            torch.tensor([*sizes, m], device=self.device),
+        )
+        state = torch.where(valid, tier_of, EVICTED).to(torch.int8)
+        scores = self._mean_scores(torch.cat([*(meta[1] for meta in metas), escore], -1), pos)
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
-        self._apply(new[..., :m0], new[..., m0 : m0 + m1], v0, v1)
+        *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
+        self._apply(news, [meta[2] for meta in metas])
         if m:
-            self._admit(ek, ev, epos, escore, new[..., m0 + m1 :], check_finite=False)
+            self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
         self._refresh_tier_peak()
 
-    def _apply(self, new0: torch.Tensor, new1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor) -> None:
+    def _apply(self, news: list[torch.Tensor], valids: list[torch.Tensor]) -> None:
+        """Move tokens whose state changed: drop the evicted, re-encode the demoted into their new tier."""
         tiers = self.tiers
-        if bool(((new1 == EVICTED) & v1).any()):
-            tiers.remove(QUANTIZED, new1 == QUANTIZED)
-        demote = v0 & (new0 == QUANTIZED)
-        moved = None
-        if bool(demote.any()):
-            b, h, s = demote.nonzero(as_tuple=True)
-            rec = tiers.gather(ORIGINAL, b, h, s)
-            lay0 = self.layouts[ORIGINAL]
-            k, v = lay0.decode_kv(rec, torch.float32)
-            moved = (b, h, k, v, lay0.positions(rec), lay0.scores(rec))
-        # Free the original slots before the demoted copies take quantized ones: the pool's peak
-        # (its capacity, which is held) never has to hold a token twice.
-        if bool((v0 & (new0 != ORIGINAL)).any()):
-            tiers.remove(ORIGINAL, new0 == ORIGINAL)
-        if moved is not None:
-            tiers.append_tokens(QUANTIZED, *moved)
+        moved = []
+        for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
+            demote = valid & (new > tier) & (new != EVICTED)
+            if bool(demote.any()):
+                b, h, s = demote.nonzero(as_tuple=True)
+                rec = tiers.gather(tier, b, h, s)
+                lay = self.layouts[tier]
+                k, v = lay.decode_kv(rec, torch.float32)
+                moved.append((new[b, h, s], (b, h, k, v, lay.positions(rec), lay.scores(rec))))
+        # Free the old slots before the demoted copies take new ones: the pool's peak (its capacity,
+        # which is held) never has to hold a token twice.
+        for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
+            if bool((valid & (new != tier)).any()):
+                tiers.remove(tier, new == tier)
+        for dest, fields_ in moved:
+            for tier in range(tiers.num_tiers):
+                sel = dest == tier
+                tiers.append_tokens(tier, *(x[sel] for x in fields_))
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
@@ -471,7 +487,7 @@ class TriStateLayer(CacheLayerMixin):
             return torch.zeros(0, 0, 0, dtype=torch.int8)
         bsz, heads = self.tiers.counts.shape[:2]
         out = torch.full((bsz, heads, self.length), EVICTED, dtype=torch.int8, device=self.device)
-        for tier in (ORIGINAL, QUANTIZED):
+        for tier in range(self.tiers.num_tiers):
             pos, _, valid = self.tiers.read_meta(tier)
             b, h, s = valid.nonzero(as_tuple=True)
             out[b, h, pos[b, h, s].long()] = tier
@@ -488,7 +504,7 @@ class TriStateLayer(CacheLayerMixin):
             return torch.zeros(0, 0, 0)
         bsz, heads = self.tiers.counts.shape[:2]
         out = torch.full((bsz, heads, self.length), float("nan"), device=self.device)
-        for tier in (ORIGINAL, QUANTIZED):
+        for tier in range(self.tiers.num_tiers):
             pos, sums, valid = self.tiers.read_meta(tier)
             b, h, s = valid.nonzero(as_tuple=True)
             p = pos[b, h, s].long()
@@ -513,6 +529,7 @@ class TriStateLayer(CacheLayerMixin):
             logical_length=self.length,
             window=win.tolist(),
             original=counts[..., ORIGINAL].tolist(),
+            mid=counts[..., MID].tolist(),
             quantized=counts[..., QUANTIZED].tolist(),
             evicted=evicted.tolist(),
         )
@@ -608,7 +625,7 @@ class TriStateCache(DynamicCache):
 
     def token_states(self, layer_idx: int) -> torch.Tensor:
         """``[B, KV heads, logical length]`` int8 map of token states of a compressed layer (``hfkv.states``:
-        ORIGINAL 0, QUANTIZED 1, EVICTED 2, WINDOW -1): which positions each head keeps, and how."""
+        ORIGINAL 0, MID 1, QUANTIZED 2, EVICTED 3, WINDOW -1): which positions each head keeps, and how."""
         layer = self.layers[layer_idx]
         if not isinstance(layer, TriStateLayer):
             raise ValueError(
@@ -648,7 +665,7 @@ class TriStateCache(DynamicCache):
                 b, h, n, d = layer.keys.shape
                 ls = LayerStats(i, kb, kb, layer.get_seq_length(), compressed=False)
                 ls.window = [[n] * h for _ in range(b)]
-                ls.original = ls.quantized = ls.evicted = [[0] * h for _ in range(b)]
+                ls.original = ls.mid = ls.quantized = ls.evicted = [[0] * h for _ in range(b)]
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     ls.dense_bytes = dense_kv_bytes(b, h, layer.get_seq_length(), d, layer.keys.dtype)
                 per_layer.append(ls)

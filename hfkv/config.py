@@ -33,6 +33,7 @@ PRESETS: tuple[str, ...] = ("full", "evict", "quant", "streaming", "arkv", "diff
 SCORE_REDUCTIONS: tuple[str, ...] = ("max", "mean", "l2")
 SCORE_MODES: tuple[str, ...] = ("mean", "sum")
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+TIER_FIELDS: tuple[str, ...] = ("original", "mid", "quantized")  # the storage tiers, most precise first
 # "tokens": the budget counts tokens per KV head (ARKV, paper-faithful); "fp_tokens": it caps the bytes a
 # head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per
 # token), so quantized tokens cost what they weigh; "bytes": the same cap given directly in bytes.
@@ -81,7 +82,11 @@ class TierFormat:
 
 
 _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
-_DEFAULT_TIERS = {"original": TierFormat("model", "model", 32), "quantized": TierFormat("int4", "int2", 32)}
+_DEFAULT_TIERS = {
+    "original": TierFormat("model", "model", 32),
+    "mid": TierFormat("int8", "int4", 32),
+    "quantized": TierFormat("int4", "int2", 32),
+}
 
 
 def _tier_from(where: str, value: Any, base: TierFormat) -> TierFormat:
@@ -193,10 +198,16 @@ class TriStateConfig:
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 8
     original: TierFormat = _DEFAULT_TIERS["original"]
+    # A second quantized format between original and quantized (DiffKV's high-precision K8V4), used by
+    # memory budgets only: refining a K4V2 token to K8V4 buys 5x more fidelity per byte than an exact copy
+    # (hfkv.policy.budget), which is what closes the gap to DiffKV at 30% memory on SmolLM2. None: no
+    # such tier. Token budgets never use it (a count of tokens cannot tell the two formats apart).
+    mid: TierFormat | None = _DEFAULT_TIERS["mid"]
     quantized: TierFormat = _DEFAULT_TIERS["quantized"]
-    # Value an original / quantized token keeps relative to full precision, for memory budgets (how much
-    # significance a quantized token is worth per byte). None: the measured table of hfkv.quant.fidelity.
-    fidelity: tuple[float, float] | None = None
+    # Value a token keeps in each tier relative to full precision, for memory budgets (how much
+    # significance it is worth per byte): (original, mid, quantized), or (original, quantized) without a
+    # mid tier. None: the measured table of hfkv.quant.fidelity.
+    fidelity: tuple[float, ...] | None = None
     # Memory budgets: significance every token is credited with on top of its score, in units of uniform
     # attention 1/N. Past attention predicts future attention only roughly, and an evicted token is gone
     # while a quantized one is only blurred: a prior keeps more tokens (quantized) before upgrading any.
@@ -264,15 +275,19 @@ class TriStateConfig:
             if not _is_real(t) or not math.isfinite(t) or t <= 0:
                 raise _fail(f"{w}.tau[{i}]", t, "a finite number > 0")
         self.tau = tuple(float(t) for t in tau)  # type: ignore[assignment]
-        for f in ("original", "quantized"):
+        for f in TIER_FIELDS:
+            if f == "mid" and self.mid is None:
+                continue
             setattr(self, f, _tier_from(f"{w}.{f}", getattr(self, f), _DEFAULT_TIERS[f]))
         if self.fidelity is not None:
             fid = self.fidelity
-            if not isinstance(fid, (list, tuple)) or len(fid) != 2 or not all(_is_real(x) for x in fid):
-                raise _fail(f"{w}.fidelity", fid, "None or two numbers (original, quantized)")
-            if not 0 <= fid[1] <= fid[0] <= 1:
-                raise _fail(f"{w}.fidelity", fid, "two numbers with 0 <= quantized <= original <= 1")
-            self.fidelity = (float(fid[0]), float(fid[1]))
+            names = ("original", "mid", "quantized") if self.mid is not None else ("original", "quantized")
+            want = f"None or {len(names)} numbers ({', '.join(names)}; mid={self.mid})"
+            if not isinstance(fid, (list, tuple)) or len(fid) != len(names) or not all(_is_real(x) for x in fid):
+                raise _fail(f"{w}.fidelity", fid, want)
+            if not all(0 <= b <= a <= 1 for a, b in zip(fid, fid[1:], strict=False)) or not 0 <= fid[-1]:
+                raise _fail(f"{w}.fidelity", fid, f"{' >= '.join(names)}, each in [0, 1]")
+            self.fidelity = tuple(float(x) for x in fid)
         if not isinstance(self.provenance, dict):
             raise _fail(f"{w}.provenance", self.provenance, "a mapping")
         _check_yaml_safe(f"{w}.provenance", self.provenance)
@@ -380,11 +395,15 @@ class TriStateConfig:
         shape = max(hs, ls, key=len)
         return any(_alpha_at(lo, ls, idx[: len(ls)]) < _alpha_at(h, hs, idx[: len(hs)]) for idx in _indices(shape))
 
+    def uses_mid_tier(self) -> bool:
+        """Whether tokens can be kept in the mid tier: it is set and a memory budget decides the tiers."""
+        return self.compress and self.mid is not None and self.budget is not None and self.budget_unit != "tokens"
+
     def group_for(self, tier: str, head_dim: int) -> int:
         """The group size a tier uses on a model: never more than the head dimension (a group is a
         slice of one token's head), and for a tier the config never uses, one that divides it."""
         g = min(getattr(self, tier).group_size, head_dim)
-        if tier == "quantized" and not self.uses_quantized_tier():
+        if (tier == "quantized" and not self.uses_quantized_tier()) or (tier == "mid" and not self.uses_mid_tier()):
             g = math.gcd(g, head_dim)
         return g
 
@@ -396,7 +415,7 @@ class TriStateConfig:
         if not _is_int(head_dim) or head_dim < 1:
             raise _fail("head_dim", head_dim, "a positive integer")
         if self.compress:  # `full` never quantises, so it must run on any head_dim
-            for f in ("original", "quantized"):
+            for f in ("original", "quantized", *(("mid",) if self.uses_mid_tier() else ())):
                 tier: TierFormat = getattr(self, f)
                 used = [x for x in (tier.key, tier.value) if x in INT_FORMATS]
                 g = self.group_for(f, head_dim)
@@ -491,9 +510,9 @@ class TriStateConfig:
                 overrides["window"] = total - sinks
             elif "window" not in overrides:
                 overrides["window"] = _STREAMING_TOTAL - sinks if _is_int(sinks) else values["window"]
-        for f in ("original", "quantized"):
+        for f in TIER_FIELDS:
             if isinstance(overrides.get(f), Mapping):
-                base = values.get(f, _DEFAULT_TIERS[f])
+                base = values.get(f) or _DEFAULT_TIERS[f]
                 overrides[f] = _tier_from(f"TriStateConfig.{f}", overrides[f], base)
         values.update(overrides)
         return cls(**values)
@@ -512,6 +531,7 @@ class TriStateConfig:
             f"alpha_h={_alpha_str(self.alpha_h)}",
             f"alpha_l={_alpha_str(self.alpha_l)}",
             f"orig={self.original}",
+            *([f"mid={self.mid}"] if self.uses_mid_tier() else []),
             f"quant={self.quantized}",
             f"oq={'on' if self.oq_ratios else 'off'}",
         ]
@@ -575,7 +595,8 @@ _ARKV_SCORING: dict[str, Any] = dict(
     score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA, pool_kernel=5, window=32, obs_window=32
 )
 # ARKV's tailor: a hard budget in tokens per head, evicting down to 75% of it when exceeded (IV-F).
-_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0)  # prior: memory budgets only
+# prior and the mid tier: memory budgets only.
+_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0, mid=None)
 _STREAMING_TOTAL = 1024
 
 _PRESET_VALUES: dict[str, dict[str, Any]] = {
@@ -651,6 +672,7 @@ assert tuple(_PRESET_VALUES) == PRESETS
 
 __all__ = [
     "BACKENDS",
+    "TIER_FIELDS",
     "FORMAT_NAMES",
     "INT_FORMATS",
     "PRESETS",

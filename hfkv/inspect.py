@@ -21,16 +21,23 @@ import torch
 from transformers import LogitsProcessor
 
 from hfkv.cache import TriStateCache, TriStateLayer
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.storage import cache_bytes
 
-# Every figure and summary uses the same names, order and colours for the four states.
-STATE_LABELS: dict[int, str] = {WINDOW: "window", ORIGINAL: "original", QUANTIZED: "quantized", EVICTED: "evicted"}
+# Every figure and summary uses the same names, order and colours for the states.
+STATE_LABELS: dict[int, str] = {
+    WINDOW: "window",
+    ORIGINAL: "original",
+    MID: "mid",
+    QUANTIZED: "quantized",
+    EVICTED: "evicted",
+}
 STATE_ORDER: tuple[str, ...] = ("window", *STATE_NAMES)
 STATE_COLORS: dict[str, str] = {
     "window": "#4c72b0",  # blue: recent, dense, not yet classified
     "original": "#55a868",  # green: kept in the original tier
+    "mid": "#ccb974",  # sand: kept, quantized in the precise format
     "quantized": "#dd8452",  # orange: kept, quantized
     "evicted": "#e6e6e6",  # light grey: gone
 }
@@ -66,7 +73,7 @@ def layer_frame(cache: TriStateCache):
 
 def head_frame(cache: TriStateCache, row: int = 0):
     """One row per (compressed layer, KV head) of batch row ``row``: tokens per state, tokens kept
-    (window + original + quantized) and the head's thresholds ``alpha_h / N``, ``alpha_l / N``.
+    (window + original + mid + quantized) and the head's thresholds ``alpha_h / N``, ``alpha_l / N``.
 
     Heads of one layer keep different counts when the policy is head-adaptive or thresholds decide;
     this frame is where that shows.
@@ -87,7 +94,7 @@ def head_frame(cache: TriStateCache, row: int = 0):
                     "layer": ls.layer,
                     "head": h,
                     **counts,
-                    "kept": counts["window"] + counts["original"] + counts["quantized"],
+                    "kept": counts["window"] + counts["original"] + counts["mid"] + counts["quantized"],
                     "alpha_h_n": float(hi[h]),
                     "alpha_l_n": float(lo[h]),
                 }
@@ -353,7 +360,7 @@ def stats_html(
     wrap: bool = True,
 ) -> str:
     """``CacheStats`` / ``LayerStats`` as HTML: totals, then one table row per layer with a bar of
-    the state shares (window / original / quantized / evicted, summed over rows and heads)."""
+    the state shares (window / original / mid / quantized / evicted, summed over rows and heads)."""
     layers = list(layers)
     if kv_bytes is None:
         kv_bytes = sum(ls.kv_bytes for ls in layers)

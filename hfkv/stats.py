@@ -16,6 +16,7 @@ class LayerStats:
     # per (batch row, KV head): tokens in each state; "window" is reported separately from "original"
     window: list[list[int]] = field(default_factory=list)
     original: list[list[int]] = field(default_factory=list)
+    mid: list[list[int]] = field(default_factory=list)  # quantized in the precise format (memory budgets)
     quantized: list[list[int]] = field(default_factory=list)
     evicted: list[list[int]] = field(default_factory=list)
     compressed: bool = True

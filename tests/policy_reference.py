@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED
 
 
 def _as_list(x):
@@ -133,15 +133,48 @@ def _f32_key(x: float) -> float:
     return float(np.float32(x))
 
 
+def _hull_rates(points):
+    """Slope of the upper concave hull of ``(0, 0)`` and ``points`` (cheapest first) over each step, by
+    Andrew's monotone chain; a zero-cost step takes the previous step's slope."""
+    hull = [(0.0, 0.0)]
+    for x, f in points:
+        x, f = float(x), float(f)
+        while hull and hull[-1][0] == x:  # a vertical rise: the higher point replaces the lower one
+            if hull[-1][1] >= f:
+                break
+            hull.pop()
+        else:
+            while len(hull) >= 2:
+                (ox, of), (ax, af) = hull[-2], hull[-1]
+                if (ax - ox) * (f - of) - (af - of) * (x - ox) >= 0:  # the middle point is on or under
+                    hull.pop()
+                else:
+                    break
+            hull.append((x, f))
+    rates, prev = [], 0.0
+    for x, _ in points:
+        x = float(x)
+        if x == prev:
+            rates.append(rates[-1])
+            continue
+        seg = next(k for k in range(1, len(hull)) if hull[k][0] >= x)
+        (ax, af), (bx, bf) = hull[seg - 1], hull[seg]
+        rates.append((bf - af) / (bx - ax))
+        prev = x
+    return rates
+
+
 def reference_allocate(
     scores, state, sink, logical_len, alpha_h, alpha_l, room, cost, fidelity, head_adaptive, exact_cap=None, prior=0.0
 ):
     """Loop version of ``hfkv.policy.budget.allocate``, written from its docstring; nested lists out.
 
-    Items per token: keep (cost c1) and upgrade (cost c0 - c1, only for ORIGINAL tokens). Order:
-    value per byte (fp32; both items of a token at or above alpha_h / N at the exact tier's rate), then
-    slot, head, keep before upgrade. Items are taken in order while their cumulative cost fits the room left after the
-    sinks; upgrades past ``exact_cap`` are skipped.
+    Items per token: one per tier it may still be in (no promotion), cheapest first, each costing the
+    step from the previous option (evicted first); rated at the hull slope of the token's options
+    (fp32; all items of a token at or above alpha_h / N at the exact tier's rate). Order: rate, then slot,
+    head, item. Items are taken in order while their cumulative cost fits the room left after the sinks;
+    items reaching the exact tier past ``exact_cap`` are skipped. A token ends in the tier its last item
+    reaches.
     """
     sc, st, sk = _as_list(scores), _as_list(state), _as_list(sink)
     lens = [int(v) for v in _as_list(logical_len)]
@@ -150,10 +183,16 @@ def reference_allocate(
     a_l = [float(v) for v in np.asarray(alpha_l, dtype=np.float32).reshape(-1)]
     a_h = a_h * h_n if len(a_h) == 1 else a_h
     a_l = a_l * h_n if len(a_l) == 1 else a_l
-    c0, c1 = cost
-    f0, f1 = fidelity
-    pays = f1 * c0 >= f0 * c1
-    u_rate = np.float32((f0 - f1) / (c0 - c1) if pays and c0 > c1 else f0 / c0)
+    order = [t for t in (QUANTIZED, MID, ORIGINAL) if cost[t] is not None]  # cheapest first
+    byte = {t: cost[t] for t in order}
+    e_rate = np.float32(fidelity[ORIGINAL] / cost[ORIGINAL])
+
+    def options(cur):
+        allowed = [t for t in order if t >= cur]
+        rates = _hull_rates([(cost[t], fidelity[t]) for t in allowed])
+        steps = [byte[t] - (byte[allowed[j - 1]] if j else 0) for j, t in enumerate(allowed)]
+        return allowed, [np.float32(r) for r in rates], steps
+
     room_l = _as_list(room)
     cap_l = _as_list(exact_cap) if exact_cap is not None else None
     out = [[[int(st[b][h][n]) for n in range(n_n)] for h in range(h_n)] for b in range(b_n)]
@@ -170,7 +209,7 @@ def reference_allocate(
             for b, h in heads:
                 s, cur = np.float32(sc[b][h][n]), out[b][h][n]
                 if sk[b][h][n]:
-                    sink_bytes += c0 if cur == ORIGINAL else c1 if cur == QUANTIZED else 0
+                    sink_bytes += byte.get(cur, 0)
                     continue
                 if cur != EVICTED and s < np.float32(a_l[h]) / length:
                     out[b][h][n] = cur = EVICTED
@@ -180,30 +219,31 @@ def reference_allocate(
                 exact_only = cur == ORIGINAL and s >= np.float32(a_h[h]) / length
                 if prior:
                     s = np.float32(s + np.float32(prior) / length)
-                e_rate = np.float32(f0 / c0)
-                rate = e_rate if cur == ORIGINAL and (exact_only or not pays) else np.float32(f1 / c1)
-                items.append((-_f32_key(s * rate), 0, n, h, b, c1))
-                if cur == ORIGINAL:
-                    items.append((-_f32_key(s * (e_rate if exact_only else u_rate)), 1, n, h, b, c0 - c1))
+                allowed, rates, steps = options(cur)
+                for j, (t, r, c) in enumerate(zip(allowed, rates, steps, strict=True)):
+                    items.append((-_f32_key(s * (e_rate if exact_only else r)), n, h, j, b, c, t))
         r = room_l[b0] if head_adaptive else room_l[b0][heads[0][1]]
         cap = None if cap_l is None else (cap_l[b0] if head_adaptive else cap_l[b0][heads[0][1]])
         left = r - sink_bytes
-        need_now = sum(c0 if out[b][h][n] == ORIGINAL else c1 for b, h, n in cand)
+        need_now = sum(byte[out[b][h][n]] for b, h, n in cand)
         n_exact = sum(out[b][h][n] == ORIGINAL for b, h, n in cand)
         if need_now <= left and (cap is None or n_exact <= cap):
             continue  # (the vectorised version decides this for all rows at once; same result)
-        kept, upgraded, spent, ups = set(), set(), 0, 0
-        stopped = False
-        for _, kind, n, h, b, c in sorted(items, key=lambda it: (it[0], it[2], it[3], it[1])):
-            if kind == 1:
-                if cap is not None and ups >= cap:
+        taken: dict[tuple[int, int, int], list[int]] = {c: [] for c in cand}
+        final: dict[tuple[int, int, int], int] = {}
+        spent, ups, stopped = 0, 0, False
+        for _, n, h, j, b, c, t in sorted(items, key=lambda it: it[:4]):
+            if t == ORIGINAL and cap is not None:
+                if ups >= cap:
                     continue
                 ups += 1
             if stopped or spent + c > left:
                 stopped = True
                 continue
             spent += c
-            (upgraded if kind else kept).add((b, h, n))
-        for b, h, n in cand:
-            out[b][h][n] = (ORIGINAL if (b, h, n) in upgraded else QUANTIZED) if (b, h, n) in kept else EVICTED
+            taken[(b, h, n)].append(j)
+            final[(b, h, n)] = t
+        for key in cand:
+            assert taken[key] == list(range(len(taken[key]))), "a token takes a prefix of its items"
+            out[key[0]][key[1]][key[2]] = final.get(key, EVICTED)
     return out

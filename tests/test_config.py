@@ -67,7 +67,8 @@ def test_preset_values() -> None:
     hfkv = TriStateConfig.from_preset("hfkv")
     assert dataclasses.replace(hfkv, name="custom") == TriStateConfig()
     assert hfkv.summary() == (
-        "hfkv: W=16 budget=1024 fp_tokens alpha_h=inf alpha_l=0.02 orig=model/model quant=int4/int2 oq=on head_adaptive"
+        "hfkv: W=16 budget=1024 fp_tokens alpha_h=inf alpha_l=0.02 orig=model/model mid=int8/int4 quant=int4/int2 "
+        "oq=on head_adaptive"
     )
 
 
@@ -200,9 +201,12 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(budget_unit="kb"), "budget_unit", "'kb'"),
     (dict(budget=48, window=32, interval=16), "budget", "48"),
     (dict(budget=0, budget_unit="bytes"), "budget", "0"),
-    (dict(fidelity=(0.5, 0.9)), "fidelity", "(0.5, 0.9)"),
+    (dict(fidelity=(0.5, 0.9), mid=None), "fidelity", "(0.5, 0.9)"),
     (dict(fidelity=(1.0,)), "fidelity", "(1.0,)"),
-    (dict(fidelity=(1.5, 0.5)), "fidelity", "(1.5, 0.5)"),
+    (dict(fidelity=(1.5, 0.5), mid=None), "fidelity", "(1.5, 0.5)"),
+    (dict(fidelity=(1.0, 0.5)), "fidelity", "(1.0, 0.5)"),  # three numbers with a mid tier
+    (dict(fidelity=(1.0, 0.4, 0.5)), "fidelity", "(1.0, 0.4, 0.5)"),  # the mid tier below the quantized one
+    (dict(mid={"key": "int3"}), "mid", "int3"),
 ]
 
 
@@ -385,6 +389,8 @@ def valid_configs(draw: st.DrawFn) -> TriStateConfig:
     # Valid for every unit (fp_tokens: the ring of window + interval tokens and the sinks, with slack >= 0.5).
     budget = draw(st.one_of(st.none(), st.integers(window + interval + 2 * sinks + 2, 4096)))
     alpha_h, alpha_l = draw(_alphas())
+    mid = draw(st.one_of(st.none(), _tier))
+    fid = [st.floats(0.5, 1.0), *([st.just(0.5)] if mid is not None else []), st.floats(0.0, 0.5)]
     return TriStateConfig(
         name=draw(st.text(min_size=1, max_size=12)),
         compress=draw(st.booleans()),
@@ -406,9 +412,10 @@ def valid_configs(draw: st.DrawFn) -> TriStateConfig:
         interval=interval,
         original=draw(_tier),
         quantized=draw(_tier),
+        mid=mid,
         page_bytes=4 * draw(st.integers(16, 4096)),
         backend=draw(st.sampled_from(["auto", "torch", "triton"])),
-        fidelity=draw(st.one_of(st.none(), st.tuples(st.floats(0.5, 1.0), st.floats(0.0, 0.5)))),
+        fidelity=draw(st.one_of(st.none(), st.tuples(*fid))),
         provenance=draw(_provenance),
     )
 

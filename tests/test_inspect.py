@@ -17,7 +17,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 import hfkv
 from hfkv import inspect as hi
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
 from tests.models import left_padded_batch, tiny_model
 
 # Small windows and budgets so every preset moves tokens out of the window within a short generation.
@@ -94,6 +94,7 @@ def test_state_map_and_frames_count_what_stats_counts(runs, preset):
             got = {
                 "window": int((codes == WINDOW).sum()),
                 "original": int((codes == ORIGINAL).sum()),
+                "mid": int((codes == MID).sum()),
                 "quantized": int((codes == QUANTIZED).sum()),
                 "evicted": int((codes == EVICTED).sum()),
             }
@@ -101,7 +102,7 @@ def test_state_map_and_frames_count_what_stats_counts(runs, preset):
             seen |= {name for name, n in got.items() if n and name != "window"}
             head = heads[(heads["layer"] == layer) & (heads["head"] == h)].iloc[0]
             assert {name: int(head[name]) for name in got} == got
-            assert head["kept"] == got["window"] + got["original"] + got["quantized"]
+            assert head["kept"] == got["window"] + got["original"] + got["mid"] + got["quantized"]
             hi_n, lo_n = cache.thresholds(layer)
             assert head["alpha_h_n"] == float(hi_n[h]) and head["alpha_l_n"] == float(lo_n[h])
             # the long frame is the same map, position by position, with the cache's own scores
@@ -209,14 +210,15 @@ def test_cache_html_contains_the_numbers(runs):
         row = text.split(f"<tr><td>{ls.layer}</td>", 1)[1].split("</tr>", 1)[0]
         cells = [c.split("</td>")[0] for c in row.split("<td>")[1:]]
         t = ls.totals()
-        assert cells[:8] == [
+        n = 4 + len(hi.STATE_ORDER)
+        assert cells[:n] == [
             f"{ls.logical_length:,}",
             f"{ls.kv_bytes:,}",
             f"{ls.dense_bytes:,}",
             f"{ls.dense_bytes / ls.kv_bytes:.2f}x",
             *(f"{t[n]:,}" for n in hi.STATE_ORDER),
         ]
-        assert cells[8] == ", ".join(f"{float(r):.3f}" for r in cache.oq_ratios()[ls.layer])
+        assert cells[n] == ", ".join(f"{float(r):.3f}" for r in cache.oq_ratios()[ls.layer])
     for name in hi.STATE_ORDER:
         assert f"{name} {sum(ls.totals()[name] for ls in st_.layers):,}" in text
     # CacheStats and LayerStats render the same numbers (without the config line and OQ ratios)

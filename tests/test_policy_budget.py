@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hfkv.policy.budget import allocate, held_bytes_of, quantizing_pays
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
+from hfkv.policy.budget import allocate, held_bytes_of, hull_slopes
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED
 from tests.policy_reference import reference_allocate
 
 
@@ -28,7 +28,16 @@ def cases(draw, max_n=7, with_floors=True, with_cap=True, with_prior=True):
     scores = torch.rand(b, h, n, generator=g)
     if draw(st.booleans()):  # coarse scores: ties everywhere, so the tie-break is exercised
         scores = (scores * 4).round() / 4
-    state = torch.randint(0, 3, (b, h, n), generator=g).to(torch.int8)
+    c0 = draw(st.sampled_from([8, 16, 264]))
+    c2 = draw(st.integers(1, c0))
+    f2 = draw(st.sampled_from([0.0, 0.25, 0.6, 0.9, 1.0]))
+    if draw(st.booleans()):  # a mid tier between the two (DiffKV's K8V4 between exact and K4V2)
+        c1 = draw(st.integers(c2, c0))
+        f1 = max(f2, draw(st.sampled_from([0.5 * (f2 + 1.0), 0.95, 1.0])))
+    else:
+        c1 = f1 = None
+    tiers = [t for t, c in ((ORIGINAL, c0), (MID, c1), (QUANTIZED, c2)) if c is not None] + [EVICTED]
+    state = torch.tensor(tiers)[torch.randint(0, len(tiers), (b, h, n), generator=g)].to(torch.int8)
     sink = torch.rand(b, h, n, generator=g) < draw(st.sampled_from([0.0, 0.2]))
     length = torch.randint(1, 10, (b,), generator=g)
     if with_floors:
@@ -36,9 +45,6 @@ def cases(draw, max_n=7, with_floors=True, with_cap=True, with_prior=True):
         al = torch.minimum(ah, torch.tensor([draw(st.sampled_from([0.0, 0.2, 0.5])) for _ in range(h)]))
     else:
         ah, al = torch.full((h,), float("inf")), torch.zeros(h)
-    c0 = draw(st.sampled_from([8, 16, 264]))
-    c1 = draw(st.integers(1, c0))
-    fid = (1.0, draw(st.sampled_from([0.0, 0.25, 0.6, 0.9, 1.0])))
     ha = draw(st.booleans())
     rows = (b,) if ha else (b, h)
     room = torch.randint(0, c0 * (n + 1) * (h if ha else 1) + 1, rows, generator=g)
@@ -53,8 +59,8 @@ def cases(draw, max_n=7, with_floors=True, with_cap=True, with_prior=True):
         alpha_h=ah,
         alpha_l=al,
         room=room,
-        cost=(c0, c1),
-        fidelity=fid,
+        cost=(c0, c1, c2),
+        fidelity=(1.0, f1, f2),
         head_adaptive=ha,
         exact_cap=cap,
     )
@@ -78,7 +84,7 @@ def test_allocate_fits_the_room_never_promotes_and_keeps_sinks(case):
     new = allocate(**case)
     state, sink, ha = case["state"], case["sink"], case["head_adaptive"]
     assert torch.equal(new[sink], state[sink]), "sinks never change state"
-    assert (new[~sink] >= state[~sink]).all(), "no promotion (original < quantized < evicted)"
+    assert (new[~sink] >= state[~sink]).all(), "no promotion (original < mid < quantized < evicted)"
     held = _per_row(held_bytes_of(new, case["cost"]), ha)
     sinks_alone = _per_row(held_bytes_of(torch.where(sink, state, EVICTED), case["cost"]), ha)
     room = case["room"]
@@ -92,18 +98,13 @@ def test_allocate_fits_the_room_never_promotes_and_keeps_sinks(case):
     assert (new[under] == EVICTED).all()
 
 
-def _value(states, scores, fid):
-    f = {ORIGINAL: fid[0], QUANTIZED: fid[1], EVICTED: 0.0}
-    return sum(float(s) * f[int(t)] for s, t in zip(scores.reshape(-1), states.reshape(-1), strict=True))
-
-
 @settings(max_examples=150, deadline=None)
 @given(cases(max_n=4, with_floors=False, with_cap=False, with_prior=False))
 def test_allocate_is_within_one_item_of_the_brute_force_optimum(case):
     """Every feasible assignment (no promotion, sinks fixed, bytes <= room) is enumerated per row."""
     scores, state, sink, ha = case["scores"], case["state"], case["sink"], case["head_adaptive"]
-    c0, c1 = case["cost"]
-    fid = case["fidelity"]
+    byte = {t: c for t, c in enumerate(case["cost"]) if c is not None}
+    worth = {t: f for t, f in enumerate(case["fidelity"]) if f is not None}
     new = allocate(**case)
     b, h, n = scores.shape
     groups = (
@@ -114,31 +115,29 @@ def test_allocate_is_within_one_item_of_the_brute_force_optimum(case):
         room = int(case["room"][heads[0][0]] if ha else case["room"][heads[0]])
         fixed = [s for s in slots if sink[s] or state[s] == EVICTED]
         free = [s for s in slots if s not in fixed]
-        fixed_bytes = sum({ORIGINAL: c0, QUANTIZED: c1}.get(int(state[s]), 0) for s in fixed if sink[s])
+        fixed_bytes = sum(byte.get(int(state[s]), 0) for s in fixed if sink[s])
         if fixed_bytes > room:
             continue
         best = 0.0
-        for choice in itertools.product((ORIGINAL, QUANTIZED, EVICTED), repeat=len(free)):
+        for choice in itertools.product([*byte, EVICTED], repeat=len(free)):
             if any(c < int(state[s]) for c, s in zip(choice, free, strict=True)):
                 continue
-            used = fixed_bytes + sum({ORIGINAL: c0, QUANTIZED: c1}.get(c, 0) for c in choice)
+            used = fixed_bytes + sum(byte.get(c, 0) for c in choice)
             if used <= room:
-                best = max(
-                    best,
-                    sum(
-                        float(scores[s]) * {ORIGINAL: 1.0, QUANTIZED: fid[1]}.get(c, 0.0)
-                        for c, s in zip(choice, free, strict=True)
-                    ),
-                )
-        got = sum(float(scores[s]) * {ORIGINAL: 1.0, QUANTIZED: fid[1]}.get(int(new[s]), 0.0) for s in free)
+                best = max(best, sum(float(scores[s]) * worth.get(c, 0.0) for c, s in zip(choice, free, strict=True)))
+        got = sum(float(scores[s]) * worth.get(int(new[s]), 0.0) for s in free)
         one_item = max([float(scores[s]) for s in free], default=0.0)
         assert got <= best + 1e-5
         assert got >= best - one_item - 1e-5, (got, best, one_item)
 
 
-def test_quantizing_pays_and_hull():
-    assert quantizing_pays((264, 80), (1.0, 0.9))
-    assert not quantizing_pays((264, 200), (1.0, 0.5))
+def test_hull_and_two_tier_choices():
+    assert hull_slopes([(80, 0.9), (264, 1.0)]) == pytest.approx([0.9 / 80, 0.1 / 184])
+    # A quantized point under the line to the exact one: both steps at the exact tier's rate.
+    assert hull_slopes([(200, 0.5), (264, 1.0)]) == pytest.approx([1 / 264, 1 / 264])
+    # Equal costs: the free step takes the previous step's rate; a middle point on the hull keeps its own.
+    assert hull_slopes([(72, 0.64), (72, 0.64), (264, 1.0)]) == pytest.approx([0.64 / 72, 0.64 / 72, 0.36 / 192])
+    assert hull_slopes([(72, 0.64), (120, 0.936), (264, 1.0)]) == pytest.approx([0.64 / 72, 0.296 / 48, 0.064 / 144])
     # When it does not pay, tokens are kept exact or dropped: a 1-token room of exact bytes goes to the best.
     scores = torch.tensor([[[0.5, 0.3, 0.2]]])
     state = torch.full((1, 1, 3), ORIGINAL, dtype=torch.int8)
@@ -149,13 +148,13 @@ def test_quantizing_pays_and_hull():
         alpha_l=torch.tensor([0.0]),
         head_adaptive=False,
     )
-    new = allocate(scores, state, room=torch.tensor([[264]]), cost=(264, 200), fidelity=(1.0, 0.5), **kw)
+    new = allocate(scores, state, room=torch.tensor([[264]]), cost=(264, None, 200), fidelity=(1.0, None, 0.5), **kw)
     assert new.tolist() == [[[ORIGINAL, EVICTED, EVICTED]]]
     # When it pays, the same room holds three quantized tokens instead of one exact one.
-    new = allocate(scores, state, room=torch.tensor([[264]]), cost=(264, 80), fidelity=(1.0, 0.9), **kw)
+    new = allocate(scores, state, room=torch.tensor([[264]]), cost=(264, None, 80), fidelity=(1.0, None, 0.9), **kw)
     assert new.tolist() == [[[QUANTIZED, QUANTIZED, QUANTIZED]]]
     # Enough room for all exact: nothing moves (fast path).
-    new = allocate(scores, state, room=torch.tensor([[3 * 264]]), cost=(264, 80), fidelity=(1.0, 0.9), **kw)
+    new = allocate(scores, state, room=torch.tensor([[3 * 264]]), cost=(264, None, 80), fidelity=(1.0, None, 0.9), **kw)
     assert torch.equal(new, state)
 
 
@@ -165,8 +164,8 @@ def test_floors_and_exact_cap():
     kw = dict(
         sink=torch.zeros(1, 1, 4, dtype=torch.bool),
         logical_len=torch.tensor([4]),
-        cost=(100, 30),
-        fidelity=(1.0, 0.9),
+        cost=(100, None, 30),
+        fidelity=(1.0, None, 0.9),
         head_adaptive=False,
     )
     # alpha_l / N = 0.075: the last token goes though it would fit; alpha_h / N = 0.2: the first two are exact
@@ -197,13 +196,16 @@ def test_allocate_rejects_bad_costs_and_shapes():
         logical_len=torch.tensor([2]),
         alpha_h=torch.tensor([1.0]),
         alpha_l=torch.tensor([0.0]),
-        fidelity=(1.0, 0.5),
         head_adaptive=False,
     )
-    with pytest.raises(ValueError, match="c0 >= c1"):
-        allocate(room=torch.tensor([[10]]), cost=(10, 20), **kw)
+    with pytest.raises(ValueError, match="never more precise"):
+        allocate(room=torch.tensor([[10]]), cost=(10, None, 20), fidelity=(1.0, None, 0.5), **kw)
+    with pytest.raises(ValueError, match="never more precise"):  # a mid tier less precise than the quantized one
+        allocate(room=torch.tensor([[10]]), cost=(30, 20, 10), fidelity=(1.0, 0.4, 0.5), **kw)
+    with pytest.raises(ValueError, match="one cost and one fidelity per tier"):
+        allocate(room=torch.tensor([[10]]), cost=(20, 10), fidelity=(1.0, 0.5), **kw)
     with pytest.raises(ValueError, match="room must have shape"):
-        allocate(room=torch.tensor([10]), cost=(20, 10), **kw)
+        allocate(room=torch.tensor([10]), cost=(20, None, 10), fidelity=(1.0, None, 0.5), **kw)
 
 
 def test_prior_keeps_coverage_before_precision():
@@ -218,9 +220,40 @@ def test_prior_keeps_coverage_before_precision():
         alpha_h=torch.tensor([np.inf]),
         alpha_l=torch.tensor([0.0]),
         room=torch.tensor([[100]]),
-        cost=(100, 30),
-        fidelity=(1.0, 0.9),
+        cost=(100, None, 30),
+        fidelity=(1.0, None, 0.9),
         head_adaptive=False,
     )
     assert allocate(scores, **kw).tolist() == [[[ORIGINAL, EVICTED, EVICTED]]]
     assert allocate(scores, prior=1.0, **kw).tolist() == [[[QUANTIZED, QUANTIZED, QUANTIZED]]]
+
+
+def test_mid_tier_refines_before_exact():
+    """K4V2 / K8V4 / bf16 record sizes at head_dim 64: once every token is kept, bytes go to refining
+    tokens to the mid tier (0.30 of fidelity per 48 bytes) long before any exact copy (0.06 per 144).
+    With the default prior (16 / N), coverage comes first: every token is kept before any is refined."""
+    scores = torch.tensor([[[0.5, 0.3, 0.2]]])
+    kw = dict(
+        sink=torch.zeros(1, 1, 3, dtype=torch.bool),
+        logical_len=torch.tensor([3]),
+        alpha_h=torch.tensor([np.inf]),
+        alpha_l=torch.tensor([0.0]),
+        cost=(264, 120, 72),
+        fidelity=(1.0, 0.936, 0.64),
+        head_adaptive=False,
+        prior=16.0,
+    )
+    state = torch.full((1, 1, 3), ORIGINAL, dtype=torch.int8)
+    room = lambda x: torch.tensor([[x]])  # noqa: E731
+    assert allocate(scores, state, room=room(3 * 72), **kw).tolist() == [[[QUANTIZED] * 3]]
+    assert allocate(scores, state, room=room(2 * 72 + 120), **kw).tolist() == [[[MID, QUANTIZED, QUANTIZED]]]
+    assert allocate(scores, state, room=room(3 * 120), **kw).tolist() == [[[MID] * 3]]
+    assert allocate(scores, state, room=room(264 + 2 * 120), **kw).tolist() == [[[ORIGINAL, MID, MID]]]
+    # No promotion: a mid token can be kept mid or made coarser, never exact again.
+    state = torch.tensor([[[MID, ORIGINAL, QUANTIZED]]], dtype=torch.int8)
+    assert allocate(scores, state, room=room(264 + 120 + 72), **kw).tolist() == [[[MID, ORIGINAL, QUANTIZED]]]
+    assert allocate(scores, state, room=room(2 * 120 + 72), **kw).tolist() == [[[MID, MID, QUANTIZED]]]
+    # Without the prior the heavy hitter is refined before the weakest token is kept at all.
+    kw["prior"] = 0.0
+    state = torch.full((1, 1, 3), ORIGINAL, dtype=torch.int8)
+    assert allocate(scores, state, room=room(3 * 72), **kw).tolist() == [[[MID, QUANTIZED, EVICTED]]]

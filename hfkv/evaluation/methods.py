@@ -26,13 +26,12 @@ from typing import Any
 
 import yaml
 
-from hfkv.config import PRESETS, TriStateConfig
+from hfkv.config import PRESETS, TIER_FIELDS, TriStateConfig
 
 DYNAMIC = "dynamic"
 STATIC = "static"
 QUANTIZED_BACKENDS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 QUANTIZED_OPTIONS = ("axis_key", "axis_value", "q_group_size", "residual_length")
-TIER_FIELDS = ("original", "quantized")
 
 _SPEC = re.compile(r"^(?P<name>[^@:]+)(?:@(?P<budget>[^:]*))?(?::(?P<overrides>.*))?$")
 _QUANTIZED = re.compile(r"^(?P<backend>[a-z]+)-int(?P<bits>\d+)$")

@@ -1,75 +1,150 @@
-"""Memory-budget allocation: which tokens stay exact, which are quantized, which are evicted, so that
-the bytes held fit a cap and the significance kept, weighted by each tier's fidelity, is largest.
+"""Memory-budget allocation: which tokens stay exact, which are quantized (in which format), which are
+evicted, so that the bytes held fit a cap and the significance kept, weighted by each tier's fidelity,
+is largest.
 
 A token budget makes quantization pointless: a quantized token costs as much budget as an exact
 one, so under a budget quantization can only lose information. Counting bytes fixes that: a
-K4V4 record costs ~30% of a bf16 token, so the same memory holds three quantized tokens or one
+K4V2 record costs ~27% of a bf16 token, so the same memory holds about four quantized tokens or one
 exact one, and the policy can trade between keeping more tokens and keeping them better.
 
-**Objective.** Each kept token ``i`` of significance ``s_i`` (mean received attention) contributes
-``s_i * f_t`` for the tier ``t`` it is kept in (``f_0`` exact, ``f_1`` quantized: the tier's
-measured fidelity, 1 for the model dtype) at ``c_t`` bytes (its record, metadata included);
-an evicted token contributes nothing. Maximise ``sum s_i f_t`` subject to ``sum c_t <= room``.
+**Tiers.** Up to three storage tiers, indexed by state: ``ORIGINAL`` (exact), ``MID`` (a precise
+quantized format, DiffKV's K8V4) and ``QUANTIZED`` (a coarse one, K4V2); ``cost[t] is None``
+switches a tier off. A tier with fewer bytes must not be more precise.
 
-**Solution.** Split every exact-capable token into two items: *keep* (evicted -> quantized,
-cost ``c_1``, value ``s f_1``) and *upgrade* (quantized -> exact, cost ``c_0 - c_1``, value
-``s (f_0 - f_1)``). When quantizing is worth its bytes (``f_1 / c_1 >= f_0 / c_0``) an upgrade is
-never more efficient than its own keep, so taking items in order of value per byte until the
-room is used is the greedy solution of the LP relaxation, integral except for the item where it
-stops: within one item of the optimum, and a prefix of one sort (a cumulative-sum scan), which is
-what makes it vectorisable over rows and heads. When quantizing is not worth its bytes, both items
-of a token are ranked at the exact tier's value per byte (the convex hull skips the quantized
-point): tokens are then kept exact or dropped, and a token cut off between its two items keeps
-its quantized copy. The same scan runs per (row, head), or per layer row across heads with
-``head_adaptive`` (AdaKV-style sharing of the layer's bytes).
+**Objective.** Each kept token ``i`` of significance ``s_i`` (mean received attention) contributes
+``s_i * f_t`` for the tier ``t`` it is kept in (``f_t`` the tier's measured fidelity, 1 for the
+model dtype) at ``c_t`` bytes (its record, metadata included); an evicted token contributes
+nothing. Maximise ``sum s_i f_t`` subject to ``sum c_t <= room``.
+
+**Solution.** A token's options, cheapest first (evicted, then each tier it may still be in), are
+points ``(c_t, f_t)``; moving from one to the next is an *item* (cost ``c_t - c_prev``). Each item
+is ranked at ``s`` times the slope of the upper concave hull of those points over its interval:
+along the hull, value per byte falls from one item to the next, so taking items of all tokens in
+order of value per byte until the room is used is the greedy solution of the LP relaxation
+(a fractional knapsack over concave curves), integral except for the token where it stops: within
+one token of the optimum, and a prefix of one sort (a cumulative-sum scan), which is what makes it
+vectorisable over rows and heads. A tier below the hull (not worth its bytes) shares the slope of
+the hull segment over it, so a token cut off inside that segment still keeps the cheaper copy. The
+same scan runs per (row, head), or per layer row across heads with ``head_adaptive`` (AdaKV-style
+sharing of the layer's bytes).
+
+With K8V4 between exact and K4V2, the hull's slopes at bf16 head_dim 64 fall from ``0.64/72``
+(keep in K4V2) to ``0.30/48`` (refine to K8V4) to ``0.06/144`` (upgrade to exact): the budget first
+keeps tokens, then refines them, and spends on exact copies only when everything kept is K8V4.
 
 **A prior.** Attention received so far predicts attention to come only roughly: a token nobody
 attends now may be the one a later step needs (the definition a chain of thought reaches next),
 and an evicted token is gone while a quantized one is merely blurred. ``prior`` credits every
 token with ``prior / N`` more significance (``1 / N`` is uniform attention) in the item values:
-large priors keep as many tokens as the bytes allow before any is upgraded to exact, ``0`` is
-the pure attention-mass objective.
+large priors keep as many tokens as the bytes allow before any is refined, ``0`` is the pure
+attention-mass objective.
 
 **Inputs from the papers.** DiffKV's thresholds become floors, not a separate mechanism:
 ``score < alpha_l / N`` is evicted whatever the room (per-head dynamic sparsity); a token with
-``score >= alpha_h / N`` is kept exact or not at all (both its items are ranked at the exact
+``score >= alpha_h / N`` is kept exact or not at all (all its items are ranked at the exact
 tier's value per byte, as DiffKV keeps significant tokens in high precision). ARKV's OQ ratio
-becomes a cap on the number of exact tokens (``exact_cap``): upgrades past the cap are skipped,
-and their bytes go to keeping more tokens quantized.
+becomes a cap on the number of exact tokens (``exact_cap``): upgrades to exact past the cap are
+skipped, and their bytes go to keeping more tokens quantized.
 
-**Constraints.** No promotion: a QUANTIZED token has only its keep item; EVICTED stays evicted.
-Sinks never change state; their bytes are taken from the room first. Ties break by slot index,
-then head (``head_adaptive``), then keep before upgrade — the loop reference in the tests uses the
-same order.
+**Constraints.** No promotion: a token's items only reach tiers at or below its current one
+(``MID`` can go to ``QUANTIZED``, never back); EVICTED stays evicted. Sinks never change state;
+their bytes are taken from the room first. Ties break by slot index, then head (``head_adaptive``),
+then item (cheapest first) — the loop reference in the tests uses the same order.
 
-Cost: O(N) elementwise work; one sort of ``2N`` items per row only when the tokens do not all fit
-at their current state (the fast path needs one host sync to know that).
+Cost: O(N) elementwise work; one sort of up to ``3N`` items per row only when the tokens do not all
+fit at their current state (the fast path needs one host sync to know that).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from hfkv.policy.unified import _check_shapes, _lengths, _ordered_key, _per_head
-from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
+from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
-__all__ = ["allocate", "held_bytes_of", "quantizing_pays"]
+__all__ = ["allocate", "held_bytes_of", "hull_slopes"]
 
-
-def quantizing_pays(cost: tuple[int, int], fidelity: tuple[float, float]) -> bool:
-    """Whether a quantized token keeps at least as much value per byte as an exact one."""
-    return fidelity[1] * cost[0] >= fidelity[0] * cost[1]
+Costs = Sequence[int | None]  # bytes of one record per tier, indexed by state; None: tier off
 
 
-def held_bytes_of(state: Tensor, cost: tuple[int, int]) -> Tensor:
+def held_bytes_of(state: Tensor, cost: Costs) -> Tensor:
     """Bytes the tier slots in ``state [..., N]`` hold, per leading index (``[...]`` int64)."""
-    return (state == ORIGINAL).sum(-1) * cost[0] + (state == QUANTIZED).sum(-1) * cost[1]
+    out = torch.zeros(state.shape[:-1], dtype=torch.int64, device=state.device)
+    for tier, c in enumerate(cost):
+        if c is not None:
+            out += (state == tier).sum(-1) * int(c)
+    return out
+
+
+def hull_slopes(points: Sequence[tuple[float, float]]) -> list[float]:
+    """Value per byte of each step between ``(0, 0)`` and ``points`` (``(cost, value)``, cheapest first):
+    the slope of their upper concave hull over the step. A zero-cost step takes the previous step's slope
+    (it is taken right after it, for free).
+
+    The hull's slope over ``[x_{i-1}, x_i]`` is ``min_{a < i} max_{b >= i} slope(a, b)`` (the least concave
+    majorant); with at most four points it is cheapest written out.
+    """
+    xs = [0.0, *(float(c) for c, _ in points)]
+    fs = [0.0, *(float(f) for _, f in points)]
+    slopes: list[float] = []
+    for i in range(1, len(xs)):
+        if xs[i] == xs[i - 1]:
+            slopes.append(slopes[-1] if slopes else float("inf"))
+            continue
+        slopes.append(min(max((fs[b] - fs[a]) / (xs[b] - xs[a]) for b in range(i, len(xs))) for a in range(i)))
+    return slopes
+
+
+def _check_tiers(cost: Costs, fidelity: Sequence[float | None]) -> list[int]:
+    """The enabled tiers (state order), after checking that fewer bytes never buy more precision."""
+    if len(cost) != len(TIER_NAMES) or len(fidelity) != len(TIER_NAMES):
+        raise ValueError(
+            f"need one cost and one fidelity per tier {TIER_NAMES} (None: tier off), got cost={tuple(cost)}, "
+            f"fidelity={tuple(fidelity)}"
+        )
+    on = [t for t, c in enumerate(cost) if c is not None]
+    if ORIGINAL not in on or any(fidelity[t] is None for t in on):
+        raise ValueError(
+            f"the original tier needs a cost and every tier on a fidelity, got cost={tuple(cost)}, "
+            f"fidelity={tuple(fidelity)}"
+        )
+    cs, fs = [int(cost[t]) for t in on], [float(fidelity[t]) for t in on]
+    ordered = cs == sorted(cs, reverse=True) and fs == sorted(fs, reverse=True)
+    if not (ordered and cs[-1] > 0 and fs[-1] >= 0):
+        raise ValueError(
+            f"need costs > 0 and fidelities >= 0 that do not grow from tier to tier {TIER_NAMES} (a cheaper "
+            f"record is never more precise), got cost={tuple(cost)}, fidelity={tuple(fidelity)}"
+        )
+    return on
+
+
+def _item_tables(cost: Costs, fidelity: Sequence[float | None], on: list[int], device: torch.device):
+    """Per current state (rows) and item (columns, cheapest first): present, rate, cost; and the tier each
+    item reaches. Built on the host: a handful of numbers per layer."""
+    order = on[::-1]  # cheapest first: quantized, mid, original
+    k = len(order)
+    step_cost = [int(cost[t]) - (int(cost[order[j - 1]]) if j else 0) for j, t in enumerate(order)]
+    present, rate = [], []
+    for state in range(len(TIER_NAMES)):
+        allowed = [t for t in order if t >= state]  # no promotion: tiers at or below the current one
+        slopes = hull_slopes([(cost[t], fidelity[t]) for t in allowed])
+        present.append([j < len(allowed) for j in range(k)])
+        rate.append([slopes[j] if j < len(allowed) else 0.0 for j in range(k)])
+    as_t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return (
+        as_t(present, torch.bool),
+        as_t(rate, torch.float32),
+        as_t(step_cost, torch.int64),
+        as_t(order, torch.int8),
+    )
 
 
 def _item_order(present: Tensor, eff: Tensor) -> Tensor:
     """Permutation of the last dim sorting present items by efficiency desc, absent ones last; ties keep
-    their flattened order (slot, head, keep before upgrade), so a token's two items stay in order."""
+    their flattened order (slot, head, item), so a token's items stay in order."""
     desc = ((1 << 32) - 1) - (_ordered_key(eff) + (1 << 31))
     return torch.sort((~present).to(torch.int64) << 33 | desc, dim=-1, stable=True).indices
 
@@ -82,8 +157,8 @@ def allocate(
     alpha_h: Tensor,
     alpha_l: Tensor,
     room: Tensor,
-    cost: tuple[int, int],
-    fidelity: tuple[float, float],
+    cost: Costs,
+    fidelity: Sequence[float | None],
     head_adaptive: bool,
     exact_cap: Tensor | None = None,
     prior: float = 0.0,
@@ -98,8 +173,8 @@ def allocate(
         logical_len: ``[B]`` logical length ``N`` (thresholds are ``alpha / N``).
         alpha_h, alpha_l: ``[H]`` (or scalar) floors, may be ``inf``.
         room: bytes the non-window slots may hold: ``[B, H]``, or ``[B]`` with ``head_adaptive``.
-        cost: bytes of one ``ORIGINAL`` / ``QUANTIZED`` record.
-        fidelity: value kept by an ``ORIGINAL`` / ``QUANTIZED`` token (``f_0 >= f_1 >= 0``).
+        cost: bytes of one record of each tier ``(ORIGINAL, MID, QUANTIZED)``; None switches a tier off.
+        fidelity: value kept by a token of each tier (``None`` for a tier that is off).
         head_adaptive: one scan per layer row across heads instead of one per head.
         exact_cap: most ``ORIGINAL`` non-sink tokens, shaped like ``room``, or None.
         prior: significance every token is credited with on top of its score, in units of ``1 / N``
@@ -109,13 +184,7 @@ def allocate(
     fit; no token is promoted.
     """
     b, h, n = _check_shapes(scores, state, sink)
-    c0, c1 = int(cost[0]), int(cost[1])
-    f0, f1 = float(fidelity[0]), float(fidelity[1])
-    if not (c0 >= c1 > 0 and f0 >= f1 >= 0):
-        raise ValueError(
-            f"need costs c0 >= c1 > 0 (a quantized record no larger than an exact one) and fidelities "
-            f"f0 >= f1 >= 0, got cost={cost}, fidelity={fidelity}"
-        )
+    on = _check_tiers(cost, fidelity)
     rows = (b,) if head_adaptive else (b, h)
     if tuple(room.shape) != rows:
         raise ValueError(f"room must have shape {rows}, got {tuple(room.shape)}")
@@ -146,41 +215,37 @@ def allocate(
     if bool(fits.all()):
         return new
 
-    # Items: [B, H, N, 2] = (keep, upgrade); efficiency = value per byte.
+    # Items [B, H, N, K], cheapest first; efficiency = value per byte along the token's hull.
+    present_t, rate_t, cost_t, target_t = _item_tables(cost, fidelity, on, device)
+    k = cost_t.numel()
     if prior:
         scores = scores + prior / length
-    pays = quantizing_pays((c0, c1), (f0, f1))
-    exact_rate = scores * (f0 / c0)
-    # An already quantized token can only be kept quantized: its keep item is worth s * f1 whatever pays.
-    keep_eff = torch.where(can_exact & (exact_only | (not pays)), exact_rate, scores * (f1 / c1))
-    up_eff = exact_rate if not pays or c0 == c1 else scores * ((f0 - f1) / (c0 - c1))  # c0 == c1: a free upgrade
-    up_eff = torch.where(exact_only, exact_rate, up_eff)
-    eff = torch.stack([keep_eff, up_eff], -1)
-    present = torch.stack([cand, can_exact], -1)
-    item_cost = torch.tensor([c1, c0 - c1], device=device, dtype=torch.int64).expand(b, h, n, 2)
-    # Flatten to rows: per head [B*H, N*2] (n-major, keep before upgrade); head-adaptive [B, N*H*2].
+    cls = new.clamp(max=len(TIER_NAMES) - 1).long()
+    rate = torch.where(exact_only.unsqueeze(-1), float(fidelity[ORIGINAL]) / int(cost[ORIGINAL]), rate_t[cls])
+    eff = scores.unsqueeze(-1) * rate
+    present = present_t[cls] & cand.unsqueeze(-1)
+    # Flatten to rows: per head [B*H, N*K] (n-major, items cheapest first); head-adaptive [B, N*H*K].
     if head_adaptive:
-        flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, n * h * 2)  # noqa: E731
+        flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, n * h * k)  # noqa: E731
     else:
-        flat = lambda x: x.reshape(b * h, n * 2)  # noqa: E731
-    eff_f, present_f, cost_f = flat(eff), flat(present), flat(item_cost)
-    is_up = flat(torch.tensor([False, True], device=device).expand(b, h, n, 2))
+        flat = lambda x: x.reshape(b * h, n * k)  # noqa: E731
+    eff_f, present_f = flat(eff), flat(present)
+    cost_f = flat(cost_t.expand(b, h, n, k))
     order = _item_order(present_f, torch.where(present_f, eff_f, 0.0))
-    p_sorted = present_f.gather(-1, order)
-    up_sorted = is_up.gather(-1, order)
-    allowed = p_sorted
+    allowed = present_f.gather(-1, order)
     if exact_cap is not None:
+        to_exact = flat((target_t == ORIGINAL).expand(b, h, n, k)).gather(-1, order) & allowed
         cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1, 1)
-        up_rank = torch.cumsum((up_sorted & p_sorted).to(torch.int64), -1)
-        allowed = allowed & (~up_sorted | (up_rank <= cap))
+        allowed = allowed & (~to_exact | (torch.cumsum(to_exact.to(torch.int64), -1) <= cap))
     spent = torch.cumsum(torch.where(allowed, cost_f.gather(-1, order), 0), -1)
     taken_sorted = allowed & (spent <= room.reshape(-1, 1))
     taken = torch.zeros_like(taken_sorted).scatter_(-1, order, taken_sorted)
     if head_adaptive:
-        taken = taken.view(b, n, h, 2).permute(0, 2, 1, 3)
+        taken = taken.view(b, n, h, k).permute(0, 2, 1, 3)
     else:
-        taken = taken.view(b, h, n, 2)
-    kept = taken[..., 0] & cand
-    exact = kept & taken[..., 1] & can_exact
-    decided = torch.where(exact, ORIGINAL, torch.where(kept, QUANTIZED, EVICTED)).to(torch.int8)
+        taken = taken.view(b, h, n, k)
+    # A token takes a prefix of its items (slopes fall along them, ties keep item order): it ends in the
+    # tier its last item reaches.
+    m = taken.sum(-1)
+    decided = torch.where(m > 0, target_t[(m - 1).clamp(min=0)], EVICTED).to(torch.int8)
     return torch.where(cand, decided, new)
