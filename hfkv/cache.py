@@ -391,7 +391,7 @@ class TriStateLayer(CacheLayerMixin):
         for tier, lay in enumerate(self.layouts):
             rec = self.tiers.read_slots(tier)  # whole pages; empty slots have tag 0 and decode finite
             if rec.shape[2]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
-                parts.append(lay.decode_kv(rec, torch.float32))
+                parts.append(lay.decode_kv_for_attention(rec))
                 tags.append(lay.tags(rec))
             sizes.append(rec.shape[2])
         # A slot's tag (position + 1, 0 = empty) is its column in the logical mask: no index to build.

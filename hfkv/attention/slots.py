@@ -10,6 +10,17 @@ The probabilities are returned because they are the decode-time significance sco
 
 This runs once per layer per decode step, so it is written in as few tensor operations as the
 math allows: on CPU each operation costs microseconds of dispatch regardless of its size.
+
+A part's keys or values may also come factored (:class:`~hfkv.quant.formats.ChunkCodes`: uint8
+codes in chunks of the head dim, one scale and zero per chunk), which is how the integer tiers
+arrive: ``q . k`` is then per-chunk ``q_c . codes_c`` scaled and summed over chunks plus
+``zero_c`` times the sum of ``q_c``, and the output is per-chunk ``(p * scale_c) @ codes_c`` plus
+``p @ zero_c``. Scale and zero are applied at the size of the logits and the output (a few values
+per slot) instead of in passes over the tier, and the codes are converted to fp32 one chunk at a
+time right before their matmul: the fp32 copy of a whole tier outgrows the CPU caches, so it is
+written to memory and read back, while a chunk's copy is smaller by the number of chunks, is
+read back while still cached, and its buffer is recycled for the next chunk. The results equal
+the dequantized attention up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -19,7 +30,36 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-KVPart = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, Hkv, S_i, D]
+from hfkv.quant.formats import ChunkCodes
+
+KVPart = tuple[torch.Tensor | ChunkCodes, torch.Tensor | ChunkCodes]  # keys, values [B, Hkv, S_i, D]
+
+
+def _dense(t: torch.Tensor | ChunkCodes) -> torch.Tensor:
+    return t.codes if isinstance(t, ChunkCodes) else t  # [B, Hkv, S, D] or [k, B, Hkv, S, D / k]
+
+
+def _logits(qf: torch.Tensor, keys: torch.Tensor | ChunkCodes) -> torch.Tensor:
+    """``qf [B, Hkv, r, D] @ keys^T`` -> ``[B, Hkv, r, S]``."""
+    if not isinstance(keys, ChunkCodes):
+        return torch.matmul(qf, keys.float().transpose(-1, -2))
+    codes = keys.codes
+    qc = qf.unflatten(-1, (codes.shape[0], -1)).movedim(-2, 0).contiguous()  # [k, B, Hkv, r, D / k]
+    # A loop over chunks of the head dim (module doc); ``out=`` would refuse a query that needs grad.
+    logits = torch.stack([torch.matmul(qc[c], codes[c].float().transpose(-1, -2)) for c in range(len(codes))])
+    logits = logits.mul_(keys.scale.unsqueeze(-2)).sum(0)
+    return logits.add_(torch.matmul(qc.sum(-1).movedim(0, -1), keys.zero.movedim(0, -2)))
+
+
+def _weighted(probs: torch.Tensor, values: torch.Tensor | ChunkCodes) -> torch.Tensor:
+    """``probs [B, Hkv, r, S] @ values`` -> ``[B, Hkv, r, D]``."""
+    if not isinstance(values, ChunkCodes):
+        return torch.matmul(probs, values.float())
+    codes = values.codes
+    weights = probs * values.scale.unsqueeze(-2)  # [k, B, Hkv, r, S]
+    out = torch.stack([torch.matmul(weights[c], codes[c].float()) for c in range(len(codes))], -2)
+    zero = torch.matmul(probs, values.zero.movedim(0, -1))  # [B, Hkv, r, k]
+    return out.add_(zero.unsqueeze(-1)).flatten(-2)  # [B, Hkv, r, k, D / k] -> [B, Hkv, r, D]
 
 
 def slot_attention(
@@ -31,16 +71,17 @@ def slot_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over per-head slot sets split in parts (window, tiers).
 
-    query ``[B, Hq, q, D]``; each part ``(keys [B, Hkv, S_i, D], values)``; ``slot_index [B, Hkv, sum S_i]``
+    query ``[B, Hq, q, D]``; each part ``(keys [B, Hkv, S_i, D], values)``, either possibly
+    factored (module doc); ``slot_index [B, Hkv, sum S_i]``
     int64 is each slot's logical position + 1, with 0 for an empty slot (whose keys and values must
     be finite); mask ``[B, 1, q, L]`` bool in logical coordinates. Returns
     ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``.
     """
     bsz, hq, q, d = query.shape
-    hkv = parts[0][0].shape[1]
+    hkv = _dense(parts[0][0]).shape[-3]
     g = hq // hkv
     qf = query.reshape(bsz, hkv, g * q, d).float() * scaling
-    logits = torch.cat([torch.matmul(qf, keys.float().transpose(-1, -2)) for keys, _ in parts], -1)
+    logits = torch.cat([_logits(qf, keys) for keys, _ in parts], -1)
     # Column 0 of the padded mask is False: empty slots (index 0) are never attended.
     m = F.pad(mask[:, 0].to(torch.bool), (1, 0), value=False)  # [B, q, L + 1]
     s = slot_index.shape[-1]
@@ -52,8 +93,8 @@ def slot_attention(
     flat = probs.view(bsz, hkv, g * q, s)
     out, start = None, 0
     for _, values in parts:
-        n = values.shape[2]
-        o = torch.matmul(flat[..., start : start + n], values.float())
+        n = _dense(values).shape[-2]
+        o = _weighted(flat[..., start : start + n], values)
         out = o if out is None else out.add_(o)
         start += n
     return out.view(bsz, hq, q, d).transpose(1, 2).to(query.dtype), probs

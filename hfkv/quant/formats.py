@@ -14,14 +14,29 @@ Codes are packed in planes, little end first: with ``per = 8 / b`` codes per byt
 contiguous bytes, each plane a contiguous run of elements — no interleaving copy on the decode
 path, which runs every step (KIVI and the DiffKV kernels pack the same way for the same reason).
 
+The torch decode step never builds a dequantized tier in natural order. A field is read as
+:class:`ChunkCodes`: the codes in *chunk order*, ``[k, ..., head_dim / k]`` with ``codes[c, ..., j]``
+the element ``c * head_dim / k + j``, where a chunk is the longest run of elements inside one byte
+plane and one group (``gcd(P, group_size)`` elements), and one scale and one zero per chunk. On
+CPU an elementwise op costs per contiguous row once rows are short, and a pass over a tier
+costs memory traffic: in chunk order the shift and mask run on 8-byte words over whole chunks
+with no interleave (natural order needs one over rows of ``P`` elements, as costly as the rest
+of the decode), the codes stay uint8 until attention converts one chunk at a time, and scale
+and zero are applied at the size of the logits and outputs
+(:func:`hfkv.attention.slots.slot_attention`) instead of in passes over the tier.
+:meth:`QuantFormat.decode_at` dequantizes with the formula it always used (``code`` to fp32,
+``* scale``, then ``+ zero``) and interleaves once, for callers that want values.
+
 fp8 (ARKV's tier): e4m3 codes with one fp32 scale per token and head (``amax / 448``); fp32
 because an fp16 scale underflows for small-magnitude heads.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +63,76 @@ def aligned_records(rec: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(*rec.shape[:-1], (r + 3) // 4 * 4, dtype=torch.uint8, device=rec.device)
     out[..., :r] = rec
     return out
+
+
+# Widest integer word first: copying a field and shifting its codes cost per element on CPU, so
+# 8 bytes per element does an eighth of the work of bytes.
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _word(t: torch.Tensor, start: int, n: int) -> tuple[int, torch.dtype]:
+    """Widest word that can view bytes ``[start, start + n)`` of every row of the uint8 ``t``."""
+    for w, dt in _WORDS[:-1]:
+        if (
+            start % w == 0
+            and n % w == 0
+            and t.shape[-1] % w == 0
+            and t.stride(-1) == 1
+            and t.storage_offset() % w == 0
+            and all(st % w == 0 for st in t.stride()[:-1])
+        ):
+            return w, dt
+    return _WORDS[-1]
+
+
+def _read_field(rec: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Bytes ``[start, start + n)`` of every record of ``rec [..., R]`` as a new contiguous uint8 tensor.
+
+    A strided operand with short rows is the slow path of every elementwise op, while a copy of
+    whole rows is not: one copy up front (through the widest word view the alignment allows) makes
+    every later op of the decode run on contiguous memory, at any offset and alignment.
+    """
+    w, dt = _word(rec, start, n)
+    field = rec.view(dt)[..., start // w : (start + n) // w] if w > 1 else rec[..., start : start + n]
+    return field.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
+@cache
+def _plane_shifts(bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # A constant per bit width and word type (not cache state): one broadcast shift unpacks all planes.
+    return torch.arange(0, 8, bits, dtype=dtype, device=device)
+
+
+def _byte_mask(bits: int, width: int) -> int:
+    return int.from_bytes(bytes([(1 << bits) - 1] * width), "little", signed=True)
+
+
+class ChunkCodes(NamedTuple):
+    """An integer field left factored, in chunk order: ``value = code * scale + zero`` per chunk.
+
+    ``codes [k, ..., n]`` uint8, ``scale`` and ``zero [k, ...]`` fp32 (module doc). Kept apart
+    so that attention can contract the codes chunk by chunk and apply scale and zero to its much
+    smaller logits and outputs; :meth:`dequantize` gives the values, bit-identical to ``decode``.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 values in chunk order ``[k, ..., n]``."""
+        return self.codes.float().mul_(self.scale.unsqueeze(-1)).add_(self.zero.unsqueeze(-1))
+
+
+def chunks_to_natural(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk order ``[k, ..., D / k]`` to natural order ``[..., D]`` in ``dtype``, in one copy."""
+    k, n = x.shape[0], x.shape[-1]
+    if k == 1:
+        return x[0].to(dtype)
+    lead = x.shape[1:-1]
+    out = torch.empty(*lead, k, n, dtype=dtype, device=x.device)
+    out.copy_(x.movedim(0, -2))
+    return out.view(*lead, k * n)
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
@@ -167,27 +252,37 @@ class QuantFormat:
         return (planes << shifts).sum(-2).to(torch.uint8)
 
     # ------------------------------------------------------------------ decode
+    @cached_property
+    def chunk(self) -> int:
+        """Elements per chunk of :meth:`chunk_codes_at` (``head_dim`` for unpacked formats)."""
+        if self.name not in INT_BITS:
+            return self.head_dim
+        return math.gcd(self.head_dim * self.bits // 8, self.group_size)
+
     def decode(self, data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[..., nbytes]`` uint8 -> ``[..., head_dim]`` in ``dtype`` (default: model dtype)."""
         if data.shape[-1] != self.nbytes:
             raise ValueError(f"QuantFormat.decode: last dim {data.shape[-1]} != nbytes {self.nbytes}")
-        return self.decode_at(aligned_records(data), 0, dtype)
+        return self.decode_at(data if self.name in INT_BITS else aligned_records(data), 0, dtype)
 
     def aligned_at(self, offset: int) -> bool:
-        """Whether a field at byte ``offset`` of a 4-aligned record can be read through dtype views."""
+        """Whether a field at byte ``offset`` of a 4-aligned record can be read by :meth:`decode_at`.
+
+        Integer fields are copied out of the records (:meth:`chunk_codes_at`), so any offset works.
+        """
         if self.name == "model":
             return offset % (self.bits // 8) == 0
         if self.name == "fp8":
             return (offset + self.head_dim) % 4 == 0
-        return (offset + self.head_dim * self.bits // 8) % 2 == 0
+        return True
 
     def decode_at(self, rec: torch.Tensor, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Decode the field at byte ``offset`` of every record in ``rec [..., R]`` without copying records.
+        """Decode the field at byte ``offset`` of every record in ``rec [..., R]``.
 
-        The decode step reads whole pages, so its records arrive as one byte tensor; reading each
-        field through a dtype view of that tensor (instead of slicing, making contiguous and
-        re-viewing) saves a copy of the tier per step. ``rec`` must satisfy :func:`aligned_records`
-        and the field :meth:`aligned_at` ``offset``.
+        Records arrive as one byte tensor (the decode step reads whole pages), so each field is
+        read where it lies: full precision and fp8 through dtype views, which needs ``rec`` to
+        satisfy :func:`aligned_records` and the field :meth:`aligned_at` ``offset``; integer
+        fields through :meth:`chunk_codes_at`, at any offset.
         """
         dtype = dtype or self.model_dtype
         d = self.head_dim
@@ -198,29 +293,39 @@ class QuantFormat:
             codes = rec[..., offset : offset + d].view(torch.float8_e4m3fn).float()
             scale = rec.view(torch.float32)[..., (offset + d) // 4, None]
             return (codes * scale).to(dtype)
-        b, nb, g = self.bits, d * self.bits // 8, self.groups
+        return chunks_to_natural(self.chunk_codes_at(rec, offset).dequantize(), dtype)
+
+    def chunk_codes_at(self, rec: torch.Tensor, offset: int) -> ChunkCodes:
+        """The integer field at byte ``offset`` of every record in ``rec [..., R]``, left factored.
+
+        Reads any offset and alignment: the codes are copied out of the records first, whole rows
+        at a time (through the widest word view that fits), because every later op then runs on
+        contiguous memory, where a strided operand with short rows is the slow path of every op.
+        """
+        if self.name not in INT_BITS:
+            raise ValueError(f"QuantFormat.chunk_codes_at: {self.name!r} is not an integer format")
+        b, g, gs, n = self.bits, self.groups, self.group_size, self.chunk
+        per = 8 // b
+        p = self.head_dim // per  # bytes of codes == elements per plane
+        c, k = p // n, self.head_dim // n  # chunks per plane, in all
         lead = rec.shape[:-1]
-        if b < 8:
-            m = (1 << b) - 1
-            if offset % 4 == 0 and nb % 4 == 0:
-                # Four bytes at a time: a mask and a shift on int32 words give each byte's plane p in
-                # place, so a plane is one op over a quarter of the elements (and no strided bytes).
-                src, m = (
-                    rec.view(torch.int32)[..., offset // 4 : (offset + nb) // 4],
-                    int.from_bytes(bytes([m] * 4), "little", signed=True),
-                )
-            else:
-                src = rec[..., offset : offset + nb].contiguous()
-            codes = torch.cat([src & m, *((src >> (p * b)) & m for p in range(1, 8 // b))], -1).view(torch.uint8)
-        else:
-            codes = rec[..., offset : offset + nb]
-        # ``float()`` of a strided fp16 slice gives a contiguous fp32 tensor: broadcasting a strided
-        # operand is the slow path of elementwise ops.
-        meta = rec.view(torch.float16)
-        a = (offset + nb) // 2
-        scale, zero = meta[..., a : a + g].float().unsqueeze(-1), meta[..., a + g : a + 2 * g].float().unsqueeze(-1)
-        x = codes.view(*lead, g, self.group_size).float().mul_(scale).add_(zero)
-        return x.view(*lead, d).to(dtype)
+        # Packed bytes chunk by chunk, [c, *lead, n]: byte j of chunk t holds element t*n + j of every plane.
+        w, dt = _word(rec, offset, n)  # a word never straddles two chunks
+        words = rec.view(dt)[..., offset // w : (offset + p) // w] if w > 1 else rec[..., offset : offset + p]
+        codes = words.unflatten(-1, (c, n // w)).movedim(-2, 0).clone(memory_format=torch.contiguous_format)
+        if per > 1:
+            # All planes in one shift (broadcast over a leading plane dim) and one mask on words:
+            # a byte's plane lands in place, so chunk ``(plane, t)`` stays a contiguous run.
+            shifts = _plane_shifts(b, dt, rec.device).view(per, *(1,) * codes.dim())
+            codes = (codes >> shifts).bitwise_and_(_byte_mask(b, w))
+        codes = codes.view(torch.uint8).view(k, *lead, n)
+        # Scales and zeros as rows [2, k, *lead] in one transposing read of the small fp16 field
+        # (a group spans ``gs / n`` consecutive chunks), so that each broadcasts one value over a
+        # chunk of contiguous codes. fp16 -> fp32 is exact.
+        meta = _read_field(rec, offset + p, 4 * g).view(torch.float16).view(*lead, 2, g, 1)
+        sz = meta.expand(*lead, 2, g, gs // n).movedim((-3, -2, -1), (0, 1, 2))
+        sz = sz.to(torch.float32, memory_format=torch.contiguous_format).view(2, k, *lead)
+        return ChunkCodes(codes, sz[0], sz[1])
 
     def max_abs_error(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element worst-case round-trip error of this format for ``x`` (for tests and docs)."""

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import torch
 
-from hfkv.quant.formats import QuantFormat, aligned_records
+from hfkv.quant.formats import INT_BITS, ChunkCodes, QuantFormat, aligned_records
 
 META_BYTES = 8  # int32 tag (logical position + 1) + fp32 score sum
 
@@ -79,6 +79,24 @@ class RecordLayout:
         if self.value.aligned_at(kb):
             return self.key.decode_at(rec, 0, dtype), self.value.decode_at(rec, kb, dtype)
         return self.key.decode_at(rec, 0, dtype), self.value.decode(rec[..., kb : self.kv_bytes], dtype)
+
+    def decode_kv_for_attention(self, rec: torch.Tensor) -> tuple[torch.Tensor | ChunkCodes, torch.Tensor | ChunkCodes]:
+        """Keys and values of records ``[..., nbytes]`` as the torch decode step's attention takes them.
+
+        Integer fields stay factored (:class:`~hfkv.quant.formats.ChunkCodes`), so the step
+        never pays the dequantizing passes and interleave of :meth:`decode_kv` over a whole tier;
+        other fields are fp32 values, as :meth:`decode_kv` gives them.
+        """
+
+        def read(fmt: QuantFormat, offset: int) -> torch.Tensor | ChunkCodes:
+            if fmt.name in INT_BITS:
+                return fmt.chunk_codes_at(rec, offset)
+            if fmt.aligned_at(offset):
+                return fmt.decode_at(rec, offset, torch.float32)
+            return fmt.decode(rec[..., offset : offset + fmt.nbytes], torch.float32)
+
+        rec = aligned_records(rec)
+        return read(self.key, 0), read(self.value, self.key.nbytes)
 
     def tags(self, rec: torch.Tensor) -> torch.Tensor:
         """``position + 1`` of each record (0: empty slot), int32; a view when ``rec`` is word-aligned."""
