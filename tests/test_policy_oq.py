@@ -66,7 +66,9 @@ def test_oq_score_matches_naive(b, hq, t, w, window, sharp, tau, seed):
     want = _naive_oq(probs.double().numpy(), key_mask.numpy(), tau)
     assert got.dtype == torch.float32 and got.shape == (b,)
     assert bool(torch.isfinite(got).all())
-    np.testing.assert_allclose(got.double().numpy(), want, rtol=2e-4, atol=1e-7)
+    # atol: a near-degenerate row (one or two attended keys) has a variance at fp32 rounding level, and
+    # V^(1/tau) lifts it to ~2e-4 in fp64 where fp32 gives 0 (found by hypothesis, t=2, sharp=4).
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=2e-4, atol=5e-4)
 
 
 def _probs_from_mass(mass):
