@@ -2,7 +2,8 @@
 
 Model: random-weight Llama, 8 layers, hidden 512, 8 heads, 2 KV heads (head_dim 64), fp32.
 1. Memory: a 2k-token prompt + 256 generated tokens per preset -> kv_bytes and compression ratio.
-2. Decode step time at a long context (default 8k) for ``hfkv`` (budget 1024) vs DynamicCache.
+2. Decode step time at a long context (default 8k) for ``hfkv`` (budget 1024) vs DynamicCache, with
+   the memory each timed cache holds at the end (a speed figure means little without its memory).
 3. Decode step time at a short context (<= budget) -> hfkv's overhead; ``evict`` alongside, which
    at short context compresses nothing, to separate the cost of paging from that of dequantizing.
 
@@ -10,6 +11,9 @@ The interleaved timing is ``hfkv.evaluation.bench.interleaved_decode_times`` (wh
 ``hfkv bench --random-like cpu-small`` measures the same model over more contexts, methods and batches.
 
     python eval/cpu_cache_figures.py --out eval/results/cpu_cache_figures.json
+
+``--timed`` takes presets or method specs separated by commas, or by semicolons when a spec has
+overrides of its own (``--timed "hfkv;hfkv@1024:budget_unit=tokens,window=32"``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ from hfkv.random_model import build_random_model
 from hfkv.storage import dynamic_cache_bytes
 
 PRESETS = ["evict", "quant", "streaming", "arkv", "diffkv", "hfkv"]
+
+
+def split_timed(text: str) -> list[str]:
+    """``--timed``: semicolons separate specs when any is given (specs' overrides use commas), else commas."""
+    return [t.strip() for t in text.split(";" if ";" in text else ",") if t.strip()]
+
+
+def held_fraction(cache) -> float | None:
+    """KV bytes held / DynamicCache's for the same tokens (None for DynamicCache itself)."""
+    if isinstance(cache, DynamicCache):
+        return None
+    st = cache.stats()
+    return st.kv_bytes / st.dense_bytes
 
 
 def build_model(seed: int = 0):
@@ -104,7 +121,7 @@ def main() -> None:
     if not args.skip_memory:
         print(f"memory: prompt {args.prompt} + {args.new_tokens} new tokens")
         result["memory"] = memory_table(model, args.prompt, args.new_tokens, args.budget)
-    timed = args.timed.split(",")
+    timed = split_timed(args.timed)
     for label, ctx in (("long", args.long_context), ("short", args.short_context)):
         caches = {"dynamic": make_cache(model, "dynamic", args.budget)}
         caches.update({name: make_cache(model, name, args.budget) for name in timed})
@@ -119,6 +136,7 @@ def main() -> None:
                 "ms_mean": mean * 1e3,
                 "speedup_median": dyn / med,
                 "speedup_mean": dyn_mean / mean,
+                "memory_fraction": held_fraction(caches[name]),
             }
             print(
                 f"decode @ {ctx}: DynamicCache {dyn * 1e3:.2f} ms/step (mean {dyn_mean * 1e3:.2f}), "

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hfkv
-from hfkv.attention.slots import slot_attention
+from hfkv.attention.slots import factored_pays, slot_attention
 from hfkv.quant.formats import ChunkCodes, QuantFormat, chunks_to_natural
 from hfkv.storage.record import RecordLayout
 from tests.models import tiny_model
@@ -188,6 +188,25 @@ def test_slot_attention_over_factored_parts_equals_dequantized_parts(q, d):
     # a factored part may also come first, and a query may need grad (a model run outside no_grad)
     out2, _ = slot_attention(query.requires_grad_(), [*parts, window], torch.cat([pos, wpos], -1) + 1, mask, 0.2)
     torch.testing.assert_close(out2.detach().double(), exact, **tol)
+
+
+def test_many_query_rows_dequantize_first_exactly():
+    """A prefill chunk (rows x chunks > head_dim) attends over the tiers dequantized as ``decode`` does:
+    the same bits as attention over natural-order parts; a decode step keeps the factored path."""
+    gen = torch.Generator().manual_seed(11)
+    bsz, hq, hkv, d, q = 1, 8, 2, 64, 40
+    specs = [(("int4", 32), ("int2", 32)), (("int8", 32), ("int4", 32))]
+    parts, natural, pos = _factored_parts(gen, bsz, hkv, (30, 12), d, specs)
+    length = 80
+    query = torch.randn(bsz, hq, q, d, generator=gen)
+    qpos = torch.arange(length - q, length)
+    mask = (torch.arange(length).view(1, -1) <= qpos.view(-1, 1)).expand(bsz, 1, q, length)
+    slot_index = pos + 1
+    rows = hq // hkv * q
+    assert not factored_pays(rows, parts[0][1].codes.shape[0], d) and factored_pays(hq // hkv, 4, d)
+    out, probs = slot_attention(query, parts, slot_index, mask, 0.125)
+    ref_out, ref_probs = slot_attention(query, natural, slot_index, mask, 0.125)
+    assert torch.equal(out, ref_out) and torch.equal(probs, ref_probs)
 
 
 def test_torch_decode_step_equals_attention_over_dequantized_tiers(monkeypatch):

@@ -21,6 +21,13 @@ time right before their matmul: the fp32 copy of a whole tier outgrows the CPU c
 written to memory and read back, while a chunk's copy is smaller by the number of chunks, is
 read back while still cached, and its buffer is recycled for the next chunk. The results equal
 the dequantized attention up to fp32 rounding.
+
+That pays only while the query rows are few: the factored output scales the probabilities once per
+chunk (``rows x slots x chunks`` products) where dequantizing costs a few passes over
+``slots x head_dim``. A decode step has ``g`` rows per KV head; a prefill chunk has ``g`` times its
+length, and there the factored path would multiply a chunk of 1,024 queries' probabilities by every
+chunk's scale (4x slower prefill at 8k). So a part is dequantized first (exactly as ``decode`` does)
+when ``rows x chunks`` exceeds the head dimension (:func:`factored_pays`).
 """
 
 from __future__ import annotations
@@ -30,13 +37,26 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hfkv.quant.formats import ChunkCodes
+from hfkv.quant.formats import ChunkCodes, chunks_to_natural
 
 KVPart = tuple[torch.Tensor | ChunkCodes, torch.Tensor | ChunkCodes]  # keys, values [B, Hkv, S_i, D]
 
 
 def _dense(t: torch.Tensor | ChunkCodes) -> torch.Tensor:
     return t.codes if isinstance(t, ChunkCodes) else t  # [B, Hkv, S, D] or [k, B, Hkv, S, D / k]
+
+
+def factored_pays(rows: int, chunks: int, head_dim: int) -> bool:
+    """Whether attention of ``rows`` query rows per KV head should contract codes chunk by chunk (module doc)."""
+    return rows * chunks <= head_dim
+
+
+def _for_rows(t: torch.Tensor | ChunkCodes, rows: int) -> torch.Tensor | ChunkCodes:
+    """``t`` as the attention of ``rows`` query rows takes it: factored, or fp32 values in natural order."""
+    if not isinstance(t, ChunkCodes):
+        return t
+    k, n = t.codes.shape[0], t.codes.shape[-1]
+    return t if factored_pays(rows, k, k * n) else chunks_to_natural(t.dequantize(), torch.float32)
 
 
 def _logits(qf: torch.Tensor, keys: torch.Tensor | ChunkCodes) -> torch.Tensor:
@@ -81,6 +101,7 @@ def slot_attention(
     hkv = _dense(parts[0][0]).shape[-3]
     g = hq // hkv
     qf = query.reshape(bsz, hkv, g * q, d).float() * scaling
+    parts = [(_for_rows(keys, g * q), _for_rows(values, g * q)) for keys, values in parts]
     logits = torch.cat([_logits(qf, keys) for keys, _ in parts], -1)
     # Column 0 of the padded mask is False: empty slots (index 0) are never attended.
     m = F.pad(mask[:, 0].to(torch.bool), (1, 0), value=False)  # [B, q, L + 1]
