@@ -44,7 +44,7 @@ def split_timed(text: str) -> list[str]:
 
 def held_fraction(cache) -> float | None:
     """KV bytes held / DynamicCache's for the same tokens (None for DynamicCache itself)."""
-    if isinstance(cache, DynamicCache):
+    if not isinstance(cache, hfkv.TriStateCache):
         return None
     st = cache.stats()
     return st.kv_bytes / st.dense_bytes
@@ -130,8 +130,9 @@ def main() -> None:
         entry = {"context": ctx, "dynamic_ms_median": dyn * 1e3, "dynamic_ms_mean": dyn_mean * 1e3}
         for name in timed:
             med, mean = times[name]
+            budget = args.budget if "@" not in name else name.split("@")[1].split(":")[0]
             entry[name] = {
-                "budget": args.budget if "@" not in name else name.split("@")[1].split(":")[0],
+                "budget": budget,
                 "ms_median": med * 1e3,
                 "ms_mean": mean * 1e3,
                 "speedup_median": dyn / med,
@@ -140,7 +141,7 @@ def main() -> None:
             }
             print(
                 f"decode @ {ctx}: DynamicCache {dyn * 1e3:.2f} ms/step (mean {dyn_mean * 1e3:.2f}), "
-                f"{name}(budget {args.budget}) {med * 1e3:.2f} ms/step (mean {mean * 1e3:.2f}) -> "
+                f"{name} (budget {budget}) {med * 1e3:.2f} ms/step (mean {mean * 1e3:.2f}) -> "
                 f"{dyn / med:.2f}x median, {dyn_mean / mean:.2f}x mean",
                 flush=True,
             )

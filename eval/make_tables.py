@@ -33,6 +33,7 @@ from hfkv.evaluation.results import read_rows, write_bytes_atomic, write_text_at
 TESTBED = "eval/results/testbed_sweep.jsonl"
 FIDELITY = "eval/results/fidelity_sweep.jsonl"
 BENCH_DIR = "eval/results/bench"
+CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 PLOTS = "eval/results/plots"
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
 EVAL_README = "eval/README.md"
@@ -399,6 +400,49 @@ def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str
     return out
 
 
+def cpu_figures_section(res: dict[str, Any] | None) -> list[str]:
+    """The decode-step and memory figures of eval/cpu_cache_figures.py (one process, interleaved timing)."""
+    out = ["## CPU decode step at long and short context (`eval/cpu_cache_figures.py`)", ""]
+    if res is None:
+        return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py`).", ""]
+    out += [
+        f"Random Llama (8 layers, hidden 512, 2 KV heads x 64), fp32; {res['machine']}; torch {res['torch']}. "
+        "Each cache is timed against a DynamicCache in the same process, step by step in turn; speed-up = "
+        "DynamicCache's step time / the cache's (median, and mean with the policy runs). Memory = KV bytes held "
+        "at the end of the timed steps / DynamicCache's.",
+        "",
+    ]
+    for key in ("decode_long", "decode_short"):
+        entry = res.get(key)
+        if not entry:
+            continue
+        rows = [["DynamicCache", "100.0%", fmt(entry["dynamic_ms_median"], ".2f"), "1.00x", "1.00x"]]
+        for name, r in entry.items():
+            if isinstance(r, dict):
+                mem = r.get("memory_fraction")
+                rows.append(
+                    [
+                        f"`{name}`",
+                        DASH if mem is None else f"{100 * mem:.1f}%",
+                        fmt(r["ms_median"], ".2f"),
+                        fmt(r["speedup_median"], ".2f", "x"),
+                        fmt(r["speedup_mean"], ".2f", "x"),
+                    ]
+                )
+        out += [f"Decode at {entry['context']:,} tokens:", ""]
+        out += [md_table(["cache", "memory", "ms/step", "speed-up", "mean"], rows, "lrrrr"), ""]
+    if res.get("memory"):
+        a = res["args"]
+        rows = [
+            [r["cache"], DASH if r["budget"] is None else str(r["budget"]), fmt(r["compression_ratio"], ".2f", "x")]
+            + [fmt(r["generate_s"], ".1f")]
+            for r in res["memory"]
+        ]
+        out += [f"Memory after `generate` of a {int(a['prompt']):,}-token prompt + {a['new_tokens']} tokens:", ""]
+        out += [md_table(["cache", "budget", "compression", "generate s"], rows, "lrrr"), ""]
+    return out
+
+
 # ------------------------------------------------------------------------------------------ main
 def render(root: Path, plots: bool = True) -> tuple[str, str]:
     """``(eval/README.md text, README demo block)`` from the result files under ``root``."""
@@ -419,6 +463,8 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += testbed_section(testbed, plot_dir)
     lines += fidelity_section(fidelity, plot_dir)
     lines += bench_section(bench, plot_dir)
+    cpu = root / CPU_FIGURES
+    lines += cpu_figures_section(json.loads(cpu.read_text(encoding="utf-8")) if cpu.exists() else None)
     lines += COMMANDS.splitlines()
     return "\n".join(lines).rstrip() + "\n", demo_table(testbed)
 
@@ -455,7 +501,12 @@ OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
 OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
-    --dtype fp32 --name cpu_small_fp32
+    --dtype fp32 --name cpu_small_fp32 --force
+# CPU decode step at 8k and 512 tokens, one process (the last spec is the hfkv preset before memory budgets)
+OMP_NUM_THREADS=1 python eval/cpu_cache_figures.py --timed \\
+    "hfkv;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
+# where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
+OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 evict@1024
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2

@@ -1,0 +1,110 @@
+"""Where a CPU decode step of the torch backend spends its time, per section, at a long context.
+
+The model and context of eval/cpu_cache_figures.py (random Llama, 8 layers, 2 KV heads x 64, fp32,
+8k tokens, one thread). Sections are timed by wrapping the methods that implement them (wall time,
+summed over layers, averaged over the timed steps; policy runs included at their share):
+
+- ``read_slots``: the page gather of each tier (``PagedTiers.read_slots``);
+- ``decode_kv_for_attention``: reading keys and values out of the records (integer fields unpacked);
+- ``slot_attention``: logits, joint softmax and output over every part;
+- ``add_scores``: the received attention written back into the records;
+- ``run_policy``: re-classification and moves (every ``interval`` steps).
+
+    python eval/cpu_step_sections.py --specs hfkv@1024 evict@1024 --out eval/results/cpu_step_sections.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hfkv.cache
+import hfkv.storage.paged
+import hfkv.storage.record
+from hfkv.atomic import write_atomic
+from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt
+from hfkv.evaluation.methods import parse_method
+from hfkv.random_model import build_random_model
+
+SECTIONS: list[tuple[Any, str]] = [
+    (hfkv.storage.paged.PagedTiers, "read_slots"),
+    (hfkv.storage.record.RecordLayout, "decode_kv_for_attention"),
+    (hfkv.cache, "slot_attention"),
+    (hfkv.storage.paged.PagedTiers, "add_scores"),
+    (hfkv.cache.TriStateLayer, "run_policy"),
+]
+
+
+def _timed(fn: Callable, name: str, spent: Counter) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+@torch.inference_mode()
+def measure(spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, float]:
+    """Milliseconds per decode step: ``step`` in all, and per section."""
+    model = build_random_model(layers=8, hidden=512, heads=8, kv_heads=2, vocab=1024, max_positions=16384, seed=0)
+    cache = parse_method(spec).make_cache(model)
+    fill_cache(model, cache, random_prompt(model.config.vocab_size, 1, context), 1024)
+    tok, pos = torch.zeros(1, 1, dtype=torch.long), context
+    for _ in range(warmup):
+        decode_step(model, cache, tok, pos)
+        pos += 1
+    spent: Counter = Counter()
+    saved = [(owner, name, getattr(owner, name)) for owner, name in SECTIONS]
+    for owner, name, fn in saved:
+        setattr(owner, name, _timed(fn, name, spent))
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            decode_step(model, cache, tok, pos)
+            pos += 1
+        total = time.perf_counter() - t0
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {"step": total / steps * 1e3} | {name: spent[name] / steps * 1e3 for _, name in SECTIONS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--specs", nargs="+", default=["hfkv@1024", "evict@1024"], help="method specs")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the policy interval)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_step_sections.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
+        "torch": torch.__version__,
+        "context": args.context,
+        "steps": args.steps,
+        "ms_per_step": {},
+    }
+    for spec in args.specs:
+        ms = measure(spec, args.context, args.steps)
+        result["ms_per_step"][spec] = ms
+        print(spec, "  ".join(f"{k} {v:.2f}" for k, v in ms.items()), "(ms/step)", flush=True)
+    write_atomic(args.out, json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
