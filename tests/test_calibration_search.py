@@ -65,6 +65,36 @@ def test_search_space_parameters_and_ranges():
             SearchSpace("global", **{"extra": (), "ranges": (), **bad})
 
 
+def test_fidelity_search_sets_the_tier_fidelities_of_a_memory_budget():
+    base = TriStateConfig.from_preset("hfkv", budget=256)
+    space = SearchSpace("global", ["fidelity"], base=base)
+    assert list(space.params) == ["alpha_h", "alpha_l", "fidelity_mid", "fidelity_quantized"]
+    point = {"alpha_h": 1.0, "alpha_l": 0.01, "fidelity_mid": 0.9, "fidelity_quantized": 0.4}
+    assert space.config(point, base, None, "t").fidelity == (1.0, 0.9, 0.4)
+    clipped = space.config(point | {"fidelity_quantized": 0.95}, base, None, "t")
+    assert clipped.fidelity == (1.0, 0.9, 0.9)  # quantized never above mid: every point is feasible
+    # Without a mid tier only the quantized tier's fidelity is searched (a mid value would change nothing).
+    two = TriStateConfig.from_preset("hfkv", budget=256, mid=None)
+    space2 = SearchSpace("global", ["fidelity"], base=two)
+    assert list(space2.params) == ["alpha_h", "alpha_l", "fidelity_quantized"]
+    assert space2.config({"alpha_h": 1.0, "alpha_l": 0.0, "fidelity_quantized": 0.3}, two, None, "t").fidelity == (
+        1.0,
+        0.3,
+    )
+    # No budget yet, but a searched one (in fp_tokens) makes the fidelities matter.
+    unbounded = TriStateConfig.from_preset("hfkv", budget=None, oq_ratios=False, head_adaptive=False)
+    assert "fidelity_mid" in SearchSpace("global", ["fidelity", "budget"], base=unbounded).params
+    for bad_base, extra, msg in (
+        (TriStateConfig.from_preset("evict", budget=64), ["fidelity"], "budget_unit='tokens'"),
+        (unbounded, ["fidelity"], "budget=None"),
+        (None, ["fidelity"], "needs the base config"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            SearchSpace("global", extra, base=bad_base)
+    with pytest.raises(ValueError, match="fidelities lie in"):
+        SearchSpace("global", ["fidelity"], ["fidelity_mid=0.2:1.5"], base=base)
+
+
 def test_warm_start_is_the_base_point_and_budgets_are_clipped_to_valid():
     base = TriStateConfig.from_preset("hfkv", alpha_h=1.0, alpha_l=0.02)  # explicit: the preset's values may change
     assert SearchSpace("global").warm_start(base) == {"alpha_h": 1.0, "alpha_l": 0.02}

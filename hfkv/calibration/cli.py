@@ -139,9 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--search",
         nargs="+",
         default=[],
-        choices=("tau", "gamma", "budget", "window"),
+        choices=("tau", "gamma", "budget", "window", "fidelity"),
         metavar="GROUP",
-        help="also search: tau (ARKV tau1..3), gamma, budget, window (default: alphas only)",
+        help="also search: tau (ARKV tau1..3), gamma, budget, window, fidelity (the mid and quantized tiers' "
+        "worth under a memory budget) (default: alphas only)",
     )
     g.add_argument(
         "--range",

@@ -1,9 +1,11 @@
 """The Optuna study: search space, objectives' directions, the study's spec and its one-time references.
 
 Search space: ``alpha_h`` in [0, 5] and ``alpha_l`` in [0, 0.1] (DESIGN section 7), optionally
-ARKV's ``tau1..3`` and ``gamma``, the ``budget`` and the ``window``; ``--granularity layer|head``
-adds the three shape parameters of :mod:`hfkv.calibration.granularity`. ``alpha_l <= alpha_h`` is
-kept by construction (alpha_l is clipped to alpha_h), so no sampled point is infeasible.
+ARKV's ``tau1..3`` and ``gamma``, the ``budget``, the ``window`` and the tiers' ``fidelity`` (what a
+memory budget values a mid or quantized token at: per model, since the built-in table is one guess
+for all); ``--granularity layer|head`` adds the three shape parameters of
+:mod:`hfkv.calibration.granularity`. ``alpha_l <= alpha_h`` and ``fidelity_quantized <=
+fidelity_mid`` are kept by construction (clipped), so no sampled point is infeasible.
 
 A study remembers what it measures (model, data hash, objective, base config, space) in its user
 attributes; resuming with a different setup is refused instead of mixing incomparable trials. The
@@ -64,6 +66,8 @@ DEFAULT_RANGES: dict[str, Param] = {
         Param("gamma", 0.0, 500.0),
         Param("budget", 64, 2048, log=True, integer=True),
         Param("window", 8, 128, log=True, integer=True),
+        Param("fidelity_mid", 0.5, 1.0),
+        Param("fidelity_quantized", 0.0, 1.0),
     )
 }
 OPTIONAL: dict[str, tuple[str, ...]] = {
@@ -71,6 +75,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "gamma": ("gamma",),
     "budget": ("budget",),
     "window": ("window",),
+    "fidelity": ("fidelity_mid", "fidelity_quantized"),
 }
 SHAPE = ("beta_h", "beta_l", "delta")
 
@@ -92,7 +97,13 @@ def parse_range(text: str) -> tuple[str, float, float]:
 class SearchSpace:
     """The searched parameters and how a point becomes a :class:`TriStateConfig`."""
 
-    def __init__(self, granularity: str = "global", extra: Sequence[str] = (), ranges: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        granularity: str = "global",
+        extra: Sequence[str] = (),
+        ranges: Sequence[str] = (),
+        base: TriStateConfig | None = None,
+    ) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"--granularity={granularity!r} must be one of {GRANULARITIES}")
         unknown = [e for e in extra if e not in OPTIONAL]
@@ -101,6 +112,8 @@ class SearchSpace:
         self.granularity = granularity
         names = ["alpha_h", "alpha_l", *(SHAPE if granularity != "global" else ())]
         names += [n for group in OPTIONAL if group in extra for n in OPTIONAL[group]]
+        if "fidelity" in extra:
+            names = [n for n in names if n not in _unused_fidelities(base, "budget" in extra)]
         overrides = dict((n, (lo, hi)) for n, lo, hi in map(parse_range, ranges))
         stray = sorted(set(overrides) - set(names))
         if stray:
@@ -112,6 +125,8 @@ class SearchSpace:
                 lo, hi = overrides[n]
                 if n.startswith("alpha") and lo < 0:
                     raise ValueError(f"--range {n}={lo}:{hi}: alphas are >= 0")
+                if n.startswith("fidelity") and not 0 <= lo <= hi <= 1:
+                    raise ValueError(f"--range {n}={lo}:{hi}: fidelities lie in [0, 1]")
                 p = dataclasses.replace(p, low=lo, high=hi)
             self.params[n] = p
 
@@ -137,6 +152,12 @@ class SearchSpace:
             out["tau"] = [point["tau1"], point["tau2"], point["tau3"]]
         if "gamma" in point:
             out["gamma"] = point["gamma"]
+        if "fidelity_quantized" in point:
+            quantized = point["fidelity_quantized"]
+            if "fidelity_mid" in point:
+                out["fidelity"] = [1.0, point["fidelity_mid"], min(quantized, point["fidelity_mid"])]
+            else:
+                out["fidelity"] = [1.0, quantized]
         window = int(point.get("window", base.window))
         if "window" in point:
             out["window"] = window
@@ -162,6 +183,21 @@ class SearchSpace:
         if any(not (self.params[n].low <= v <= self.params[n].high) for n, v in point.items()):
             return None
         return point
+
+
+def _unused_fidelities(base: TriStateConfig | None, budget_searched: bool) -> tuple[str, ...]:
+    """The fidelity parameters ``base`` would ignore (a searched value that changes nothing is refused,
+    or, for the mid tier of a base without one, not searched)."""
+    if base is None:
+        raise ValueError("--search fidelity needs the base config (SearchSpace(..., base=...))")
+    budget = base.budget is not None or budget_searched
+    if not (base.compress and budget and base.budget_unit != "tokens"):
+        raise ValueError(
+            f"--search fidelity: fidelities weigh the tiers under a memory budget, and --base {base.name!r} has "
+            f"budget={base.budget!r}, budget_unit={base.budget_unit!r} (allowed: a budget in 'fp_tokens' or "
+            "'bytes', e.g. --base hfkv, or add --search budget)"
+        )
+    return () if base.mid is not None else ("fidelity_mid",)
 
 
 def least_valid_budget(make: Callable[[int], TriStateConfig], limit: int = 1 << 40) -> int:

@@ -94,7 +94,7 @@ def prepare(args: argparse.Namespace) -> Context:
     rows, source = load_problems(args.data_file, args.subjects)
     selection = select(rows, args.n_problems, args.seed, args.levels, args.subjects, args.holdout, source)
     base = load_base(args.base)
-    space = SearchSpace(args.granularity, args.search or (), args.range or ())
+    space = SearchSpace(args.granularity, args.search or (), args.range or (), base)
     evaluation = {"prompt": args.prompt, "n_shots": args.n_shots}
     if args.objective == "fidelity":
         evaluation |= {"chunk": args.chunk, "max_solution_tokens": args.max_solution_tokens}
