@@ -135,6 +135,13 @@ def test_pareto_front_and_selection_rules():
     assert select_trial(trials, "kl", ref, 0.01, min_quality=0.025).number == 2  # least memory with kl <= 0.025
     assert select_trial(trials, "top1", ref, 0.005).number == 1
     assert select_trial(trials, "kl", ref, 0.01, max_memory_ratio=0.1) is None
+    # A trial holding more than the full cache is never shipped, whatever its quality or the rule.
+    over = _trial(6, 0.0005, 1.12)
+    over.number = 6
+    assert select_trial([*trials, over], "kl", ref, 0.001).number == 0
+    assert select_trial([over], "kl", ref, 0.01) is None
+    assert select_trial([over], "kl", ref, 0.01, max_memory_ratio=2.0) is None
+    assert select_trial([over], "kl", ref | {"memory_ratio": 1.0}, 0.01, min_quality=0.01) is None
 
 
 def test_directions_and_spec_check():
