@@ -31,7 +31,7 @@ from transformers import DynamicCache
 import hfkv
 from hfkv.evaluation.bench import interleaved_decode_times
 from hfkv.evaluation.methods import parse_method
-from hfkv.random_model import build_random_model
+from hfkv.evaluation.shapes import build_random_like
 from hfkv.storage import dynamic_cache_bytes
 
 PRESETS = ["evict", "quant", "streaming", "arkv", "diffkv", "hfkv"]
@@ -51,7 +51,7 @@ def held_fraction(cache) -> float | None:
 
 
 def build_model(seed: int = 0):
-    return build_random_model(layers=8, hidden=512, heads=8, kv_heads=2, vocab=1024, max_positions=16384, seed=seed)
+    return build_random_like("cpu-small", max_positions=16384, seed=seed)  # the shape `hfkv bench` names
 
 
 def make_cache(model, name: str, budget: int):

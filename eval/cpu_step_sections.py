@@ -33,7 +33,7 @@ import hfkv.storage.record
 from hfkv.atomic import write_atomic
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt
 from hfkv.evaluation.methods import parse_method
-from hfkv.random_model import build_random_model
+from hfkv.evaluation.shapes import build_random_like
 
 SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.paged.PagedTiers, "read_slots"),
@@ -58,7 +58,7 @@ def _timed(fn: Callable, name: str, spent: Counter) -> Callable:
 @torch.inference_mode()
 def measure(spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, float]:
     """Milliseconds per decode step: ``step`` in all, and per section."""
-    model = build_random_model(layers=8, hidden=512, heads=8, kv_heads=2, vocab=1024, max_positions=16384, seed=0)
+    model = build_random_like("cpu-small", max_positions=16384)  # the model of eval/cpu_cache_figures.py
     cache = parse_method(spec).make_cache(model)
     fill_cache(model, cache, random_prompt(model.config.vocab_size, 1, context), 1024)
     tok, pos = torch.zeros(1, 1, dtype=torch.long), context

@@ -26,7 +26,7 @@ That pays only while the query rows are few: the factored output scales the prob
 chunk (``rows x slots x chunks`` products) where dequantizing costs a few passes over
 ``slots x head_dim``. A decode step has ``g`` rows per KV head; a prefill chunk has ``g`` times its
 length, and there the factored path would multiply a chunk of 1,024 queries' probabilities by every
-chunk's scale (4x slower prefill at 8k). So a part is dequantized first (exactly as ``decode`` does)
+chunk's scale (up to 3x slower chunked prefill at 8k). So a part is dequantized first (exactly as ``decode`` does)
 when ``rows x chunks`` exceeds the head dimension (:func:`factored_pays`).
 """
 
