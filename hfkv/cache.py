@@ -36,6 +36,9 @@ from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, h
 from hfkv.storage.pool import GROWTH
 
 _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
+# The CPU kernel loops over slots with every query row of a KV head per record: right for decode steps
+# (g rows), while a long chunk's thousands of rows belong to the torch path's batched matmuls.
+CPU_KERNEL_MAX_ROWS = 64
 
 
 class TriStateLayer(CacheLayerMixin):
@@ -378,7 +381,10 @@ class TriStateLayer(CacheLayerMixin):
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
         if self.backend == "triton":
-            return self._attend_slots_triton(query, scaling)
+            return self._attend_slots_kernel(query, scaling)
+        rows = query.shape[1] // self.window.k.shape[1] * query.shape[2]
+        if self.backend == "cpu" and rows <= CPU_KERNEL_MAX_ROWS:
+            return self._attend_slots_kernel(query, scaling)
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
@@ -416,10 +422,16 @@ class TriStateLayer(CacheLayerMixin):
             self.run_policy(exits)
         return out
 
-    def _attend_slots_triton(self, query, scaling) -> torch.Tensor:
-        """The same attention through the paged kernels: records are read and dequantized in registers,
-        scores are added in place, and the mask comes from slot positions (causal + left padding)."""
-        from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
+    def _attend_slots_kernel(self, query, scaling) -> torch.Tensor:
+        """The same attention through the paged kernels (Triton, or the CPU kernel): records are read and
+        dequantized where they lie, scores are added in place, and the mask comes from slot positions
+        (causal + left padding)."""
+        from hfkv.kernels.parts import DenseSlots, PagedSlots
+
+        if self.backend == "triton":
+            from hfkv.kernels.decode_attention import paged_attention
+        else:
+            from hfkv.kernels.cpu.paged_decode import paged_attention_cpu as paged_attention
 
         self._chunk = None
         win, tiers = self.window, self.tiers

@@ -32,7 +32,7 @@ PRESETS: tuple[str, ...] = ("full", "evict", "quant", "streaming", "arkv", "diff
 
 SCORE_REDUCTIONS: tuple[str, ...] = ("max", "mean", "l2")
 SCORE_MODES: tuple[str, ...] = ("mean", "sum")
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "cpu")
 TIER_FIELDS: tuple[str, ...] = ("original", "mid", "quantized")  # the storage tiers, most precise first
 # "tokens": the budget counts tokens per KV head (ARKV, paper-faithful); "fp_tokens": it caps the bytes a
 # head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per

@@ -1,8 +1,9 @@
-"""The Triton backend inside ``generate``: same tokens and same statistics as the torch backend.
+"""The kernel backends inside ``generate`` (Triton, and the CPU kernel): same tokens and same statistics
+as the torch backend.
 
-On a CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which is
-slow, so the models are tiny and the generations short; the budgets are small enough that every
-preset evicts or quantizes within them.
+On a CPU the Triton kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+which is slow, so the models are tiny and the generations short; the budgets are small enough that
+every preset evicts or quantizes within them.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _generate(model, ids, mask, preset, backend, new_tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_triton_generate_equals_torch(family, preset):
+def test_kernel_generate_equals_torch(family, preset, backend):
     model = tiny_model(family, num_hidden_layers=1 if family == "qwen3" else 2)
     if family == "llama":  # a left-padded batch of 2
         ids, mask = left_padded_batch(lengths=(28, 19))
@@ -46,13 +48,13 @@ def test_triton_generate_equals_torch(family, preset):
         ids = torch.randint(3, 128, (1, 26), generator=torch.Generator().manual_seed(4))
         mask = torch.ones_like(ids)
     ref, ref_cache = _generate(model, ids, mask, preset, "torch", 10)
-    got, got_cache = _generate(model, ids, mask, preset, "triton", 10)
+    got, got_cache = _generate(model, ids, mask, preset, backend, 10)
     assert torch.equal(got, ref)
     assert _stats_key(got_cache) == _stats_key(ref_cache)
     if preset != "full":
         st = got_cache.stats()
-        assert st.backend == "triton" and ref_cache.stats().backend == "torch"
-        assert "backend=triton" in repr(got_cache)
+        assert st.backend == backend and ref_cache.stats().backend == "torch"
+        assert f"backend={backend}" in repr(got_cache)
         # The budgets bite: something left the window for a tier or was dropped.
         totals = [ls.totals() for ls in st.layers]
         assert sum(t["quantized"] + t["evicted"] for t in totals) > 0
@@ -64,20 +66,24 @@ def test_second_generate_call_goes_through_the_chunk_path():
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(22, 15))
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "cpu"):
         cache = TriStateCache(model, "hfkv", backend=backend, budget=16, window=4)
         first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
         turn = torch.cat([first, torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))], 1)
         mask2 = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
         out = model.generate(turn, attention_mask=mask2, past_key_values=cache, max_new_tokens=4, do_sample=False)
         results[backend] = (out, _stats_key(cache))
-    assert torch.equal(results["triton"][0], results["torch"][0])
-    assert results["triton"][1] == results["torch"][1]
+    for backend in ("triton", "cpu"):
+        assert torch.equal(results[backend][0], results["torch"][0])
+        assert results[backend][1] == results["torch"][1]
 
 
 def test_backend_selection(monkeypatch):
-    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("cpu", "cpu") == "cpu"
     assert resolve_backend("torch", "cpu") == "torch"
+    with pytest.raises(ValueError, match=r"TriStateConfig.backend='cpu'.*'cuda'"):
+        resolve_backend("cpu", "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", "cpu") == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -89,13 +95,30 @@ def test_backend_selection(monkeypatch):
         model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
 
 
-def test_auto_on_cpu_reports_torch():
+def test_auto_on_cpu_reports_the_cpu_kernel():
     model = tiny_model("llama")
     cache = TriStateCache(model, "quant")
     assert cache.backend == "auto"  # unresolved until a layer sees a tensor
     model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
-    assert cache.backend == "torch" and cache.stats().backend == "torch"
-    assert "backend=torch" in repr(cache)
+    assert cache.backend == "cpu" and cache.stats().backend == "cpu"
+    assert "backend=cpu" in repr(cache)
+
+
+def test_no_compiler_falls_back_to_torch_or_is_named(monkeypatch, tmp_path):
+    """Without a C++ compiler ``auto`` takes the torch path on a CPU, and an explicit ``cpu`` says why not."""
+    from hfkv.kernels.cpu import build
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HFKV_CACHE_DIR", str(tmp_path))
+    build.library.cache_clear()
+    build.available.cache_clear()
+    try:
+        assert resolve_backend("auto", "cpu") == "torch"
+        with pytest.raises(build.CpuKernelUnavailable, match="no-such-compiler"):
+            resolve_backend("cpu", "cpu")
+    finally:
+        build.library.cache_clear()
+        build.available.cache_clear()
 
 
 def test_interpreter_switched_on_too_late_is_named(monkeypatch):

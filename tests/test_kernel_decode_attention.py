@@ -1,4 +1,5 @@
-"""The paged decode-attention kernel against its torch twin (Triton's interpreter on CPU, toy sizes).
+"""The paged decode-attention kernels against their torch twin: Triton (its interpreter on CPU, toy sizes)
+and the C++ CPU kernel, which keeps the same contract.
 
 Storage is built by the real ``PagedTiers`` (appends, then removals that leave vacated slots and
 null-page padding), so the kernel reads exactly the layout the cache writes.
@@ -9,9 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfkv.kernels.cpu.paged_decode import paged_attention_cpu
 from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention, paged_attention_reference
 from hfkv.quant.formats import QuantFormat
 from hfkv.storage import PagedTiers, RecordLayout
+
+KERNELS = {
+    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, **kw),
+    "cpu": paged_attention_cpu,
+}
+kernels = pytest.mark.parametrize("kernel", list(KERNELS))
 
 
 def _layout(key: str, value: str, dim: int, dtype: torch.dtype, group: int = 32) -> RecordLayout:
@@ -85,8 +93,9 @@ CASES = [
 ]
 
 
+@kernels
 @pytest.mark.parametrize("key,value,dtype,dim,ratio,qlen,reduction,page_bytes,counts", CASES)
-def test_decode_kernel_matches_torch_twin(key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts):
+def test_decode_kernel_matches_torch_twin(kernel, key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts):
     bsz, heads, length = 2, 2, 120
     layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
     tiers = _storage(layouts, bsz, heads, dim, length, counts, page_bytes, seed=dim + ratio + qlen)
@@ -95,7 +104,7 @@ def test_decode_kernel_matches_torch_twin(key, value, dtype, dim, ratio, qlen, r
     query = torch.randn(bsz, heads * ratio, qlen, dim, generator=g).to(dtype)
     pad_end = torch.tensor([0, 5])  # row 1 is left-padded: its first 5 positions are never attended
     q_start = length - qlen
-    got = _run(paged_attention, query, tiers, layouts, win, q_start, pad_end, reduction, split_slots=32)
+    got = _run(KERNELS[kernel], query, tiers, layouts, win, q_start, pad_end, reduction)
     ref = _run(paged_attention_reference, query, tiers, layouts, win, q_start, pad_end, reduction)
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got[0], ref[0], **tol)
@@ -117,7 +126,8 @@ def test_decode_kernel_matches_torch_twin(key, value, dtype, dim, ratio, qlen, r
     assert (got[2][0] == 0).all()
 
 
-def test_masking_is_by_slot_position():
+@kernels
+def test_masking_is_by_slot_position(kernel):
     """Causal + left padding from the tags alone: a slot at a future position or in padding gets nothing."""
     bsz, heads, dim, dtype = 2, 1, 32, torch.float32
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
@@ -125,7 +135,7 @@ def test_masking_is_by_slot_position():
     win = _window(bsz, heads, dim, dtype, 60, cap=8, filled=8, seed=1)
     query = torch.randn(bsz, heads, 4, dim)
     pad_end = torch.tensor([0, 30])
-    out, delta, pool, _ = _run(paged_attention, query, tiers, layouts, win, 56, pad_end, "max", split_slots=32)
+    out, delta, pool, _ = _run(KERNELS[kernel], query, tiers, layouts, win, 56, pad_end, "max")
     pos = torch.cat([win[2].view(1, 1, -1).expand(bsz, heads, -1)] + [tiers.read_meta(t, tiers.max_slots(t))[0].long()
                      for t in range(2)], -1)  # fmt: skip
     # The slot layout of delta is [window | tier slots (whole pages)]; read_meta pads with -1.
@@ -135,30 +145,34 @@ def test_masking_is_by_slot_position():
     assert (delta[pos >= 30] > 0).all()
 
 
-def test_a_query_that_sees_nothing_gives_zeros():
+@kernels
+def test_a_query_that_sees_nothing_gives_zeros(kernel):
     bsz, heads, dim = 1, 1, 16
     layouts = (_layout("model", "model", dim, torch.float32), _layout("int4", "int2", dim, torch.float32, 16))
     tiers = PagedTiers(layouts, bsz, heads, None)
     win = _window(bsz, heads, dim, torch.float32, 10, cap=4, filled=2, seed=0)
     query = torch.randn(bsz, heads, 3, dim)
     # Queries at positions 7, 8, 9 with padding up to 9: the first two see no slot (positions 8, 9 only).
-    out, delta, _, _ = _run(paged_attention, query, tiers, layouts, win, 7, torch.tensor([9]), "mean")
+    out, delta, _, _ = _run(KERNELS[kernel], query, tiers, layouts, win, 7, torch.tensor([9]), "mean")
     assert (out[0, :2] == 0).all() and out[0, 2].abs().sum() > 0
     torch.testing.assert_close(delta[0, 0, :2].sum(), torch.tensor(1.0))
 
 
-def test_bad_input_is_named():
+@kernels
+def test_bad_input_is_named(kernel):
+    fn = KERNELS[kernel]
     q = torch.randn(1, 2, 1, 16)
     win = DenseSlots(torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), torch.arange(4))
     with pytest.raises(ValueError, match="reduction='sum'"):
-        paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, "sum")
+        fn(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, "sum")
     with pytest.raises(ValueError, match="pad_end"):
-        paged_attention(q, [win], 3, torch.zeros(2, dtype=torch.long), 1.0)
+        fn(q, [win], 3, torch.zeros(2, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="query must be"):
-        paged_attention(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
+        fn(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
 
 
-def test_single_tokens_and_heads_of_very_different_sizes():
+@kernels
+def test_single_tokens_and_heads_of_very_different_sizes(kernel):
     """One token in a tier, a head holding nothing, a head holding several pages: per-head ragged reads."""
     bsz, heads, dim, dtype = 1, 3, 64, torch.float32
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
@@ -176,7 +190,7 @@ def test_single_tokens_and_heads_of_very_different_sizes():
     win = _window(bsz, heads, dim, dtype, 90, cap=8, filled=1, seed=2)
     query = torch.randn(bsz, heads * 2, 1, dim, generator=g)
     pad = torch.zeros(1, dtype=torch.long)
-    got = _run(paged_attention, query, tiers, layouts, win, 89, pad, "mean", split_slots=32)
+    got = _run(KERNELS[kernel], query, tiers, layouts, win, 89, pad, "mean")
     ref = _run(paged_attention_reference, query, tiers, layouts, win, 89, pad, "mean")
     torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)

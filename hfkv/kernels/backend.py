@@ -1,7 +1,11 @@
-"""Which path a layer's attention and storage writes take: the Triton kernels or the torch reference.
+"""Which path a layer's attention and storage writes take: the Triton kernels, the CPU kernel or the
+torch reference.
 
 The choice is made once per layer, from the device its first tensors arrive on, so ``auto`` does
-the right thing for a model on a GPU and for the same code on a laptop.
+the right thing for a model on a GPU and for the same code on a laptop: Triton on CUDA tensors, the
+C++ decode kernel (:mod:`hfkv.kernels.cpu`, built on first use) on CPU tensors, and the torch
+reference on a CPU where no C++ compiler can build that kernel. ``cpu`` changes only the decode
+step's attention; storage writes and policy runs are the torch backend's.
 """
 
 from __future__ import annotations
@@ -20,19 +24,38 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cpu_kernel_available() -> bool:
+    from hfkv.kernels.cpu.build import available
+
+    return available()
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``auto``: triton on CUDA tensors (when triton is installed), torch elsewhere; ``triton``: checked."""
+    """``auto``: triton on CUDA tensors (when triton is installed), the CPU kernel on CPU tensors (when it
+    builds), torch elsewhere; ``triton`` and ``cpu``: checked."""
     device = torch.device(device)
     if requested not in BACKENDS:
         raise ValueError(f"TriStateConfig.backend={requested!r} is not a backend; allowed: {BACKENDS}")
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and triton_available():
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_kernel_available() else "torch"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError(
+                f"TriStateConfig.backend='cpu' runs on CPU tensors, but this cache's tensors are on "
+                f"{device.type!r}; use backend='auto' (Triton on CUDA) or 'torch'"
+            )
+        from hfkv.kernels.cpu.build import library
+
+        library()  # raises CpuKernelUnavailable, naming the compiler and its error
+        return "cpu"
     if not triton_available():
         raise ValueError(
             "TriStateConfig.backend='triton' needs the triton package (pip install triton), which is not "

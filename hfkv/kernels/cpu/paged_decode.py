@@ -1,0 +1,165 @@
+"""Paged decode attention on CPU tensors: :func:`~hfkv.kernels.decode_attention.paged_attention`'s contract,
+run by the C++ loop of ``paged_decode.cpp`` (why a loop and not tensor ops: that file's header).
+
+The torch twin is :func:`hfkv.kernels.reference.paged_attention_reference`; the tests compare the two
+on the layouts the cache writes. The kernel is meant for decode steps (a few query rows per KV head);
+the cache sends long chunks to the torch path, where batched matmuls pay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+from hfkv.kernels.cpu.build import library
+from hfkv.kernels.parts import DenseSlots, Part
+from hfkv.kernels.reference import REDUCTIONS, check_call
+from hfkv.quant.formats import INT_BITS, QuantFormat
+
+__all__ = ["paged_attention_cpu"]
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_FAMILIES = {"model": 0, "fp8": 2}
+
+
+class _Field(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("family", "bits", "group", "dtype", "offset")]
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("k", "v", "pos", "score", "pool", "table")),
+        ("page_bytes", ctypes.c_int64),
+        *(
+            (name, ctypes.c_int32)
+            for name in (
+                "paged",
+                "slots",
+                "dense_dtype",
+                "table_w",
+                "tpp",
+                "record",
+                "tag_offset",
+                "score_offset",
+                "add_scores",
+            )
+        ),  # fmt: skip
+        ("key", _Field),
+        ("value", _Field),
+    ]
+
+
+@cache
+def _kernel():
+    fn = library().hfkv_paged_decode
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i32, i32, i32, i32, i32, i64, ptr, i32, ctypes.POINTER(_Part), i32, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    if library().hfkv_part_size() != ctypes.sizeof(_Part):
+        raise RuntimeError("hfkv CPU kernel: the C and ctypes part layouts differ (a stale build?)")
+    return fn
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"hfkv CPU kernel: model dtype {dtype} is not supported; allowed: {list(_DTYPES)}") from None
+
+
+def _field(fmt: QuantFormat, offset: int) -> _Field:
+    if fmt.name in INT_BITS:
+        return _Field(1, INT_BITS[fmt.name], fmt.group_size, 0, offset)
+    dtype = _dtype_code(fmt.model_dtype) if fmt.name == "model" else 0
+    return _Field(_FAMILIES[fmt.name], fmt.bits, fmt.head_dim, dtype, offset)
+
+
+def _describe(part: Part, add_scores: bool, keep: list[torch.Tensor]) -> _Part:
+    """The C description of a part; tensors it points into are appended to ``keep`` (alive for the call)."""
+    if isinstance(part, DenseSlots):
+        k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.to(torch.int64).contiguous()
+        score = part.score
+        if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
+            raise ValueError("paged_attention_cpu: a dense part's score must be a contiguous fp32 tensor")
+        if k.dtype != v.dtype:
+            raise ValueError(f"paged_attention_cpu: dense keys are {k.dtype} but values {v.dtype}")
+        keep += [k, v, pos]
+        return _Part(
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            pos=pos.data_ptr(),
+            score=score.data_ptr() if score is not None else None,
+            paged=0,
+            slots=part.slots,
+            dense_dtype=_dtype_code(k.dtype),
+            add_scores=int(add_scores and score is not None),
+        )
+    if not (part.pool.is_contiguous() and part.pool.dtype == torch.uint8):
+        raise ValueError("paged_attention_cpu: a tier's pool must be a contiguous uint8 tensor")
+    lay = part.layout
+    table = part.table.to(torch.int32).contiguous()
+    keep.append(table)
+    return _Part(
+        pool=part.pool.data_ptr(),
+        table=table.data_ptr(),
+        page_bytes=part.pool.shape[1],
+        paged=1,
+        slots=part.slots,
+        table_w=table.shape[-1],
+        tpp=part.tpp,
+        record=lay.nbytes,
+        tag_offset=lay.pos_offset,
+        score_offset=lay.score_offset,
+        add_scores=int(add_scores),
+        key=_field(lay.key, 0),
+        value=_field(lay.value, lay.key.nbytes),
+    )
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    parts: Sequence[Part],
+    q_start: int,
+    pad_end: torch.Tensor,
+    scaling: float,
+    reduction: str = "max",
+    add_scores: bool = True,
+    return_delta: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
+
+    Same arguments and results as :func:`hfkv.kernels.decode_attention.paged_attention`: ``(out [B, q,
+    Hq, D]`` in the query dtype, ``delta [B, H, sum slots]`` or None), with each slot's GQA-reduced
+    probability added to its score sum in place when ``add_scores``. CPU tensors only.
+    """
+    check_call(query, parts, pad_end, reduction)
+    if query.device.type != "cpu":
+        raise ValueError(f"paged_attention_cpu: tensors must be on the CPU, got query on {query.device}")
+    bsz, hq, qlen, dim = query.shape
+    first = parts[0]
+    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
+    if hq % heads:
+        raise ValueError(f"paged_attention_cpu: {hq} query heads are not a multiple of {heads} KV heads")
+    g = hq // heads
+    # Rows of one KV head ordered (group member, query), as the torch path orders them.
+    qf = (query.reshape(bsz, heads, g * qlen, dim).float() * scaling).contiguous()
+    keep: list[torch.Tensor] = [qf]
+    described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
+    s_total = sum(p.slots for p in parts)
+    pad = pad_end.to(torch.int64).contiguous()
+    out = torch.zeros(bsz, heads, g * qlen, dim, dtype=torch.float32)
+    delta = torch.empty(bsz, heads, s_total, dtype=torch.float32) if return_delta else None
+    logits = torch.empty((g * qlen + 1) * (-(-s_total // 16) * 16), dtype=torch.float32)  # rows + 1, padded
+    status = _kernel()(
+        qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(parts), described,
+        REDUCTIONS[reduction], out.data_ptr(), delta.data_ptr() if delta is not None else None, logits.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"paged_attention_cpu: head_dim={dim} or a tier's group count is beyond what the CPU kernel reads "
+            "(head_dim <= 512, at most 64 groups per field); use TriStateConfig.backend='torch'"
+        )
+    return out.view(bsz, hq, qlen, dim).transpose(1, 2).to(query.dtype), delta

@@ -1,0 +1,55 @@
+"""The slots one attention call reads, as the decode kernels (Triton and CPU) take them.
+
+Kept apart from the kernels so the CPU path and the torch twin need no Triton import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hfkv.storage.record import RecordLayout
+
+__all__ = ["DenseSlots", "PagedSlots", "Part"]
+
+
+@dataclass(frozen=True)
+class DenseSlots:
+    """Slots held densely in the model dtype (the window ring, a chunk's exits).
+
+    ``k, v [B, H, S, D]``; ``pos [S]`` logical positions shared by every row (-1: empty slot);
+    ``score [B, H, S]`` fp32 sums that attention adds to in place (None: not scored).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    score: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class PagedSlots:
+    """One tier of a layer's paged storage: its byte pool, page table ``[B, H, W]`` and record layout."""
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    tpp: int
+    layout: RecordLayout
+
+    @property
+    def slots(self) -> int:
+        return self.table.shape[-1] * self.tpp
+
+    def record_offsets(self) -> torch.Tensor:
+        """``[B, H, slots]`` int64 byte offset of every slot's record (null-page entries included)."""
+        s = torch.arange(self.slots, device=self.table.device)
+        page = self.table.long()[..., s // self.tpp]
+        return page * self.pool.shape[1] + (s % self.tpp) * self.layout.nbytes
+
+
+Part = DenseSlots | PagedSlots
