@@ -1,4 +1,4 @@
-"""Where a CPU decode step of the torch backend spends its time, per section, at a long context.
+"""Where a CPU decode step spends its time, per section, at a long context.
 
 The model and context of eval/cpu_cache_figures.py (random Llama, 8 layers, 2 KV heads x 64, fp32,
 8k tokens, one thread). Sections are timed by wrapping the methods that implement them (wall time,
@@ -8,9 +8,12 @@ summed over layers, averaged over the timed steps; policy runs included at their
 - ``decode_kv_for_attention``: reading keys and values out of the records (integer fields unpacked);
 - ``slot_attention``: logits, joint softmax and output over every part;
 - ``add_scores``: the received attention written back into the records;
+- ``paged_attention_cpu``: the CPU kernel, which does all four above in one call (``backend='cpu'``, what
+  ``auto`` picks on a CPU; the four sections above are the torch backend's);
 - ``run_policy``: re-classification and moves (every ``interval`` steps).
 
-    python eval/cpu_step_sections.py --specs hfkv@1024 evict@1024 --out eval/results/cpu_step_sections.json
+    python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
+        --out eval/results/cpu_step_sections.json
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 import hfkv.cache
+import hfkv.kernels.cpu.paged_decode
 import hfkv.storage.paged
 import hfkv.storage.record
 from hfkv.atomic import write_atomic
@@ -40,6 +44,7 @@ SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.record.RecordLayout, "decode_kv_for_attention"),
     (hfkv.cache, "slot_attention"),
     (hfkv.storage.paged.PagedTiers, "add_scores"),
+    (hfkv.kernels.cpu.paged_decode, "paged_attention_cpu"),
     (hfkv.cache.TriStateLayer, "run_policy"),
 ]
 
@@ -83,7 +88,9 @@ def measure(spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--specs", nargs="+", default=["hfkv@1024", "evict@1024"], help="method specs")
+    ap.add_argument(
+        "--specs", nargs="+", default=["hfkv@1024", "hfkv@1024:backend=torch", "evict@1024"], help="method specs"
+    )
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the policy interval)")
     ap.add_argument("--threads", type=int, default=1)

@@ -504,9 +504,9 @@ OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
     --dtype fp32 --name cpu_small_fp32 --force
 # CPU decode step at 8k and 512 tokens, one process (the last spec is the hfkv preset before memory budgets)
 OMP_NUM_THREADS=1 python eval/cpu_cache_figures.py --timed \\
-    "hfkv;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
+    "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
-OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 evict@1024
+OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
