@@ -306,13 +306,8 @@ def paged_attention(
     ``add_scores`` the deltas are also added to the parts' score sums in place; the cache needs
     only that, so it asks for no ``delta`` (None: 4 bytes per slot not written).
     """
-    check_call(query, parts, pad_end, reduction)
+    heads, g = check_call(query, parts, pad_end, reduction)
     bsz, hq, qlen, dim = query.shape
-    first = parts[0]
-    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
-    if hq % heads:
-        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {heads} KV heads")
-    g = hq // heads
     # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
     # are tiled over query blocks so a program's rows stay few.
     qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))

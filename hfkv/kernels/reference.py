@@ -17,7 +17,8 @@ from hfkv.policy.scores import reduce_gqa
 REDUCTIONS = {"max": 0, "mean": 1, "l2": 2}
 
 
-def check_call(query: torch.Tensor, parts: Sequence[Part], pad_end: torch.Tensor, reduction: str) -> None:
+def check_call(query: torch.Tensor, parts: Sequence[Part], pad_end: torch.Tensor, reduction: str) -> tuple[int, int]:
+    """Raise on arguments no decode kernel accepts; return ``(KV heads, query heads per KV head)``."""
     if query.dim() != 4:
         raise ValueError(f"paged_attention: query must be [B, Hq, q, D], got shape {tuple(query.shape)}")
     if not parts:
@@ -33,6 +34,11 @@ def check_call(query: torch.Tensor, parts: Sequence[Part], pad_end: torch.Tensor
                 raise ValueError(f"paged_attention: part {i} keys/values {tuple(p.k.shape)} do not match the query")
         elif p.layout.key.head_dim != query.shape[-1]:
             raise ValueError(f"paged_attention: part {i} head_dim {p.layout.key.head_dim} != {query.shape[-1]}")
+    first = parts[0]
+    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
+    if query.shape[1] % heads:
+        raise ValueError(f"paged_attention: {query.shape[1]} query heads are not a multiple of {heads} KV heads")
+    return heads, query.shape[1] // heads
 
 
 def _dense_of(part: Part, bsz: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,10 +62,8 @@ def paged_attention_reference(
     add_scores: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`paged_attention`: the torch backend's slot attention with a positional mask."""
-    check_call(query, parts, pad_end, reduction)
+    heads, _ = check_call(query, parts, pad_end, reduction)
     bsz, hq, qlen, _ = query.shape
-    first = parts[0]
-    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
     dense = [_dense_of(p, bsz, heads) for p in parts]
     length = q_start + qlen
     col = torch.arange(length, device=query.device)

@@ -69,7 +69,7 @@ namespace {
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
     return _cvtsh_ss(h);
-#endif
+#else
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
     const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
     uint32_t bits;
@@ -81,6 +81,7 @@ inline float half_to_float(uint16_t h) {
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 inline float bf16_to_float(uint16_t h) {
@@ -136,7 +137,7 @@ inline float lane_sum(Vec v) {
     __m512 x;
     std::memcpy(&x, &v, sizeof x);
     return _mm512_reduce_add_ps(x);
-#endif
+#else
     Vec8 lo, hi;
     std::memcpy(&lo, &v, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
@@ -146,6 +147,7 @@ inline float lane_sum(Vec v) {
     std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
     const Vec4 e = c + d;
     return (e[0] + e[2]) + (e[1] + e[3]);
+#endif
 }
 
 // sum_e a[e] * b[e]: whole vectors, then the tail (head dims that are not a multiple of 16).
@@ -487,17 +489,11 @@ extern "C" {
 // query [B, H, G * qlen, D] fp32, already scaled, rows ordered (gi, qi); out [B, H, G * qlen, D] fp32,
 // zeroed; delta [B, H, sum slots] fp32 or null; logits: scratch of (G * qlen + 1) * round_up(sum slots, 16)
 // floats.
-// Returns 0, or -1 for a layout this build does not read (the caller checks formats first).
+// Returns 0, or -1 for a head dim beyond 512.
 int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32_t qlen, int32_t dim,
                       int64_t q_start, const int64_t* pad_end, int32_t nparts, const HfkvPart* parts,
                       int32_t reduction, float* out, float* delta, float* logits) {
-    if (dim > 512) return -1;
-    for (int pi = 0; pi < nparts; ++pi) {
-        const HfkvPart& p = parts[pi];
-        if (p.paged && ((p.key.family == INT && p.key.group > 0 && dim / p.key.group > 64) ||
-                        (p.value.family == INT && p.value.group > 0 && dim / p.value.group > 64)))
-            return -1;
-    }
+    if (dim > 512) return -1;  // the fp16 / bf16 staging buffers of decode_field
     switch (dim) {
         case 64: attend_all<64>(query, B, H, G, qlen, dim, q_start, pad_end, nparts, parts, reduction, out, delta, logits); break;
         case 128: attend_all<128>(query, B, H, G, qlen, dim, q_start, pad_end, nparts, parts, reduction, out, delta, logits); break;

@@ -135,15 +135,10 @@ def paged_attention_cpu(
     Hq, D]`` in the query dtype, ``delta [B, H, sum slots]`` or None), with each slot's GQA-reduced
     probability added to its score sum in place when ``add_scores``. CPU tensors only.
     """
-    check_call(query, parts, pad_end, reduction)
+    heads, g = check_call(query, parts, pad_end, reduction)
     if query.device.type != "cpu":
         raise ValueError(f"paged_attention_cpu: tensors must be on the CPU, got query on {query.device}")
     bsz, hq, qlen, dim = query.shape
-    first = parts[0]
-    heads = first.k.shape[1] if isinstance(first, DenseSlots) else first.table.shape[1]
-    if hq % heads:
-        raise ValueError(f"paged_attention_cpu: {hq} query heads are not a multiple of {heads} KV heads")
-    g = hq // heads
     # Rows of one KV head ordered (group member, query), as the torch path orders them.
     qf = (query.reshape(bsz, heads, g * qlen, dim).float() * scaling).contiguous()
     keep: list[torch.Tensor] = [qf]
@@ -159,7 +154,7 @@ def paged_attention_cpu(
     )  # fmt: skip
     if status != 0:
         raise ValueError(
-            f"paged_attention_cpu: head_dim={dim} or a tier's group count is beyond what the CPU kernel reads "
-            "(head_dim <= 512, at most 64 groups per field); use TriStateConfig.backend='torch'"
+            f"paged_attention_cpu: head_dim={dim} is beyond what the CPU kernel reads (head_dim <= 512); "
+            "use TriStateConfig.backend='torch'"
         )
     return out.view(bsz, hq, qlen, dim).transpose(1, 2).to(query.dtype), delta
