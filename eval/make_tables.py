@@ -4,6 +4,7 @@ Inputs (whatever they hold; a method or budget missing from a file gives "—" c
 
     eval/results/testbed_sweep.jsonl    eval/sweep_testbed.py   accuracy vs KV memory on the testbed tasks
     eval/results/fidelity_sweep.jsonl   eval/sweep_fidelity.py  teacher-forced KL / top-1 vs KV memory
+    eval/results/ruler_*.jsonl          eval/sweep_ruler.py     RULER (lm-eval's offline tasks) score vs KV memory
     eval/results/bench/*.json           hfkv bench              decode / prefill speed and memory ratios
 
 Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md between
@@ -29,9 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: the hfkv package of this checkout
 
 from hfkv.evaluation.results import read_rows, write_bytes_atomic, write_text_atomic  # noqa: E402
+from hfkv.evaluation.results import wilson_interval as wilson  # noqa: E402
 
 TESTBED = "eval/results/testbed_sweep.jsonl"
 FIDELITY = "eval/results/fidelity_sweep.jsonl"
+RULER = "eval/results/ruler_*.jsonl"
 BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 PLOTS = "eval/results/plots"
@@ -46,6 +49,9 @@ PRESET_ORDER = ("full", "evict", "quant", "streaming", "arkv", "diffkv", "hfkv")
 TASK_ORDER = ("kv_recall", "arith_cot")
 DEMO_METHODS = ("evict", "streaming", "hfkv")
 DEMO_BUDGETS = (80, 160)
+RULER_KEY = ("model", "dtype", "task", "length", "doc_id", "method")
+SOLVED = 0.3  # a RULER task enters the average when the full cache (dynamic) scores at least this
+RULER_LEVELS = (0.075, 0.15, 0.30)  # memory ceilings of RULER's "best score per memory level" table
 DASH = "—"
 
 
@@ -347,6 +353,158 @@ def fidelity_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str
     return out
 
 
+# ------------------------------------------------------------------------------------------ RULER
+def last_per_key(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per key, the last in file order (a re-run row replaces the earlier one)."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        k = tuple(json.dumps(r.get(f), sort_keys=True) for f in key_fields)
+        best.pop(k, None)
+        best[k] = r
+    return list(best.values())
+
+
+def ruler_task_table(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Per method of one (model, dtype, length, task): mean score and memory on the examples every method
+    has, and how many of the group's examples were left out because some method lacks them."""
+    by: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        by[r["method"]][r["doc_id"]] = r
+    docs = set.intersection(*(set(d) for d in by.values())) if by else set()
+    left_out = len({r["doc_id"] for r in rows} - docs)
+    agg = []
+    for method, per_doc in by.items():
+        sel = [per_doc[d] for d in sorted(docs)]
+        n = len(sel)
+        total = sum(r["score"] for r in sel)
+        first = next(iter(per_doc.values()))
+        agg.append(
+            {
+                "method": method,
+                "preset": first.get("preset"),
+                "budget": first.get("budget"),
+                "n": n,
+                "score": total / n if n else math.nan,
+                "interval": wilson(total, n),
+                "memory_ratio": sum(r["memory_ratio"] for r in sel) / n if n else math.nan,
+            }
+        )
+    agg.sort(key=row_key)
+    return agg, left_out
+
+
+def ruler_cell(r: dict[str, Any]) -> str:
+    """``0.967 (@512)``: the score and the label after the family name (the budget), or the score alone."""
+    fam, label = family(r), r["method"]
+    rest = label[len(fam) :] if label.startswith(fam) else ""
+    if not rest and r.get("budget") is not None:
+        rest = f"@{r['budget']}"
+    return f"{r['score']:.3f}" + (f" ({rest})" if rest else "")
+
+
+def ruler_section(rows: list[dict[str, Any]], files: list[str] | None = None) -> list[str]:
+    out = ["## RULER (lm-eval's offline tasks)", ""]
+    if not rows:
+        return [*out, f"No rows yet in `{RULER}` (run `eval/sweep_ruler.py`).", ""]
+    rows = last_per_key(rows, RULER_KEY)
+    src = ", ".join(f"`{f}`" for f in files) if files else f"`{RULER}`"
+    out += [
+        f"From {src} ({provenance_note(rows)}; {wall_note(rows)}). "
+        "Score = lm-eval's RULER string match of the example (the fraction of the reference strings found in "
+        "the greedy output), averaged over examples; memory = mean over examples of the KV bytes the cache "
+        "holds at the end / what a DynamicCache holds for the same tokens; 95% interval = Wilson score interval "
+        "over the n examples (partial matches count as fractions). The methods of a table are compared on the "
+        "examples all of them have. front = on the Pareto front of score vs memory among the table's methods.",
+        "",
+    ]
+    setups = sorted(
+        {(r["model"], r["dtype"], r["length"]) for r in rows}, key=lambda k: (k[0], dtype_order(k[1]), k[2])
+    )
+    for model, dtype, length in setups:
+        setup_rows = [r for r in rows if (r["model"], r["dtype"], r["length"]) == (model, dtype, length)]
+        per_task: dict[str, list[dict[str, Any]]] = {}
+        for task in sorted({r["task"] for r in setup_rows}):
+            agg, left_out = ruler_task_table([r for r in setup_rows if r["task"] == task])
+            per_task[task] = agg
+            front = pareto([(r["memory_ratio"], r["score"]) for r in agg])
+            table = [
+                [
+                    r["method"],
+                    str(r["n"]),
+                    fmt(r["score"], ".3f"),
+                    f"[{r['interval'][0]:.3f}, {r['interval'][1]:.3f}]",
+                    pct(r["memory_ratio"]),
+                    "yes" if f else "",
+                ]
+                for r, f in zip(agg, front, strict=True)
+            ]
+            out += [f"### {task} at {length} tokens ({model}, {dtype})", ""]
+            out += [md_table(["method", "n", "score", "95% interval", "memory", "front"], table, "lrrrrl"), ""]
+            if left_out:
+                out += [f"{left_out} example(s) left out: not every method has them.", ""]
+        out += ruler_average(per_task, model, dtype, length)
+    return out
+
+
+def ruler_average(per_task: dict[str, list[dict[str, Any]]], model: str, dtype: str, length: int) -> list[str]:
+    """Mean over the tasks the full cache solves (dynamic >= SOLVED), and the best score per memory level."""
+    where = f"at {length} tokens ({model}, {dtype})"
+    out = [f"### Average over tasks the full cache solves {where}", ""]
+    full = {t: next((r for r in agg if r["method"] == "dynamic"), None) for t, agg in per_task.items()}
+    solved = [t for t, r in full.items() if r is not None and r["score"] >= SOLVED]
+    unsolved = [f"{t} ({full[t]['score']:.3f})" for t in per_task if full[t] is not None and t not in solved]
+    no_full = [t for t in per_task if full[t] is None]
+    notes = []
+    if unsolved:
+        notes.append(f"Left out (dynamic < {SOLVED}): {', '.join(unsolved)}.")
+    if no_full:
+        notes.append(f"Left out (no dynamic rows): {', '.join(no_full)}.")
+    if not solved:
+        return [*out, " ".join([f"No task the full cache (`dynamic`) solves (score ≥ {SOLVED}).", *notes]), ""]
+    included = ", ".join(f"{t} ({full[t]['score']:.3f})" for t in solved)
+    out += [" ".join([f"Tasks (dynamic's score): {included}.", *notes]), ""]
+    methods = set.intersection(*({r["method"] for r in per_task[t]} for t in solved))
+    avg = []
+    for method in methods:
+        rs = [next(r for r in per_task[t] if r["method"] == method) for t in solved]
+        avg.append(
+            {
+                "method": method,
+                "preset": rs[0]["preset"],
+                "budget": rs[0]["budget"],
+                "n": min(r["n"] for r in rs),
+                "score": sum(r["score"] for r in rs) / len(rs),
+                "memory_ratio": sum(r["memory_ratio"] for r in rs) / len(rs),
+            }
+        )
+    avg.sort(key=row_key)
+    front = pareto([(r["memory_ratio"], r["score"]) for r in avg])
+    table = [
+        [r["method"], str(r["n"]), fmt(r["score"], ".3f"), pct(r["memory_ratio"]), "yes" if f else ""]
+        for r, f in zip(avg, front, strict=True)
+    ]
+    out += [md_table(["method", "n per task (min)", "score", "memory", "front"], table, "lrrrl"), ""]
+
+    out += [f"### Best score per memory level {where}", ""]
+    dyn = next((r for r in avg if r["method"] == "dynamic"), None)
+    out += [
+        f"Full cache (`dynamic`): {fmt(dyn and dyn['score'], '.3f')} on the same tasks' average. Each cell: the best "
+        "average score of the family's methods whose mean memory is within the level (the label after the "
+        "family name in parentheses).",
+        "",
+    ]
+    fams = sorted({family(r) for r in avg}, key=family_key)
+    table = []
+    for level in RULER_LEVELS:
+        cells = [f"≤ {100 * level:g}%"]
+        for fam in fams:
+            cand = [r for r in avg if family(r) == fam and r["memory_ratio"] <= level]
+            cells.append(ruler_cell(max(cand, key=lambda r: (r["score"], -r["memory_ratio"]))) if cand else DASH)
+        table.append(cells)
+    out += [md_table(["memory", *fams], table, "l" + "r" * len(fams)), ""]
+    return out
+
+
 # ------------------------------------------------------------------------------------------ bench
 def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str]:
     out = ["## Speed: decode and prefill vs context (`hfkv bench`)", ""]
@@ -449,6 +607,8 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     plot_dir = root / PLOTS if plots else None
     testbed = read_rows(root / TESTBED)
     fidelity = read_rows(root / FIDELITY)
+    ruler_files = sorted(root.glob(RULER))
+    ruler = [r for p in ruler_files for r in read_rows(p)]
     bench = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((root / BENCH_DIR).glob("*.json"))]
     lines = [
         "# Evaluation results",
@@ -462,6 +622,7 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     ]
     lines += testbed_section(testbed, plot_dir)
     lines += fidelity_section(fidelity, plot_dir)
+    lines += ruler_section(ruler, [p.relative_to(root).as_posix() for p in ruler_files])
     lines += bench_section(bench, plot_dir)
     cpu = root / CPU_FIGURES
     lines += cpu_figures_section(json.loads(cpu.read_text(encoding="utf-8")) if cpu.exists() else None)
@@ -511,6 +672,8 @@ OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:b
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
 python eval/format_fidelity.py --docs-only
+# RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
 # then
 python eval/make_tables.py
 ```

@@ -349,13 +349,39 @@ class TriStateLayer(CacheLayerMixin):
 
         k, v, _ = self._chunk
         self._chunk = None
+        out = sdpa_attention_forward(module, query, k, v, mask, scaling=scaling)[0]
+        self._admit_prompt(k, v, query, mask, scaling)
+        return out
+
+    def ingest_prefill(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+        """Fill an empty layer from a prompt's keys/values ``[B, H, T, D]`` (after RoPE) and its last queries
+        ``[B, Hq, w', D]`` (``w' >= obs_window`` of the prompt's final positions; plain causal, no padding),
+        leaving it exactly as a prefill forward through this cache would.
+
+        Why: the prompt's attention output does not depend on the cache (prefill is dense), so an evaluation
+        that compares many caches on one long prompt runs the model over it once and fills each cache from
+        the captured tensors (``hfkv.evaluation.shared_prefill``).
+        """
+        if self.is_initialized and self.length:
+            raise ValueError(f"ingest_prefill: layer {self.layer_idx} already holds {self.length} tokens")
+        if query.shape[2] < min(self.cfg.obs_window, key.shape[2]):
+            raise ValueError(
+                f"ingest_prefill: {query.shape[2]} queries given, the observation window needs "
+                f"min(obs_window={self.cfg.obs_window}, T={key.shape[2]})"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        self.length = key.shape[2]
+        self._admit_prompt(key, value, query, None, scaling)
+
+    def _admit_prompt(self, k, v, query, mask, scaling) -> None:
+        """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows)."""
         bsz, heads, t, _ = k.shape
         pos = torch.arange(t, device=self.device)
         cfg = self.cfg
-        out = sdpa_attention_forward(module, query, k, v, mask, scaling=scaling)[0]
         w = min(cfg.obs_window, t)
         probs = observation_probs(query, k, scaling, mask, cfg.obs_window)  # [B, Hq, w, T]
-        sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel)  # [B, H, T]
+        sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel, cfg.carry)  # [B, H, T]
         key_valid = mask[:, 0, -1, :t].to(torch.bool) if mask is not None else torch.ones(bsz, t, dtype=torch.bool)
         key_valid = key_valid.to(self.device)
         self.pad_end = (~key_valid).long().cumprod(-1).sum(-1)  # leading padding per row
@@ -377,7 +403,6 @@ class TriStateLayer(CacheLayerMixin):
             new = self._classify(self._mean_scores(sc, p), state, p, nw, None)
             self._admit(k[:, :, :rest], v[:, :, :rest], pos[:rest], sc, new, check_finite=True)
         self._refresh_tier_peak()
-        return out
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
         if self.backend == "triton":

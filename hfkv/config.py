@@ -181,19 +181,29 @@ class TriStateConfig:
     # Smoothing scores over 5 neighbouring positions (SnapKV/ARKV) keeps the tokens next to a heavy
     # hitter: on the testbed's kv_recall at budget 80, hfkv goes from 0.22 to 0.96 accuracy with it.
     pool_kernel: int = 5
+    # Prompt scores flow forward: the token d places after another keeps at least carry**d of its mean score.
+    # A question attends to where a needle starts (its key); the model then copies the value token by token,
+    # reading each right after the one before (hfkv.policy.scores.carry_forward). 0: off.
+    carry: float = 0.8
     oq_ratios: bool = True
     tau: tuple[float, float, float] = (7.774, 5.407, 5.528)
     # Under a memory budget a finite alpha_h makes a token above alpha_h / N exact-or-nothing, which costs
     # coverage: on the testbed at budget 64, alpha_h 4 / 2 take kv_recall from 1.0 to 0.0 (docs/generate.md).
     # Off by default; calibration may turn it on per layer or head.
     alpha_h: Alpha = math.inf
-    alpha_l: Alpha = 0.02
+    # No significance floor under a memory budget: DiffKV's alpha_l / N evicts, in every head, the tokens the
+    # prompt's last queries did not look at, which on RULER are the digits of the needle the model copies
+    # next (niah_single_1 at 4k: 10/24 with the floor, 17/24 without; docs/generate.md).
+    alpha_l: Alpha = 0.0
     budget: int | None = 1024
     budget_unit: str = "fp_tokens"
     # Share of the budget a policy run fills: ARKV tailors token budgets to 75% so tailoring is amortised;
     # a memory budget already reserves the window's growth until the next run, so it fills all of it.
     slack: float = 1.0
-    head_adaptive: bool = True
+    # Each head keeps its own share of the budget. Sharing a layer's bytes across heads by score (AdaKV) gives
+    # them to the heads whose attention is concentrated and starves the ones that read a needle: on RULER's
+    # niah_single_1 at 4k, evict@256 goes from 18/24 to 0/24 with it, hfkv@256 from 19/24 to 7/24.
+    head_adaptive: bool = False
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 8
@@ -265,6 +275,9 @@ class TriStateConfig:
         if not _is_real(self.score_prior) or not math.isfinite(self.score_prior) or self.score_prior < 0:
             raise _fail(f"{w}.score_prior", self.score_prior, "a finite number >= 0")
         self.score_prior = float(self.score_prior)
+        if not _is_real(self.carry) or math.isnan(self.carry) or not 0 <= self.carry < 1:
+            raise _fail(f"{w}.carry", self.carry, "a decay in [0, 1) (0: prompt scores are not carried forward)")
+        self.carry = float(self.carry)
         if not _is_real(self.slack) or math.isnan(self.slack) or not 0 < self.slack <= 1:
             raise _fail(f"{w}.slack", self.slack, "a number in (0, 1]")
         self.slack = float(self.slack)
@@ -537,6 +550,8 @@ class TriStateConfig:
         ]
         if self.gamma:
             parts.append(f"gamma={self.gamma:g}")
+        if self.carry:
+            parts.append(f"carry={self.carry:g}")
         if self.head_adaptive:
             parts.append("head_adaptive")
         return " ".join(parts)
@@ -597,6 +612,7 @@ _ARKV_SCORING: dict[str, Any] = dict(
 # ARKV's tailor: a hard budget in tokens per head, evicting down to 75% of it when exceeded (IV-F).
 # prior and the mid tier: memory budgets only.
 _TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0, mid=None)
+_TOKEN_BUDGET["carry"] = 0.0  # the papers' scorers: no forward carry of prompt scores (an hfkv addition)
 _STREAMING_TOTAL = 1024
 
 _PRESET_VALUES: dict[str, dict[str, Any]] = {

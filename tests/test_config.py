@@ -67,9 +67,13 @@ def test_preset_values() -> None:
     hfkv = TriStateConfig.from_preset("hfkv")
     assert dataclasses.replace(hfkv, name="custom") == TriStateConfig()
     assert hfkv.summary() == (
-        "hfkv: W=16 budget=1024 fp_tokens alpha_h=inf alpha_l=0.02 orig=model/model mid=int8/int4 quant=int4/int2 "
-        "oq=on head_adaptive"
+        "hfkv: W=16 budget=1024 fp_tokens alpha_h=inf alpha_l=0.0 orig=model/model mid=int8/int4 quant=int4/int2 "
+        "oq=on carry=0.8"
     )
+    for name in ("full", "evict", "quant", "streaming", "arkv", "diffkv"):  # the papers' scorers carry nothing
+        assert TriStateConfig.from_preset(name).carry == 0.0, name
+    with pytest.raises(ValueError, match=r"TriStateConfig.carry=1.0 must be a decay in \[0, 1\)"):
+        TriStateConfig(carry=1.0)
 
 
 def test_streaming_budget_sets_window() -> None:
@@ -183,7 +187,7 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(slack=1.5), "slack", "1.5"),
     (dict(budget=1024, sink_tokens=100, slack=0.05), "slack", "0.05"),
     (dict(budget=None, head_adaptive=False), "oq_ratios", "True"),
-    (dict(budget=None, oq_ratios=False), "head_adaptive", "True"),
+    (dict(budget=None, oq_ratios=False, head_adaptive=True), "head_adaptive", "True"),
     (dict(interval=0), "interval", "0"),
     (dict(original={"key": "int3"}), "original.key", "int3"),
     (dict(quantized={"value": "nf4"}), "quantized.value", "nf4"),

@@ -109,3 +109,43 @@ def test_a_row_whose_config_changed_is_rerun_and_replaced(tmp_path, monkeypatch,
     assert "1 rows to run" in _script("sweep_testbed.py", argv, monkeypatch, capsys)
     (row,) = read_rows(out)
     assert row["method"] == str(cfg) and row["config"]["window"] == 16
+
+
+@pytest.mark.slow
+def test_sweep_ruler_rows_and_resume(tmp_path, monkeypatch, capsys):
+    """eval/sweep_ruler.py on the testbed at toy length: one row per (example, method) with RULER's score and
+    the bytes held; a second run finds every row done."""
+    pytest.importorskip("wonderwords")
+    from hfkv.evaluation.results import ResultFile
+
+    out = tmp_path / "ruler.jsonl"
+    argv = ["--model", "testbed", "--dtype", "fp32", "--tasks", "niah_single_1", "--lengths", "512", "--limit", "2"]
+    argv += ["--methods", "dynamic,evict@64:window=16", "--out", str(out)]
+    _script("sweep_ruler.py", argv, monkeypatch, capsys)
+    rows = read_rows(out)
+    assert sorted((r["doc_id"], r["method"]) for r in rows) == [
+        (d, m) for d in (0, 1) for m in ("dynamic", "evict@64:window=16")
+    ]
+    for r in rows:
+        assert r["score"] in (0.0, 1.0) and r["length"] == 512 and r["refs"]
+        assert r["memory_ratio"] == pytest.approx(r["kv_bytes"] / r["dense_bytes"])
+        assert (r["memory_ratio"] == 1.0) == (r["method"] == "dynamic")
+    resumed = ResultFile(out, ("model", "dtype", "task", "length", "doc_id", "method"), ("config", "options"))
+    assert all(resumed.has(r) for r in rows)
+
+
+def test_result_file_append_survives_a_cut_last_line(tmp_path):
+    from hfkv.evaluation.results import ResultFile
+
+    path = tmp_path / "rows.jsonl"
+    f = ResultFile(path, ("k",))
+    f.append({"k": 1, "v": "a"})
+    f.append({"k": 2, "v": "b"})
+    f.append({"k": 1, "v": "c"})  # an existing key is replaced, not duplicated
+    assert [(r["k"], r["v"]) for r in read_rows(path)] == [(2, "b"), (1, "c")]
+    path.write_text(path.read_text() + '{"k": 3, "v"')  # a kill in the middle of an append
+    g = ResultFile(path, ("k",))
+    assert not g.has({"k": 3}) and g.has({"k": 2})
+    path.write_text('{"k": 3, "v"\n{"k": 4}\n')  # a broken line that is not the last one is an error
+    with pytest.raises(ValueError, match="rows.jsonl:1"):
+        read_rows(path)

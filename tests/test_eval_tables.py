@@ -121,3 +121,142 @@ def test_tables_from_hand_made_rows(root):
 def test_missing_markers_are_an_error():
     with pytest.raises(ValueError, match="results:demo-table:start"):
         mt.replace_block("no markers here", "x")
+
+
+def _ruler(task, method, doc, score, mem, preset=None, budget=None, **extra):
+    return {
+        "model": "smollm2",
+        "dtype": "bf16",
+        "task": task,
+        "length": 4096,
+        "doc_id": doc,
+        "method": method,
+        "preset": preset or method,
+        "budget": budget,
+        "score": score,
+        "memory_ratio": mem,
+        "kv_bytes": 1000 * mem,
+        "dense_bytes": 1000,
+        "wall_s": 6.0,
+        "date": "2026-01-02T00:00:00Z",
+        "git_commit": "abc",
+        "git_dirty": False,
+        "hfkv_version": "0.1.0",
+        "machine": "cpu",
+        **extra,
+    }
+
+
+@pytest.fixture
+def ruler_root(root):
+    ev, hf = ("evict@256", "evict", 256), ("hfkv@256", "hfkv", 256)
+    rows = [
+        # niah_single_1: hfkv lacks doc 3, so every method is scored on docs 0-2
+        *[_ruler("niah_single_1", "dynamic", d, 1.0, 1.0) for d in range(4)],
+        _ruler("niah_single_1", *ev[:1], 0, 0.0, 0.14, *ev[1:]),  # replaced by the later row of the same key
+        *[_ruler("niah_single_1", ev[0], d, s, 0.14, *ev[1:]) for d, s in ((0, 1.0), (1, 0.0), (2, 0.0), (3, 0.0))],
+        *[
+            _ruler("niah_single_1", hf[0], d, s, m, *hf[1:])
+            for d, s, m in ((0, 1.0, 0.12), (1, 1.0, 0.12), (2, 0.5, 0.15))
+        ],
+        # niah_multikey_2: solved by the full cache (0.5), enters the average
+        *[_ruler("niah_multikey_2", "dynamic", d, s, 1.0) for d, s in ((0, 1.0), (1, 0.0))],
+        *[_ruler("niah_multikey_2", ev[0], d, 0.0, 0.14, *ev[1:]) for d in (0, 1)],
+        *[_ruler("niah_multikey_2", hf[0], d, s, 0.13, *hf[1:]) for d, s in ((0, 1.0), (1, 0.0))],
+        # ruler_vt: the full cache scores 0.2 < SOLVED, so the task is left out of the average
+        *[_ruler("ruler_vt", "dynamic", d, s, 1.0) for d, s in ((0, 0.0), (1, 0.4))],
+        *[_ruler("ruler_vt", m, d, 0.0, mem, p, b) for m, p, b, mem in (ev + (0.14,), hf + (0.13,)) for d in (0, 1)],
+    ]
+    (root / "eval" / "results" / "ruler_x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_ruler_tables_from_hand_made_rows(ruler_root):
+    text, _ = mt.render(ruler_root, plots=False)
+    sec = text.split("## RULER (lm-eval's offline tasks)")[1].split("\n## ")[0]
+    assert text.index("## Real model: teacher-forced fidelity") < text.index("## RULER") < text.index("## Speed")
+    assert (
+        "From `eval/results/ruler_x.jsonl` (hfkv 0.1.0, commit(s) abc, 2026-01-02 to 2026-01-02; "
+        "23 rows took 2.3 min on cpu)." in sec
+    )
+    heads = [line for line in sec.splitlines() if line.startswith("### ")]
+    assert heads == [
+        "### niah_multikey_2 at 4096 tokens (smollm2, bf16)",
+        "### niah_single_1 at 4096 tokens (smollm2, bf16)",
+        "### ruler_vt at 4096 tokens (smollm2, bf16)",
+        "### Average over tasks the full cache solves at 4096 tokens (smollm2, bf16)",
+        "### Best score per memory level at 4096 tokens (smollm2, bf16)",
+    ]
+    single = sec.split("### niah_single_1")[1].split("###")[0]
+    # docs 0-2 (hfkv has no doc 3); Wilson at 3/3 = [3 / (3 + 1.96^2), 1]; evict's doc 0 is its last row (1.0);
+    # hfkv (13.0%, 0.833) dominates evict (14.0%, 0.333)
+    assert "| dynamic | 3 | 1.000 | [0.438, 1.000] | 100.0% | yes |" in single
+    assert "| evict@256 | 3 | 0.333 | [0.061, 0.792] | 14.0% |  |" in single
+    assert "| hfkv@256 | 3 | 0.833 | " in single and " | 13.0% | yes |" in single
+    assert single.index("| dynamic |") < single.index("| evict@256 |") < single.index("| hfkv@256 |")
+    assert "1 example(s) left out: not every method has them." in single
+    assert "left out" not in sec.split("### niah_multikey_2")[1].split("###")[0]
+    avg = sec.split("### Average over tasks")[1].split("###")[0]
+    assert "Tasks (dynamic's score): niah_multikey_2 (0.500), niah_single_1 (1.000)." in avg
+    assert "Left out (dynamic < 0.3): ruler_vt (0.200)." in avg
+    # means over the two solved tasks: dynamic (0.5 + 1) / 2, evict (0 + 1/3) / 2, hfkv (0.5 + 5/6) / 2
+    assert "| dynamic | 2 | 0.750 | 100.0% | yes |" in avg
+    assert "| evict@256 | 2 | 0.167 | 14.0% |  |" in avg
+    assert "| hfkv@256 | 2 | 0.667 | 13.0% | yes |" in avg
+    best = sec.split("### Best score per memory level")[1]
+    assert "Full cache (`dynamic`): 0.750 on the same tasks' average." in best
+    assert "| memory | dynamic | evict | hfkv |" in best
+    assert "| ≤ 7.5% | — | — | — |" in best
+    assert "| ≤ 15% | — | 0.167 (@256) | 0.667 (@256) |" in best
+    assert "| ≤ 30% | — | 0.167 (@256) | 0.667 (@256) |" in best
+    # the same from the rows directly, and deterministic
+    rows = [json.loads(line) for line in (ruler_root / "eval" / "results" / "ruler_x.jsonl").read_text().splitlines()]
+    assert mt.ruler_section(rows, ["eval/results/ruler_x.jsonl"]) == mt.ruler_section(
+        list(rows), ["eval/results/ruler_x.jsonl"]
+    )
+    assert "\n".join(mt.ruler_section(rows, ["eval/results/ruler_x.jsonl"])) in text
+
+
+def test_ruler_duplicates_keep_the_last_row():
+    rows = [_ruler("niah_single_1", "dynamic", 0, s, 1.0) for s in (1.0, 0.0, 0.5)]
+    sec = "\n".join(mt.ruler_section(rows))
+    assert "| dynamic | 1 | 0.500 | " in sec
+    assert "3 rows" not in sec and "1 rows took" in sec
+
+
+def test_ruler_section_without_a_file(root):
+    text, _ = mt.render(root, plots=False)
+    sec = text.split("## RULER (lm-eval's offline tasks)\n\n")[1].split("\n\n")[0]
+    assert sec == "No rows yet in `eval/results/ruler_*.jsonl` (run `eval/sweep_ruler.py`)."
+
+
+def test_ruler_no_solved_task_and_best_cell_labels():
+    rows = [
+        _ruler("ruler_cwe", "dynamic", 0, 0.1, 1.0),
+        _ruler("ruler_cwe", "quanto-int2", 0, 0.1, 0.14),
+        _ruler("ruler_fwe", "evict@512:window=16", 0, 1.0, 0.1, "evict", 512),  # no dynamic rows
+    ]
+    sec = "\n".join(mt.ruler_section(rows))
+    assert (
+        "No task the full cache (`dynamic`) solves (score ≥ 0.3). Left out (dynamic < 0.3): ruler_cwe (0.100)." in sec
+    )
+    assert "Left out (no dynamic rows): ruler_fwe." in sec
+    assert "### Best score per memory level" not in sec
+    assert mt.ruler_cell({"method": "evict@512:window=16", "preset": "evict", "budget": 512, "score": 1.0}) == (
+        "1.000 (@512:window=16)"
+    )
+    assert mt.ruler_cell({"method": "quanto-int2", "preset": "quanto-int2", "budget": None, "score": 0.1}) == "0.100"
+    assert mt.ruler_cell({"method": "hfkv", "preset": "hfkv", "budget": 256, "score": 0.5}) == "0.500 (@256)"
+
+
+def test_wilson_interval():
+    from hfkv.evaluation.results import wilson_interval
+
+    assert mt.wilson is wilson_interval
+    lo, hi = wilson_interval(3, 3)
+    assert lo == pytest.approx(3 / (3 + 1.96**2)) and hi == 1.0
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(1.96**2 / (10 + 1.96**2))
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    lo, hi = wilson_interval(2.5, 5)  # fractional successes: symmetric about 0.5
+    assert lo == pytest.approx(1 - hi)

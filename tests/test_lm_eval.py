@@ -185,3 +185,40 @@ def test_eval_help_lists_lm_eval_options(capsys):
     for option in ("--tasks", "--include_path", "--batch_size", "--limit", "--log_samples", "--output_path"):
         assert option in out
     assert "hfkv_config" in out
+
+
+# Override texts a method spec accepts (hfkv bench, the sweeps); lm-eval's model_args must mean the same.
+SPEC_OVERRIDES = [
+    "mid=none",
+    "mid=None",
+    "alpha_l=0",
+    "alpha_h=inf",
+    "alpha_h=.inf",
+    "quantized.key=fp8",
+    "quantized.value=int4",
+    "original.group_size=64",
+    "score_prior=0.0",
+    "alpha_h=[1.0,0.5,0.25,0.5]",
+    "hfkv.backend=torch",
+]
+
+
+@pytest.mark.parametrize("override", SPEC_OVERRIDES)
+def test_model_args_overrides_mean_what_method_specs_mean(override):
+    """The same override through the method-spec grammar, lm-eval's command line (``--model_args``), its
+    Python string form (``simple_evaluate(model_args="...")``) and a dict of strings builds the same config."""
+    from lm_eval._cli.utils import key_val_to_dict
+    from lm_eval.utils import simple_parse_args_string
+
+    from hfkv.evaluation.methods import parse_method
+
+    key, value = override.split("=", 1)
+    want = parse_method(f"hfkv@256:{key.removeprefix('hfkv.')}={value}").config.to_dict()
+    text = f"pretrained=testbed,hfkv_config=hfkv@256,{override}"
+    forms = {"cli": key_val_to_dict(text), "dict": {"hfkv_config": "hfkv@256", key: value}}
+    if "," not in value:  # simple_evaluate's string form splits at every comma: lists need the dict form
+        forms["simple_evaluate"] = simple_parse_args_string(text)
+    for form, args in forms.items():
+        overrides, _ = split_model_args({k: v for k, v in args.items() if k not in ("pretrained", "hfkv_config")})
+        got = parse_method(args["hfkv_config"], overrides).config.to_dict()
+        assert got == want, (form, override)

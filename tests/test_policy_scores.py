@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from hfkv.policy import observation_counts, observation_probs, reduce_gqa, token_scores
+from hfkv.policy.scores import carry_forward, carry_span
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -254,3 +255,40 @@ def test_mean_score_is_mean_over_observing_queries():
     j = 3
     vals = grouped[:, :, :, :, j].reshape(b, hkv, -1)  # every window query (positions 7..11) sees key 3
     torch.testing.assert_close(s[..., j], vals.mean(-1) + gamma * vals.var(-1, unbiased=False))
+
+
+@SETTINGS
+@given(
+    t=st.integers(1, 30),
+    w=st.integers(1, 12),
+    decay=st.sampled_from([0.0, 0.3, 0.5, 0.8, 0.95]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_carry_forward_matches_loop(t, w, decay, seed):
+    """Each token's mean is the max over itself and decay**d times the mean d places before it (d <= span)."""
+    gen = torch.Generator().manual_seed(seed)
+    sums = torch.rand(2, 3, t, generator=gen) ** 4  # a few heavy hitters
+    count = observation_counts(t, w)
+    got = carry_forward(sums, count, decay)
+    span = carry_span(decay)
+    mean = (sums / count.clamp(min=1)).double()
+    want = mean.clone()
+    for j in range(t):
+        for d in range(1, min(span, j) + 1):
+            want[..., j] = torch.maximum(want[..., j], mean[..., j - d] * decay**d)
+    torch.testing.assert_close(got.double() / count.double(), want, atol=1e-7, rtol=1e-5)
+    assert torch.all(got >= sums - 1e-7)  # never lowers a score
+
+
+def test_carry_keeps_a_copied_span_with_its_key():
+    """A key attended far above its neighbours lifts the tokens after it above the haystack for ~span tokens."""
+    sums = torch.full((1, 1, 40), 1.0)
+    sums[..., 10] = 100.0
+    out = carry_forward(sums, torch.ones(40), 0.8)[0, 0]
+    assert out[9] == 1.0 and out[10] == 100.0
+    assert torch.all(out[11:30] > 1.0) and out[11] == pytest.approx(80.0)
+    assert carry_span(0.8) == 20 and carry_span(0.0) == 0
+    with pytest.raises(ValueError, match="decay"):
+        carry_span(1.0)
+    with pytest.raises(ValueError, match="carry"):
+        token_scores(torch.rand(1, 2, 3, 5), 1, carry=1.5)

@@ -60,12 +60,27 @@ def _model_from_yaml(path: str | None) -> str | None:
     return data.get("model") if isinstance(data, dict) else None
 
 
+def _tokenizer_for_synthetic_tasks(ns: argparse.Namespace) -> None:
+    """RULER's tasks generate their data with the tokenizer named by ``tokenizer`` / ``pretrained``; the model
+    aliases ``testbed`` and ``smollm2`` are not loadable names, so their tokenizer's folder is passed instead."""
+    from hfkv.loading import SMOLLM2, TESTBED
+
+    args = ns.model_args if isinstance(getattr(ns, "model_args", None), dict) else {}
+    meta = ns.metadata if isinstance(getattr(ns, "metadata", None), dict) else {}
+    if "tokenizer" in args or "tokenizer" in meta or args.get("pretrained") not in (TESTBED, SMOLLM2):
+        return
+    from hfkv.evaluation.ruler import tokenizer_path
+
+    ns.metadata = {**meta, "tokenizer": tokenizer_path(args["pretrained"])}
+
+
 def run(args: argparse.Namespace) -> int:
     import hfkv.evaluation.lm_eval_model  # noqa: F401  (registers the "hfkv" model)
 
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
     if not getattr(ns, "model", None) and not _model_from_yaml(getattr(ns, "config", None)):
         ns.model = DEFAULT_MODEL
+    _tokenizer_for_synthetic_tasks(ns)
     ns.func(ns)
     return 0
 

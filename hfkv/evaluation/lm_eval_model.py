@@ -26,7 +26,14 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from hfkv.config import TriStateConfig
-from hfkv.evaluation.methods import QUANTIZED_OPTIONS, TIER_FIELDS, Method, kv_and_dense_bytes, parse_method
+from hfkv.evaluation.methods import (
+    QUANTIZED_OPTIONS,
+    TIER_FIELDS,
+    Method,
+    kv_and_dense_bytes,
+    parse_method,
+    parse_value,
+)
 from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
 
 PREFIX = "hfkv."
@@ -44,8 +51,18 @@ def is_cache_arg(key: str) -> bool:
 
 
 def split_model_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(cache overrides, HFLM kwargs)``; the ``hfkv.`` prefix is removed from the overrides."""
-    cache = {k.removeprefix(PREFIX): v for k, v in kwargs.items() if is_cache_arg(k)}
+    """``(cache overrides, HFLM kwargs)``; the ``hfkv.`` prefix is removed from the overrides.
+
+    lm-eval's command line and ``simple_evaluate`` type ``model_args`` values by their own rules (the CLI
+    keeps ``none`` a string; ``simple_evaluate`` keeps ``[1,0.5]`` a string, or splits it at the comma), so a
+    string value is read again with the method-spec grammar (``parse_value``): ``mid=none``, ``alpha_h=inf``
+    and ``alpha_h=[1,0.5]`` mean what they mean in ``hfkv bench`` and the sweeps.
+    """
+    cache = {
+        k.removeprefix(PREFIX): parse_value(v) if isinstance(v, str) else v
+        for k, v in kwargs.items()
+        if is_cache_arg(k)
+    }
     rest = {k: v for k, v in kwargs.items() if not is_cache_arg(k)}
     return cache, rest
 

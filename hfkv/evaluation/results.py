@@ -57,14 +57,29 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
+            if i == len(lines) and not text.endswith("\n"):
+                break  # an append cut short by a kill: that row was never finished, so it is re-run
             raise ValueError(f"{path}:{i}: not a JSON row ({exc})") from exc
     return rows
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (``successes`` may be fractional: partial matches)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
 
 
 class ResultFile:
@@ -79,6 +94,7 @@ class ResultFile:
         self.key_fields = tuple(key_fields)
         self.match_fields = tuple(match_fields)
         self.rows = read_rows(self.path)
+        self._index = {self.key(r): self._match(r) for r in self.rows}
 
     def key(self, row: dict[str, Any]) -> tuple:
         return tuple(json.dumps(json_safe(row.get(k)), sort_keys=True) for k in self.key_fields)
@@ -88,13 +104,32 @@ class ResultFile:
 
     def has(self, row: dict[str, Any]) -> bool:
         """Whether a row with ``row``'s key and equal match fields is in the file."""
-        k, m = self.key(row), self._match(row)
-        return any(self.key(r) == k and self._match(r) == m for r in self.rows)
+        return self._index.get(self.key(row)) == self._match(row)
 
     def add(self, row: dict[str, Any]) -> None:
         k = self.key(row)
         self.rows = [r for r in self.rows if self.key(r) != k] + [json.loads(dumps_row(row))]
+        self._index[k] = self._match(row)
         write_text_atomic(self.path, "".join(dumps_row(r) + "\n" for r in self.rows))
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Like ``add`` for a new key, without rewriting the file: one ``write`` of one line in append mode
+        (a kill can only leave that last line unfinished, which ``read_rows`` drops). Files of thousands of
+        rows (one per example and method) stay cheap to grow."""
+        k = self.key(row)
+        if k in self._index:
+            self.add(row)
+            return
+        line = (dumps_row(row) + "\n").encode("utf-8")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.rows.append(json.loads(line))
+        self._index[k] = self._match(row)
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,12 +36,15 @@ Everything here is pure torch, device agnostic and free of Python loops over hea
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
     "GQA_REDUCTIONS",
+    "carry_forward",
     "observation_counts",
     "observation_probs",
     "reduce_gqa",
@@ -179,6 +182,7 @@ def token_scores(
     reduction: str = "max",
     gamma: float = 0.0,
     pool_kernel: int = 1,
+    carry: float = 0.0,
 ) -> Tensor:
     """Per-KV-head score *sums* ``[B, Hkv, T_k]`` (fp32) from observation-window probabilities.
 
@@ -200,6 +204,8 @@ def token_scores(
         raise ValueError(f"probs must be [B, Hq, w, T_k], got shape {tuple(probs.shape)}")
     if pool_kernel < 1:
         raise ValueError(f"pool_kernel must be >= 1, got {pool_kernel}")
+    if not 0 <= carry < 1:
+        raise ValueError(f"carry must be a decay in [0, 1), got {carry}")
     b, hq, w, t_k = probs.shape
     g = _group_size(hq, num_kv_heads)
     probs = probs.to(torch.float32)
@@ -220,4 +226,43 @@ def token_scores(
         flat = out.reshape(b * num_kv_heads, 1, t_k)
         pooled = F.avg_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2, count_include_pad=False)
         out = pooled[..., :t_k].reshape(b, num_kv_heads, t_k)
+    if carry > 0 and t_k > 0:
+        out = carry_forward(out, observation_counts(t_k, w, probs.device), carry)
     return out
+
+
+CARRY_FLOOR = 1e-2  # carried shares below this are dropped: the span a score reaches is log(0.01) / log(decay)
+
+
+def carry_span(decay: float) -> int:
+    """How many following tokens a score reaches with ``decay`` per token (0: none)."""
+    if decay <= 0:
+        return 0
+    if decay >= 1:
+        raise ValueError(f"carry decay must be < 1, got {decay}")
+    return max(1, int(math.floor(math.log(CARRY_FLOOR) / math.log(decay))))
+
+
+def carry_forward(sums: Tensor, count: Tensor, decay: float) -> Tensor:
+    """Each token's mean score raised to ``decay ** d`` times the mean of the token ``d`` places before it (the
+    largest over ``d``); returned as sums.
+
+    A model that copies a span (the digits of a retrieved number, the value after a key) reads each token
+    of it right after the one before, while a question attends only to where the span starts: the tokens that
+    follow a heavy hitter inherit a decaying share of its significance so that they are kept with it. A
+    geometric share keeps what follows a strong hitter (a needle's key, far above its neighbours) and barely
+    lifts what follows the many moderate ones of a list. Means, not sums, are compared (a token inside the
+    observation window has fewer observations).
+    """
+    span = carry_span(decay)
+    t = sums.shape[-1]
+    if span == 0 or t < 2:
+        return sums
+    c = count.to(sums.dtype).clamp(min=1)
+    mean = sums / c
+    out = mean.clone()
+    share = 1.0
+    for d in range(1, min(span, t - 1) + 1):  # a few shifts of the whole [B, H, T] tensor, not a loop over tokens
+        share *= decay
+        out[..., d:] = torch.maximum(out[..., d:], mean[..., :-d] * share)
+    return out * c

