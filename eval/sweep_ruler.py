@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
     ap.add_argument("--tasks", default="niah_single_1", help="RULER offline tasks, comma-separated")
     ap.add_argument("--lengths", default="4096", help="max_seq_lengths, comma-separated (default 4096)")
-    ap.add_argument("--limit", type=int, default=30, help="examples per task and length (default 30)")
+    ap.add_argument("--limit", type=int, default=12, help="examples per task and length (default 12)")
     ap.add_argument("--start", type=int, default=0, help="first example index (default 0)")
     ap.add_argument("--model", default="smollm2", help="hfkv.loading model spec (default smollm2)")
     ap.add_argument("--dtype", default="bf16", help="dtype of the decoding model and its caches (default bf16)")

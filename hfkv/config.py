@@ -610,9 +610,8 @@ _ARKV_SCORING: dict[str, Any] = dict(
     score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA, pool_kernel=5, window=32, obs_window=32
 )
 # ARKV's tailor: a hard budget in tokens per head, evicting down to 75% of it when exceeded (IV-F).
-# prior and the mid tier: memory budgets only.
-_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0, mid=None)
-_TOKEN_BUDGET["carry"] = 0.0  # the papers' scorers: no forward carry of prompt scores (an hfkv addition)
+# prior and the mid tier: memory budgets only; carry (prompt scores flowing forward) is an hfkv addition.
+_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0, mid=None, carry=0.0)
 _STREAMING_TOTAL = 1024
 
 _PRESET_VALUES: dict[str, dict[str, Any]] = {

@@ -89,7 +89,8 @@ def _register() -> None:
     AttentionMaskInterface.register(NAME, hfkv_mask)
 
 
-def _configs(model: torch.nn.Module):
+def attn_configs(model: torch.nn.Module):
+    """Every distinct config object of ``model`` that names an attention implementation (sub-configs too)."""
     seen = set()
     for mod in model.modules():
         cfg = getattr(mod, "config", None)
@@ -104,14 +105,14 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
     Idempotent. Returns the model for chaining.
     """
     _register()
-    for cfg in _configs(model):
+    for cfg in attn_configs(model):
         current = cfg._attn_implementation
         if current != NAME:
             _DELEGATES[id(cfg)] = current or "sdpa"
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
     # Sub-configs (e.g. a text config inside a multimodal one) may be separate objects.
-    for cfg in _configs(model):
+    for cfg in attn_configs(model):
         if cfg._attn_implementation != NAME:
             cfg._attn_implementation = NAME
     return model

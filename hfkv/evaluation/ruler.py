@@ -14,15 +14,16 @@ Scores come from the task's own ``process_results`` (RULER's ``string_match_all`
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
-from hfkv.evaluation.results import wilson_interval as wilson
 from hfkv.evaluation.shared_prefill import Prefill, fill_cache, greedy, run_prefill
 
 # Tasks whose data lm-eval generates offline (no download); names as lm-eval registers them.
@@ -35,7 +36,7 @@ OFFLINE_TASKS: tuple[str, ...] = (
     "ruler_fwe",
 )
 
-__all__ = ["OFFLINE_TASKS", "RulerExample", "SharedPrefillLM", "load_examples", "tokenizer_path", "wilson"]
+__all__ = ["OFFLINE_TASKS", "RulerExample", "SharedPrefillLM", "load_examples", "tokenizer_path"]
 
 
 def tokenizer_path(spec: str) -> str:
@@ -101,9 +102,6 @@ def load_examples(task: str, length: int, tokenizer: str, limit: int | None) -> 
         raise ValueError(f"task {task!r} is not one of RULER's offline tasks {OFFLINE_TASKS}")
     # RULER draws its needles from the global RNGs: seed them as simple_evaluate does before it builds tasks, so
     # these are the documents `hfkv eval` scores, in every process (a resumed sweep compares the same ones).
-    import random
-
-    import numpy as np
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
     random.seed(DEFAULT_RANDOM_SEED)

@@ -25,6 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hfkv.attention.interface import attn_configs
+
 CAPTURE = "hfkv_capture"
 QUERY_ROWS = 64  # the largest observation window of a preset (diffkv); ingest_prefill checks it suffices
 
@@ -40,7 +42,6 @@ class Prefill:
     queries: list[Tensor]  # per layer [1, Hq, min(QUERY_ROWS, T), D]: the prompt's last queries
     scaling: list[float]
     logits: Tensor  # [1, V] fp32, next-token logits after the prompt
-    length: int
 
 
 _STORE: dict[int, tuple[Tensor, Tensor, Tensor, float]] = {}
@@ -57,18 +58,15 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
 def _capturing(model: torch.nn.Module) -> Iterator[None]:
     AttentionInterface.register(CAPTURE, _capture_attention)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
-    configs = {
-        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
-    }
-    before = {k: c._attn_implementation for k, c in configs.items()}
-    for c in configs.values():
+    before = [(c, c._attn_implementation) for c in attn_configs(model)]
+    for c, _ in before:
         c._attn_implementation = CAPTURE
     _STORE.clear()
     try:
         yield
     finally:
-        for k, c in configs.items():
-            c._attn_implementation = before[k]
+        for c, name in before:
+            c._attn_implementation = name
 
 
 @torch.no_grad()
@@ -90,7 +88,6 @@ def run_prefill(model: torch.nn.Module, input_ids: Tensor) -> Prefill:
         queries=[g[2] for g in got],
         scaling=[g[3] for g in got],
         logits=out.logits[:, -1].float(),
-        length=int(input_ids.shape[1]),
     )
 
 
