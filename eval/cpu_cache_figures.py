@@ -12,6 +12,12 @@ The interleaved timing is ``hfkv.evaluation.bench.interleaved_decode_times`` (wh
 
     python eval/cpu_cache_figures.py --out eval/results/cpu_cache_figures.json
 
+Timing only on a quiet machine (``hfkv.evaluation.quiet``, docs/bench.md "Timing honestly"): refused
+unless the 1-minute load average is below ``--max-load`` (``--wait-quiet S``, ``--force-busy``); the decode
+sections are timed at each of ``--threads`` (default ``1,all``), each its own entry of ``timings``; the
+file records the thread counts, ``os.cpu_count()`` and the loads before and after (``quiet``), and
+``busy`` when either end was not quiet.
+
 ``--timed`` takes presets or method specs separated by commas, or by semicolons when a spec has
 overrides of its own (``--timed "hfkv;hfkv@1024:budget_unit=tokens,window=32"``).
 """
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 import hfkv
+from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import interleaved_decode_times
 from hfkv.evaluation.methods import parse_method
 from hfkv.evaluation.shapes import build_random_like
@@ -96,6 +104,40 @@ def memory_table(model, prompt_len: int, new_tokens: int, budget: int) -> list[d
     return rows
 
 
+def decode_section(model, ctx: int, timed: list[str], budget: int, steps: int) -> dict:
+    """Every cache of ``timed`` against a DynamicCache at ``ctx``, interleaved step by step."""
+    caches = {"dynamic": make_cache(model, "dynamic", budget)}
+    caches.update({name: make_cache(model, name, budget) for name in timed})
+    times = interleaved_decode_times(model, caches, ctx, steps)
+    dyn, dyn_mean = times["dynamic"]
+    entry = {"context": ctx, "dynamic_ms_median": dyn * 1e3, "dynamic_ms_mean": dyn_mean * 1e3}
+    for name in timed:
+        med, mean = times[name]
+        spec_budget = budget if "@" not in name else name.split("@")[1].split(":")[0]
+        entry[name] = {
+            "budget": spec_budget,
+            "ms_median": med * 1e3,
+            "ms_mean": mean * 1e3,  # over every timed step: the policy runs included
+            "speedup_median": dyn / med,
+            "speedup_mean": dyn_mean / mean,
+            "memory_fraction": held_fraction(caches[name]),
+        }
+        print(
+            f"decode @ {ctx}, {torch.get_num_threads()} thread(s): DynamicCache {dyn * 1e3:.2f} ms/step "
+            f"(mean {dyn_mean * 1e3:.2f}), {name} (budget {spec_budget}) {med * 1e3:.2f} ms/step "
+            f"(mean {mean * 1e3:.2f}) -> {dyn / med:.2f}x median, {dyn_mean / mean:.2f}x mean",
+            flush=True,
+        )
+    return entry
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=2048)
@@ -106,50 +148,48 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--timed", default="hfkv,evict", help="presets or method specs timed vs DynamicCache")
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (1 keeps timings stable on a shared machine)"
-    )
+    quiet.add_arguments(ap)  # --threads (default 1,all), --max-load, --wait-quiet, --force-busy
     ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_cache_figures.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    try:
+        record = quiet.start(args.threads, args.max_load, args.wait_quiet, args.force_busy)
+    except quiet.BusyMachine as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if record["busy"]:
+        print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
     model = build_model()
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
+        "quiet": record,  # completed after the last timed step
+        "busy": record["busy"],
+        "timings": [],
     }
-    if not args.skip_memory:
-        print(f"memory: prompt {args.prompt} + {args.new_tokens} new tokens")
-        result["memory"] = memory_table(model, args.prompt, args.new_tokens, args.budget)
+    torch_threads = torch.get_num_threads()
     timed = split_timed(args.timed)
-    for label, ctx in (("long", args.long_context), ("short", args.short_context)):
-        caches = {"dynamic": make_cache(model, "dynamic", args.budget)}
-        caches.update({name: make_cache(model, name, args.budget) for name in timed})
-        times = interleaved_decode_times(model, caches, ctx, args.steps)
-        dyn, dyn_mean = times["dynamic"]
-        entry = {"context": ctx, "dynamic_ms_median": dyn * 1e3, "dynamic_ms_mean": dyn_mean * 1e3}
-        for name in timed:
-            med, mean = times[name]
-            budget = args.budget if "@" not in name else name.split("@")[1].split(":")[0]
-            entry[name] = {
-                "budget": budget,
-                "ms_median": med * 1e3,
-                "ms_mean": mean * 1e3,
-                "speedup_median": dyn / med,
-                "speedup_mean": dyn_mean / mean,
-                "memory_fraction": held_fraction(caches[name]),
-            }
-            print(
-                f"decode @ {ctx}: DynamicCache {dyn * 1e3:.2f} ms/step (mean {dyn_mean * 1e3:.2f}), "
-                f"{name} (budget {budget}) {med * 1e3:.2f} ms/step (mean {mean * 1e3:.2f}) -> "
-                f"{dyn / med:.2f}x median, {dyn_mean / mean:.2f}x mean",
-                flush=True,
-            )
-        result[f"decode_{label}"] = entry
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
+    try:
+        if not args.skip_memory:
+            torch.set_num_threads(args.threads[0])
+            print(f"memory: prompt {args.prompt} + {args.new_tokens} new tokens")
+            result["memory"] = memory_table(model, args.prompt, args.new_tokens, args.budget)
+            result["memory_threads"] = args.threads[0]
+        for n in args.threads:  # each thread count its own section, every cache against DynamicCache
+            torch.set_num_threads(n)
+            section = {"threads": n}
+            for label, ctx in (("long", args.long_context), ("short", args.short_context)):
+                section[f"decode_{label}"] = decode_section(model, ctx, timed, args.budget, args.steps)
+            result["timings"].append(section)
+            write_json(args.out, result)
+    finally:
+        torch.set_num_threads(torch_threads)
+    print("waiting for the run's own load to decay", flush=True)
+    quiet.finish(record)
+    result["busy"] = record["busy"]
+    if record["busy"]:
+        print(f"busy machine ({quiet.describe(record)}): the result is marked busy, not a result")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

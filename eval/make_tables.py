@@ -6,6 +6,7 @@ Inputs (whatever they hold; a method or budget missing from a file gives "—" c
     eval/results/fidelity_sweep.jsonl   eval/sweep_fidelity.py  teacher-forced KL / top-1 vs KV memory
     eval/results/ruler_*.jsonl          eval/sweep_ruler.py     RULER (lm-eval's offline tasks) score vs KV memory
     eval/results/bench/*.json           hfkv bench              decode / prefill speed and memory ratios
+    eval/results/demo.json              hfkv demo --out         README's demo table and run time
 
 Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md between
 ``<!-- results:demo-table:start -->`` and ``<!-- results:demo-table:end -->``. Output is deterministic
@@ -37,6 +38,7 @@ FIDELITY = "eval/results/fidelity_sweep.jsonl"
 RULER = "eval/results/ruler_*.jsonl"
 BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
+DEMO = "eval/results/demo.json"
 PLOTS = "eval/results/plots"
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
 EVAL_README = "eval/README.md"
@@ -47,8 +49,6 @@ TARGET_ACCURACY, TARGET_COMPRESSION = 0.99, 5.0  # issue 9: hfkv >= 99% of full 
 BASELINES = ("dynamic", "static", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
 PRESET_ORDER = ("full", "evict", "quant", "streaming", "arkv", "diffkv", "hfkv")
 TASK_ORDER = ("kv_recall", "arith_cot")
-DEMO_METHODS = ("evict", "streaming", "hfkv")
-DEMO_BUDGETS = (80, 160)
 RULER_KEY = ("model", "dtype", "task", "length", "doc_id", "method")
 SOLVED = 0.3  # a RULER task enters the average when the full cache (dynamic) scores at least this
 RULER_LEVELS = (0.075, 0.15, 0.30)  # memory ceilings of RULER's "best score per memory level" table
@@ -267,30 +267,26 @@ def best_at_section(sel, front, score: str, pick, spec: str, full: dict[str, Any
     return [*out, ""]
 
 
-def demo_table(rows: list[dict[str, Any]], methods=DEMO_METHODS, budgets=DEMO_BUDGETS, dtype="bf16") -> str:
-    """README's demo excerpt, in ``hfkv demo``'s format: DynamicCache and each method at each budget."""
-    rows = {(r["task"], r["method"]): r for r in latest([r for r in rows if r["dtype"] == dtype], ("task", "method"))}
-    header = (
-        f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "
-        f"{'decode tok/s':>13}"
+def demo_table(run: dict[str, Any] | None) -> str:
+    """README's demo block: the committed run of ``hfkv demo`` (eval/results/demo.json), in the demo's own
+    format, with how long it took and on what."""
+    if run is None:
+        return f"No committed demo run yet (`hfkv demo --out {DEMO}`)."
+    from hfkv.testbed.demo import format_table
+
+    info = run["run"]
+    return "\n".join(
+        [
+            "```",
+            format_table(run["rows"]),
+            "```",
+            "",
+            f"`hfkv demo --out {DEMO}` ({info['date']}, hfkv {info['hfkv']}, torch {info['torch']}): "
+            f"{info['wall_s'] / 60:.1f} min on {info['cpu_count']} cores ({info['machine']}), "
+            f"{info['threads']} torch threads, {info['dtype']}, load average {info['load_average_before']:.2f} "
+            f"before / {info['load_average_after']:.2f} after. Decode tok/s is indicative of that machine only.",
+        ]
     )
-    lines = ["```", header, "-" * len(header)]
-    for task in tasks_in({k[0] for k in rows}):
-        for label, method in [
-            ("DynamicCache", "dynamic"),
-            *[(f"{m}@{b}", f"{m}@{b}") for m in methods for b in budgets],
-        ]:
-            r = rows.get((task, method))
-            if r is None:
-                lines.append(f"{task:<10} {label:<16} {DASH:>4} {DASH:>9} {DASH:>12} {DASH:>10} {DASH:>13}")
-                continue
-            speed = r.get("decode_tok_s")
-            lines.append(
-                f"{task:<10} {label:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
-                f"{r['kv_bytes'] / 1024:>10.1f} {fmt(speed, '>13.1f') if speed is not None else DASH:>13}"
-            )
-    lines.append("```")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ fidelity
@@ -307,11 +303,15 @@ def fidelity_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str
         "",
     ]
     rows = latest(rows, ("model", "texts", "doc", "method", "dtype", "chunk"))
-    for setup in sorted({(r["model"], r["dtype"], r["chunk"]) for r in rows}):
-        model, dtype, chunk = setup
+
+    def setup_of(r: dict[str, Any]) -> tuple:
+        return (r["model"], r["texts"] == "human", r["dtype"], r["chunk"])
+
+    for setup in sorted({setup_of(r) for r in rows}):
+        model, human, dtype, chunk = setup
         by: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in rows:
-            if (r["model"], r["dtype"], r["chunk"]) == setup:
+            if setup_of(r) == setup:
                 by[r["method"]].append(r)
         agg = []
         for method, rs in by.items():
@@ -331,7 +331,16 @@ def fidelity_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str
         agg.sort(key=row_key)
         front = pareto([(r["memory_ratio"], r["neg_kl"]) for r in agg])
         docs = sorted({r["doc"] for rs in by.values() for r in rs})
-        out += [f"### {model} ({dtype}, {chunk} token(s) per forward; documents {', '.join(map(str, docs))})", ""]
+        if human:
+            sources = sorted({(r["doc"], r.get("source", "?")) for rs in by.values() for r in rs})
+            texts = "human-written documents " + ", ".join(f"{d} ({src})" for d, src in sources)
+        else:
+            texts = f"documents the model generated, {', '.join(map(str, docs))}"
+        out += [
+            f"### {model}, {'human-written' if human else 'generated'} texts ({dtype}, {chunk} token(s) per forward)",
+            "",
+        ]
+        out += [f"Texts: {texts}.", ""]
         table = [
             [
                 r["method"],
@@ -344,7 +353,7 @@ def fidelity_section(rows: list[dict[str, Any]], plots: Path | None) -> list[str
             for r, f in zip(agg, front, strict=True)
         ]
         out += [md_table(["method", "docs", "KL", "top-1", "memory", "Pareto"], table, "lrrrrl"), ""]
-        name = f"fidelity_{model.replace('/', '--')}_{dtype}.png"
+        name = f"fidelity_{model.replace('/', '--')}_{dtype}{'_human' if human else ''}.png"
         if plots is not None:
             title = f"{model} ({dtype}): KL vs memory"
             plot_front(agg, "kl", front, title, "KL(full ‖ method), nats", plots / name, logy=True)
@@ -506,21 +515,46 @@ def ruler_average(per_task: dict[str, list[dict[str, Any]]], model: str, dtype: 
 
 
 # ------------------------------------------------------------------------------------------ bench
+NOT_A_RESULT = {
+    "busy machine": "busy machine: not a result",
+    "load not recorded": "load not recorded: not a result (timed before loads were recorded; re-run quietly)",
+}
+
+
+def threads_label(threads: int | None, cpu_count: int | None = None) -> str:
+    """``1 torch thread (of 2 CPUs)``."""
+    if threads is None:
+        return "torch threads not recorded"
+    of = f" (of {cpu_count} CPUs)" if cpu_count else ""
+    return f"{threads} torch thread{'s' if threads != 1 else ''}{of}"
+
+
+def timing_note(record: dict[str, Any] | None) -> str:
+    """What the table under it is: timed on a quiet machine (with its loads), or why it is not a result."""
+    from hfkv.evaluation.quiet import describe, verdict
+
+    why = verdict(record)
+    if why is None:
+        return f"quiet machine, {describe(record)}"
+    head = NOT_A_RESULT.get(why, f"{why}: not a result")
+    return head if why == "load not recorded" else f"{head} ({describe(record)})"
+
+
 def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str]:
+    from hfkv.evaluation.quiet import verdict
+
     out = ["## Speed: decode and prefill vs context (`hfkv bench`)", ""]
     if not results:
         return [*out, f"No files yet in `{BENCH_DIR}/` (run `hfkv bench`).", ""]
     out += [
         "Ratios to a DynamicCache measured in the same process, interleaved step by step (see docs/bench.md): "
-        "decode speed-up = DynamicCache's step time / the cache's (median; mean includes the policy runs), "
-        "> 1 is faster. Memory = KV bytes held after the run / DynamicCache's.",
+        "decode speed-up = DynamicCache's step time / the cache's (median; mean over every timed step, the "
+        "policy runs included), > 1 is faster. Memory = KV bytes held after the run / DynamicCache's. Speed "
+        'figures come only from groups timed on a quiet machine (docs/bench.md, "Timing honestly"); for the '
+        "others only memory is shown.",
         "",
     ]
     for res in sorted(results, key=lambda r: r["name"]):
-        rows = sorted(
-            (r for g in res["groups"] for r in g["rows"]),
-            key=lambda r: (r["batch"], r["context"], *row_key(r)),
-        )
         out += [f"### {res['name']}: {res['model']['description']}, {res['dtype']}", ""]
         walls = [g["wall_s"] for g in res["groups"] if g.get("wall_s") is not None]
         took = f" The groups took {sum(walls) / 60:.1f} min." if len(walls) == len(res["groups"]) else ""
@@ -529,75 +563,112 @@ def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str
             f"{'+dirty' if res.get('git_dirty') else ''}.{took}",
             "",
         ]
-        table = [
-            [
-                str(r["context"]),
-                str(r["batch"]),
-                r["method"],
-                fmt(r["kv_bytes"] / 2**20, ".2f"),
-                pct(r["memory_ratio"]),
-                fmt(r["decode_ms_median"], ".2f"),
-                fmt(r["decode_speedup_median"], ".2f", "x"),
-                fmt(r["decode_speedup_mean"], ".2f", "x"),
-                fmt(r["prefill_speedup"], ".2f", "x"),
+        legacy = res.get("args", {}).get("threads")
+        blocks: dict[tuple, list[dict[str, Any]]] = {}  # (threads, is a result, note) -> groups, in order
+        for g in sorted(res["groups"], key=lambda g: (g.get("threads") or 0, g["context"], g["batch"])):
+            threads = g.get("threads") or (legacy if isinstance(legacy, int) else None)
+            record = g.get("quiet")
+            cpus = (record or {}).get("cpu_count")
+            key = (threads_label(threads, cpus), verdict(record) is None, timing_note(record))
+            blocks.setdefault(key, []).append(g)
+        for (label, ok, note), groups in blocks.items():
+            rows = sorted((r for g in groups for r in g["rows"]), key=lambda r: (r["batch"], r["context"], *row_key(r)))
+            cells = [
+                [
+                    str(r["context"]),
+                    str(r["batch"]),
+                    r["method"],
+                    fmt(r["kv_bytes"] / 2**20, ".2f"),
+                    pct(r["memory_ratio"]),
+                ]
+                for r in rows
             ]
-            for r in rows
-        ]
-        header = ["context", "batch", "method", "KV MiB", "memory", "decode ms", "decode ×", "mean ×", "prefill ×"]
-        align = "rrlrrrrrr"
-        if any("max_batch" in r for r in rows):  # CUDA runs with --max-batch-context
-            table = [[*cells, str(r.get("max_batch", DASH))] for cells, r in zip(table, rows, strict=True)]
-            header, align = [*header, "max batch"], align + "r"
-        out += [md_table(header, table, align), ""]
+            header, align = ["context", "batch", "method", "KV MiB", "memory"], "rrlrr"
+            if ok:
+                cells = [
+                    [
+                        *c,
+                        fmt(r["decode_ms_median"], ".2f"),
+                        fmt(r["decode_speedup_median"], ".2f", "x"),
+                        fmt(r["decode_speedup_mean"], ".2f", "x"),
+                        fmt(r["prefill_speedup"], ".2f", "x"),
+                    ]
+                    for c, r in zip(cells, rows, strict=True)
+                ]
+                header, align = [*header, "decode ms", "decode ×", "mean ×", "prefill ×"], align + "rrrr"
+            if any("max_batch" in r for r in rows):  # CUDA runs with --max-batch-context
+                cells = [[*c, str(r.get("max_batch", DASH))] for c, r in zip(cells, rows, strict=True)]
+                header, align = [*header, "max batch"], align + "r"
+            out += [f"{label}; {note}{'' if ok else '; memory only'}:", ""]
+            out += [md_table(header, cells, align), ""]
         name = f"bench_{res['name']}.png"
         if plots is not None:
             from hfkv.evaluation.bench import plot
 
-            plot(res, str(plots / name))
+            plot(res, str(plots / name))  # speed only from groups timed on a quiet machine
         out += [f"![{res['name']}]({LINK}/{name})", ""]
     return out
 
 
 def cpu_figures_section(res: dict[str, Any] | None) -> list[str]:
     """The decode-step and memory figures of eval/cpu_cache_figures.py (one process, interleaved timing)."""
+    from hfkv.evaluation.quiet import verdict
+
     out = ["## CPU decode step at long and short context (`eval/cpu_cache_figures.py`)", ""]
     if res is None:
         return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py`).", ""]
+    record = res.get("quiet")
+    ok = verdict(record) is None
     out += [
         f"Random Llama (8 layers, hidden 512, 2 KV heads x 64), fp32; {res['machine']}; torch {res['torch']}. "
         "Each cache is timed against a DynamicCache in the same process, step by step in turn; speed-up = "
-        "DynamicCache's step time / the cache's (median, and mean with the policy runs). Memory = KV bytes held "
-        "at the end of the timed steps / DynamicCache's.",
+        "DynamicCache's step time / the cache's (median, and mean over every timed step, the policy runs "
+        "included). Memory = KV bytes held at the end of the timed steps / DynamicCache's.",
+        "",
+        f"Timing: {timing_note(record)}{'' if ok else '; speed figures left out, memory only'}.",
         "",
     ]
-    for key in ("decode_long", "decode_short"):
-        entry = res.get(key)
-        if not entry:
-            continue
-        rows = [["DynamicCache", "100.0%", fmt(entry["dynamic_ms_median"], ".2f"), "1.00x", "1.00x"]]
-        for name, r in entry.items():
-            if isinstance(r, dict):
-                mem = r.get("memory_fraction")
-                rows.append(
-                    [
-                        f"`{name}`",
-                        DASH if mem is None else f"{100 * mem:.1f}%",
-                        fmt(r["ms_median"], ".2f"),
-                        fmt(r["speedup_median"], ".2f", "x"),
-                        fmt(r["speedup_mean"], ".2f", "x"),
-                    ]
-                )
-        out += [f"Decode at {entry['context']:,} tokens:", ""]
-        out += [md_table(["cache", "memory", "ms/step", "speed-up", "mean"], rows, "lrrrr"), ""]
+    legacy = res.get("args", {}).get("threads")
+    sections = res.get("timings") or [  # files from before thread counts: one section at the top level
+        {
+            "threads": int(legacy) if str(legacy).isdigit() else None,
+            **{k: res[k] for k in res if k.startswith("decode_")},
+        }
+    ]
+    for section in sections:
+        for key in ("decode_long", "decode_short"):
+            entry = section.get(key)
+            if not entry:
+                continue
+            rows = [["DynamicCache", "100.0%", fmt(entry["dynamic_ms_median"], ".2f"), "1.00x", "1.00x"]]
+            for name, r in entry.items():
+                if isinstance(r, dict):
+                    mem = r.get("memory_fraction")
+                    rows.append(
+                        [
+                            f"`{name}`",
+                            DASH if mem is None else f"{100 * mem:.1f}%",
+                            fmt(r["ms_median"], ".2f"),
+                            fmt(r["speedup_median"], ".2f", "x"),
+                            fmt(r["speedup_mean"], ".2f", "x"),
+                        ]
+                    )
+            header, align = ["cache", "memory", "ms/step", "speed-up", "mean"], "lrrrr"
+            if not ok:
+                rows, header, align = [row[:2] for row in rows], header[:2], align[:2]
+            cpus = (record or {}).get("cpu_count")
+            out += [f"Decode at {entry['context']:,} tokens, {threads_label(section.get('threads'), cpus)}:", ""]
+            out += [md_table(header, rows, align), ""]
     if res.get("memory"):
         a = res["args"]
         rows = [
             [r["cache"], DASH if r["budget"] is None else str(r["budget"]), fmt(r["compression_ratio"], ".2f", "x")]
-            + [fmt(r["generate_s"], ".1f")]
+            + ([fmt(r["generate_s"], ".1f")] if ok else [])
             for r in res["memory"]
         ]
+        header, align = ["cache", "budget", "compression", *(["generate s"] if ok else [])], "lrr" + ("r" if ok else "")
         out += [f"Memory after `generate` of a {int(a['prompt']):,}-token prompt + {a['new_tokens']} tokens:", ""]
-        out += [md_table(["cache", "budget", "compression", "generate s"], rows, "lrrr"), ""]
+        out += [md_table(header, rows, align), ""]
     return out
 
 
@@ -627,7 +698,8 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     cpu = root / CPU_FIGURES
     lines += cpu_figures_section(json.loads(cpu.read_text(encoding="utf-8")) if cpu.exists() else None)
     lines += COMMANDS.splitlines()
-    return "\n".join(lines).rstrip() + "\n", demo_table(testbed)
+    demo = root / DEMO
+    return "\n".join(lines).rstrip() + "\n", demo_table(json.loads(demo.read_text()) if demo.exists() else None)
 
 
 COMMANDS = """\
@@ -651,6 +723,9 @@ OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 --methods evict streaming
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
     --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
+# human-written documents (Python's reference manual and standard library, cut at run time), fp32
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --texts human --dtype fp32 --docs 2 --budgets 128,256,512 \\
+    --methods hfkv evict streaming arkv@256 quant@none diffkv@none quanto-int4 quanto-int2
 # two-tier variants (no mid tier), measured before the mid tier existed; `mid=none` reproduces them
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256,576 \\
     --methods 'hfkv:quantized.value=int4,mid=none'
@@ -658,13 +733,14 @@ OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 
     --methods 'hfkv:original.key=int8,original.value=int4,mid=none'
 OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
     --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --budgets 48,64,80,112,160
-# CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32)
-OMP_NUM_THREADS=1 hfkv bench --random-like cpu-small \\
+# CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32): alone on a quiet machine, at 1 thread
+# and all cores (docs/bench.md, "Timing honestly"; the committed files predate that: no speed from them)
+hfkv bench --wait-quiet 600 --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
     --dtype fp32 --name cpu_small_fp32 --force
 # CPU decode step at 8k and 512 tokens, one process (the last spec is the hfkv preset before memory budgets)
-OMP_NUM_THREADS=1 python eval/cpu_cache_figures.py --timed \\
+python eval/cpu_cache_figures.py --wait-quiet 600 --timed \\
     "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
 OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
@@ -674,6 +750,11 @@ OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --
 python eval/format_fidelity.py --docs-only
 # RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
+python eval/sweep_ruler.py --methods dynamic --lengths 2048 --limit 8 \\
+    --tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe
+python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 12 --methods dynamic quanto-int4 \\
+    quant@none evict@512 evict@1024 streaming@1024 arkv@2048 diffkv@none hfkv@256 hfkv@512 hfkv@1024 hfkv@2048
 # then
 python eval/make_tables.py
 ```

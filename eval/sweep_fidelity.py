@@ -32,7 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
     ap.add_argument("--budgets", default=DEFAULT_BUDGETS, help="token budgets per KV head (default: %(default)s)")
     ap.add_argument("--docs", type=int, default=4, help="documents (default 4; missing ones are generated)")
-    ap.add_argument("--texts", default=None, help="texts file (default eval/results/texts/<model-tag>.jsonl)")
+    ap.add_argument(
+        "--texts",
+        default=None,
+        help="texts file (default eval/results/texts/<model-tag>.jsonl), or 'human': human-written documents "
+        "read from this Python's reference manual and standard library (hfkv.evaluation.human_texts)",
+    )
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length of new documents (default 1536)")
+    ap.add_argument(
+        "--continuation-tokens", type=int, default=None, help="scored tokens of new documents (default 384)"
+    )
     ap.add_argument("--dtype", default="fp32", help="model dtype (default fp32: the CPU runs it faster than bf16)")
     ap.add_argument("--chunk", type=int, default=1, help="continuation tokens per forward (default 1 = exact)")
     ap.add_argument("--out", default="eval/results/fidelity_sweep.jsonl")
@@ -48,9 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hfkv.evaluation.fidelity import reference_logprobs, teacher_forced
+    from hfkv.evaluation.human_texts import TEXTS_NAME, human_documents
     from hfkv.evaluation.methods import expand_methods
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
-    from hfkv.evaluation.texts import default_path, ensure_documents, load_documents
+    from hfkv.evaluation.texts import (
+        CONTINUATION_TOKENS,
+        PROMPT_TOKENS,
+        default_path,
+        ensure_documents,
+        load_documents,
+    )
     from hfkv.loading import load_model, parse_dtype
 
     git_commit()  # the commit of the code imported now, whatever is committed while the sweep runs
@@ -74,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             "chunk": args.chunk,
         }
 
+    lengths = (args.prompt_tokens or PROMPT_TOKENS, args.continuation_tokens or CONTINUATION_TOKENS)
     model = tok = None
-    have = load_documents(texts) if os.path.exists(texts) else []
+    if texts == TEXTS_NAME:  # cut at run time from this Python's files: needs the tokenizer
+        model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+        have = human_documents(tok, args.docs, *lengths)
+    else:
+        have = load_documents(texts) if os.path.exists(texts) else []
     if len(have) < args.docs:
         model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-        have = ensure_documents(model, tok, texts, args.docs)
+        have = ensure_documents(model, tok, texts, args.docs, *lengths)
     docs = have[: args.docs]
     todo = [
         (d, m) for d in docs for m in methods if args.force or not out.has({**key(d["id"], m.label), **m.describe()})
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             **key(doc["id"], method.label),
             **method.describe(),
             **fid.to_dict(),
+            **{k: doc[k] for k in ("source", "sha256") if k in doc},
             "prompt_len": doc["prompt_len"],
             "n_tokens": len(doc["ids"]),
             "wall_s": round(time.perf_counter() - t0, 2),

@@ -32,6 +32,7 @@ from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
+from hfkv.stats_html import cache_html
 from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
 from hfkv.storage.pool import GROWTH
 
@@ -569,6 +570,7 @@ class TriStateLayer(CacheLayerMixin):
             mid=counts[..., MID].tolist(),
             quantized=counts[..., QUANTIZED].tolist(),
             evicted=evicted.tolist(),
+            budget_bytes=self.cap * bsz * heads if self.memory_budget else None,
         )
 
 
@@ -635,9 +637,7 @@ class TriStateCache(DynamicCache):
         return self.config.backend if self.config.compress else "torch"
 
     def _repr_html_(self) -> str:
-        from hfkv.inspect import cache_html
-
-        return cache_html(self)
+        return cache_html(self.stats(), self.config.summary(), len(self.layers), self.oq_ratios())
 
     def attention_ready(self) -> bool:
         return self.model_config._attn_implementation == NAME
@@ -702,7 +702,9 @@ class TriStateCache(DynamicCache):
                 b, h, n, d = layer.keys.shape
                 ls = LayerStats(i, kb, kb, layer.get_seq_length(), compressed=False)
                 ls.window = [[n] * h for _ in range(b)]
-                ls.original = ls.mid = ls.quantized = ls.evicted = [[0] * h for _ in range(b)]
+                ls.original = ls.mid = ls.quantized = [[0] * h for _ in range(b)]
+                # A sliding layer has dropped what left its window: those positions are evicted.
+                ls.evicted = [[ls.logical_length - n] * h for _ in range(b)]
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     ls.dense_bytes = dense_kv_bytes(b, h, layer.get_seq_length(), d, layer.keys.dtype)
                 per_layer.append(ls)
@@ -711,4 +713,8 @@ class TriStateCache(DynamicCache):
             dense_bytes=sum(ls.dense_bytes for ls in per_layer),
             layers=per_layer,
             backend=self.backend,
+            name=self.config.name,
+            budget=self.config.budget if self.config.compress else None,
+            budget_unit=self.config.budget_unit,
+            head_adaptive=self.config.head_adaptive,
         )

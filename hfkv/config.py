@@ -10,10 +10,11 @@ are in :meth:`TriStateConfig.validate_for_model`, which the cache calls at first
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,15 @@ TIER_FIELDS: tuple[str, ...] = ("original", "mid", "quantized")  # the storage t
 # head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per
 # token), so quantized tokens cost what they weigh; "bytes": the same cap given directly in bytes.
 BUDGET_UNITS: tuple[str, ...] = ("tokens", "fp_tokens", "bytes")
+# What `budget` counts under each unit, in the words error messages use (docs/generate.md, "Budgets").
+BUDGET_UNIT_TEXT: dict[str, str] = {
+    "tokens": "an integer number of tokens per KV head (budget_unit='tokens': tokens kept, whatever their tier)",
+    "fp_tokens": (
+        "an integer memory budget in full-precision-token equivalents per KV head (budget_unit='fp_tokens': "
+        "at most the bytes of that many tokens' keys + values in the model dtype)"
+    ),
+    "bytes": "an integer number of bytes per KV head (budget_unit='bytes': a memory budget in bytes)",
+}
 
 Alpha = float | list[float] | list[list[float]]
 
@@ -48,6 +58,12 @@ def _is_real(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (difflib), or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _fail(where: str, value: Any, allowed: str) -> ValueError:
@@ -98,7 +114,8 @@ def _tier_from(where: str, value: Any, base: TierFormat) -> TierFormat:
         raise _fail(where, value, f"a TierFormat or a mapping with keys {_TIER_KEYS}")
     unknown = sorted(set(value) - set(_TIER_KEYS), key=str)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(_TIER_KEYS)}")
+        hint = did_you_mean(unknown[0], _TIER_KEYS)
+        raise ValueError(f"{where}: unknown key(s) {unknown}{hint}; allowed: {list(_TIER_KEYS)}")
     merged = {**base.to_dict(), **value}
     _check_tier(where, merged["key"], merged["value"], merged["group_size"])
     return TierFormat(merged["key"], merged["value"], int(merged["group_size"]))
@@ -161,7 +178,7 @@ def _check_yaml_safe(where: str, v: Any) -> None:
 
 @dataclass
 class TriStateConfig:
-    """Every knob of the tri-state policy (DESIGN.md section 3); defaults are the ``hfkv`` preset.
+    """Every knob of the tri-state policy (docs/generate.md, docs/architecture.md); defaults are the ``hfkv`` preset.
 
     It stays mutable so notebooks can poke at it, but every construction path (including
     ``dataclasses.replace``) re-runs the checks; after editing a field in place, call
@@ -338,12 +355,12 @@ class TriStateConfig:
                     )
             return
         if not _is_int(b):
-            raise _fail(f"{w}.budget", b, "an integer number of tokens per KV head, or None")
+            raise _fail(f"{w}.budget", b, f"{BUDGET_UNIT_TEXT[self.budget_unit]}, or None")
         self.budget = b = int(b)
         if self.budget_unit == "bytes":
             # Bytes are checked against the model (record sizes, dtype) when the cache is built.
             if b <= 0:
-                raise _fail(f"{w}.budget", b, "a positive number of bytes per KV head, or None")
+                raise _fail(f"{w}.budget", b, f"positive: {BUDGET_UNIT_TEXT['bytes']}, or None")
             return
         if self.budget_unit == "fp_tokens":
             # The ring holds up to window + interval full-precision tokens between policy runs.
@@ -352,8 +369,9 @@ class TriStateConfig:
                 raise _fail(
                     f"{w}.budget",
                     b,
-                    f"> window + interval + sink_tokens = {ring + self.sink_tokens} full-precision tokens "
-                    "(the budget includes the window, which may grow by `interval` tokens between policy runs)",
+                    f"> window + interval + sink_tokens = {ring + self.sink_tokens} full-precision-token "
+                    "equivalents (budget_unit='fp_tokens': a memory budget per KV head; it includes the window, "
+                    "which may grow by `interval` tokens between policy runs)",
                 )
             if math.floor(self.slack * (b - ring)) < self.sink_tokens:
                 raise ValueError(
@@ -366,7 +384,8 @@ class TriStateConfig:
             raise _fail(
                 f"{w}.budget",
                 b,
-                f"> window + sink_tokens = {self.window + self.sink_tokens} (the budget includes the window)",
+                f"> window + sink_tokens = {self.window + self.sink_tokens} tokens "
+                "(budget_unit='tokens': tokens kept per KV head; the budget includes the window)",
             )
         kept = math.floor(self.slack * (b - self.window))
         if kept < self.sink_tokens:
@@ -462,7 +481,8 @@ class TriStateConfig:
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(allowed) - {"preset"}, key=str)
         if unknown:
-            raise ValueError(f"unknown config key(s) {unknown}; allowed: ['preset'] + {allowed}")
+            hint = did_you_mean(unknown[0], ["preset", *allowed])
+            raise ValueError(f"unknown config key(s) {unknown}{hint}; allowed: ['preset'] + {allowed}")
         rest = dict(d)
         preset = rest.pop("preset", None)
         if preset is not None:
@@ -497,11 +517,12 @@ class TriStateConfig:
         size (sinks + window) and sets ``window = budget - sink_tokens``; its stored budget stays None
         because nothing outside the window survives, so there is nothing left to tailor."""
         if name not in _PRESET_VALUES:
-            raise _fail("preset", name, f"one of {PRESETS}")
+            raise ValueError(f"preset={name!r} must be one of {PRESETS}{did_you_mean(name, PRESETS)}")
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - allowed)
         if unknown:
-            raise ValueError(f"unknown TriStateConfig field(s) {unknown}; allowed: {sorted(allowed)}")
+            hint = did_you_mean(unknown[0], allowed)
+            raise ValueError(f"unknown TriStateConfig field(s) {unknown}{hint}; allowed: {sorted(allowed)}")
         values: dict[str, Any] = {"name": name, **copy.deepcopy(_PRESET_VALUES[name])}
         if name == "streaming":
             overrides = dict(overrides)
@@ -512,8 +533,8 @@ class TriStateConfig:
                     raise _fail(
                         "TriStateConfig.budget",
                         total,
-                        f"an integer > sink_tokens={sinks!r} "
-                        "(for the streaming preset, budget is the total cache size)",
+                        f"an integer number of tokens > sink_tokens={sinks!r} "
+                        "(for the streaming preset, budget is the total cache size in tokens per KV head)",
                     )
                 if "window" in overrides and overrides["window"] != total - sinks:
                     raise ValueError(

@@ -3,44 +3,33 @@
 The cache exposes its decisions through a few tensor accessors (``token_states``, ``token_scores``,
 ``thresholds``, ``oq_ratios``, ``stats``). A notebook wants them as long-format pandas frames it
 can plot directly, per layer / KV head / position, without knowing the cache's internals; this
-module is that translation, and nothing here reads a private attribute. It also holds the
-``_repr_html_`` renderers of ``TriStateCache`` and ``CacheStats`` and the helpers the accuracy-memory
-figure needs (Pareto front, a small testbed sweep). See ``docs/notebooks.md``.
+module is that translation, and nothing here reads a private attribute. It also holds the helpers
+the accuracy-memory figure needs (Pareto front, a small testbed sweep). See ``docs/notebooks.md``.
+
+It sits above the cache (it imports ``hfkv.cache``). The HTML summaries that ``TriStateCache`` and
+``CacheStats`` render themselves with live below it, in ``hfkv.stats_html``, and are re-exported here
+(``cache_html``, ``stats_html``, ``STATE_COLORS``), as are the state names (``hfkv.states``).
 
 pandas is imported lazily: the HTML summaries and the memory trace work without it.
 """
 
 from __future__ import annotations
 
-import html
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import LogitsProcessor
 
 from hfkv.cache import TriStateCache, TriStateLayer
-from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
-from hfkv.stats import CacheStats, LayerStats
+from hfkv.states import STATE_LABELS, STATE_ORDER
+from hfkv.stats_html import STATE_COLORS, stats_html
+from hfkv.stats_html import cache_html as _cache_html
 from hfkv.storage import cache_bytes
 
-# Every figure and summary uses the same names, order and colours for the states.
-STATE_LABELS: dict[int, str] = {
-    WINDOW: "window",
-    ORIGINAL: "original",
-    MID: "mid",
-    QUANTIZED: "quantized",
-    EVICTED: "evicted",
-}
-STATE_ORDER: tuple[str, ...] = ("window", *STATE_NAMES)
-STATE_COLORS: dict[str, str] = {
-    "window": "#4c72b0",  # blue: recent, dense, not yet classified
-    "original": "#55a868",  # green: kept in the original tier
-    "mid": "#ccb974",  # sand: kept, quantized in the precise format
-    "quantized": "#dd8452",  # orange: kept, quantized
-    "evicted": "#e6e6e6",  # light grey: gone
-}
+# Every figure and summary uses the same names, order and colours for the states (STATE_LABELS,
+# STATE_ORDER from hfkv.states, STATE_COLORS from hfkv.stats_html).
 SWEEP_COLUMNS = ("task", "method", "accuracy", "memory_ratio")
 # The notebook's small sweep: every compressing preset at three budgets (in its own unit: tokens, or fp_tokens for
 # hfkv; 64 is the smallest every preset accepts), DiffKV as designed (no budget).
@@ -294,11 +283,14 @@ def testbed_sweep(
         TriStateConfig.from_preset(preset, budget=budget)  # as evaluate() builds it: fail before running
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"testbed_sweep: limit={limit!r} must be an integer >= 1")
+    from tqdm.auto import tqdm
+
     data = load_test_set(task)[:limit]
     rows = []
+    bar = tqdm(total=len(data) * (1 + len(configs)), desc=task, leave=False, disable=not progress)
     for preset, budget in [(None, None), *configs]:
-        label = sweep_label(preset or "DynamicCache", budget)
-        r = evaluate(model, tok, task, data, preset, budget, batch_size, progress=label if progress else None)
+        bar.set_postfix_str(sweep_label(preset or "DynamicCache", budget))
+        r = evaluate(model, tok, task, data, preset, budget, batch_size, bar=bar)
         rows.append(
             {
                 "task": task,
@@ -313,6 +305,7 @@ def testbed_sweep(
                 "kv_kib": r["kv_kib"],
             }
         )
+    bar.close()
     return _with_labels(pd.DataFrame(rows))
 
 
@@ -339,103 +332,10 @@ def save_figure(fig, folder: str | os.PathLike | None, name: str, dpi: int = 110
 
 # --------------------------------------------------------------------------------- HTML
 def cache_html(cache: TriStateCache) -> str:
-    """``TriStateCache._repr_html_``: config, memory, and per layer compression, state counts, OQ ratio."""
-    st = cache.stats()
-    layers = cache.layers
-    n_comp = sum(isinstance(layer, TriStateLayer) for layer in layers)
-    batch = len(st.layers[0].window) if st.layers else 0
-    head = (
-        f"<b>TriStateCache</b> <code>{html.escape(cache.config.summary())}</code><br>"
-        f"{len(layers)} layers ({n_comp} compressed) &middot; batch {batch} &middot; "
-        f"{cache.get_seq_length():,} tokens"
-    )
-    return _wrap(head + stats_html(st.layers, st.kv_bytes, st.dense_bytes, cache.oq_ratios(), wrap=False))
-
-
-def stats_html(
-    layers: Iterable[LayerStats],
-    kv_bytes: int | None = None,
-    dense_bytes: int | None = None,
-    oq: dict[int, torch.Tensor] | None = None,
-    wrap: bool = True,
-) -> str:
-    """``CacheStats`` / ``LayerStats`` as HTML: totals, then one table row per layer with a bar of
-    the state shares (window / original / mid / quantized / evicted, summed over rows and heads)."""
-    layers = list(layers)
-    if kv_bytes is None:
-        kv_bytes = sum(ls.kv_bytes for ls in layers)
-    if dense_bytes is None:
-        dense_bytes = sum(ls.dense_bytes for ls in layers)
-    if not any(ls.logical_length for ls in layers):
-        body = "<div>empty: nothing cached yet</div>"
-        return _wrap(body) if wrap else body
-    ratio = CacheStats(kv_bytes, dense_bytes, layers).compression_ratio
-    totals = {name: sum(ls.totals()[name] for ls in layers) for name in STATE_ORDER}
-    legend = " ".join(f"{_swatch(name)}&nbsp;{name} {totals[name]:,}" for name in STATE_ORDER)
-    summary = (
-        f"<div>KV held <b>{_fmt_bytes(kv_bytes)}</b> ({kv_bytes:,} B) &middot; DynamicCache would hold "
-        f"{_fmt_bytes(dense_bytes)} ({dense_bytes:,} B) &middot; compression <b>{ratio:.2f}x</b></div>"
-        f"<div>tokens (layers x rows x KV heads): {legend}</div>"
-    )
-    cols = ["layer", "tokens", "KV bytes", "dense bytes", "compression", *STATE_ORDER]
-    if oq:
-        cols.append("OQ ratio")
-    cols.append("states")
-    rows = []
-    for ls in layers:
-        t = ls.totals()
-        cells = [
-            f"{ls.layer}" + ("" if ls.compressed else " (dense)"),
-            f"{ls.logical_length:,}",
-            f"{ls.kv_bytes:,}",
-            f"{ls.dense_bytes:,}",
-            f"{ls.dense_bytes / ls.kv_bytes:.2f}x" if ls.kv_bytes else "&ndash;",
-            *(f"{t[name]:,}" for name in STATE_ORDER),
-        ]
-        if oq:
-            cells.append(", ".join(f"{float(r):.3f}" for r in oq[ls.layer]) if ls.layer in oq else "&ndash;")
-        cells.append(_bar(t))
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    table = (
-        '<table style="border-collapse:collapse;font-size:90%"><thead><tr>'
-        + "".join(f"<th>{c}</th>" for c in cols)
-        + "</tr></thead><tbody>"
-        + "".join(rows)
-        + "</tbody></table>"
-    )
-    # Many layers (30+ on real models): keep the summary on screen, the table one click away.
-    details = f"<details{' open' if len(layers) <= 12 else ''}><summary>per layer</summary>{table}</details>"
-    body = summary + details
-    return _wrap(body) if wrap else body
-
-
-def _wrap(body: str) -> str:
-    return f'<div class="hfkv-summary" style="font-family:sans-serif;font-size:13px">{body}</div>'
-
-
-def _swatch(name: str) -> str:
-    return f'<span style="display:inline-block;width:10px;height:10px;background:{STATE_COLORS[name]}"></span>'
-
-
-def _bar(totals: dict[str, int], width: int = 120) -> str:
-    total = sum(totals.values())
-    if not total:
-        return ""
-    spans = "".join(
-        f'<span title="{name} {n:,}" style="display:inline-block;height:10px;width:{width * n / total:.1f}px;'
-        f'background:{STATE_COLORS[name]}"></span>'
-        for name, n in totals.items()
-        if n
-    )
-    return f'<span style="display:inline-flex;width:{width}px">{spans}</span>'
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """What ``TriStateCache._repr_html_`` shows: config, memory, budget, and per layer compression, tokens per
+    KV head in each state and the OQ ratio (rendered by ``hfkv.stats_html.cache_html``)."""
+    _check_cache(cache)
+    return _cache_html(cache.stats(), cache.config.summary(), len(cache.layers), cache.oq_ratios())
 
 
 # ------------------------------------------------------------------------------- checks

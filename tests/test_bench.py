@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
 from transformers import DynamicCache
 
 import hfkv
-from hfkv.evaluation import bench
+from hfkv.evaluation import bench, quiet
 from hfkv.evaluation.bench import decode_step, fill_cache, interleaved_decode, largest_fitting, random_prompt
 from hfkv.evaluation.methods import parse_method
 from hfkv.evaluation.shapes import SHAPES, build_random_like, config_for, get_shape
@@ -85,13 +86,24 @@ ARGS = [
     *("--random-like", "cpu-small", "--random-layers", "2", "--dtype", "fp32"),
     *("--methods", "dynamic,static,quanto-int4,evict,quant@none", "--budgets", "48"),
     *("--contexts", "64,128", "--decode-steps", "3", "--warmup", "1", "--no-progress", "--name", "t"),
+    *("--threads", "1,2"),  # every group at 1 and 2 torch threads
 ]
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """A quiet machine for every run here (the load-average check itself: tests/test_quiet.py)."""
+    monkeypatch.setattr(quiet, "load_average", lambda: 0.05)
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert bench.main([*ARGS, "--out-dir", str(out)]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quiet, "load_average", lambda: 0.05)
+        threads = torch.get_num_threads()
+        assert bench.main([*ARGS, "--out-dir", str(out)]) == 0
+        assert torch.get_num_threads() == threads  # set per group, restored after the last
     return out
 
 
@@ -99,13 +111,28 @@ def test_bench_writes_json_csv_plot(bench_run):
     result = json.loads((bench_run / "t.json").read_text())
     assert result["device"] and result["model"]["random_like"] == "cpu-small" and result["model"]["layers"] == 2
     assert result["hfkv_version"] == hfkv.__version__ and result["dtype"] == "fp32"
-    assert [(g["context"], g["batch"]) for g in result["groups"]] == [(64, 1), (128, 1)]
+    assert [(g["threads"], g["context"], g["batch"]) for g in result["groups"]] == [
+        (1, 64, 1),
+        (1, 128, 1),
+        (2, 64, 1),
+        (2, 128, 1),
+    ]
     labels = ["dynamic", "static", "quanto-int4", "evict@48", "quant@none"]
     for g in result["groups"]:
         assert [r["method"] for r in g["rows"]] == labels
+        assert {r["threads"] for r in g["rows"]} == {g["threads"]}
+        # the run's thread counts, cores and loads before / after, quiet at both ends
+        q = g["quiet"]
+        assert q["threads"] == [1, 2] and q["cpu_count"] == os.cpu_count() and q["max_load"] == 0.5
+        assert q["load_before"] == q["load_after"] == 0.05 and q["quiet_before"] and q["quiet_after"]
+        assert q["busy"] is False and q["force_busy"] is False
+    assert result["busy"] is False and result["quiet"] == result["groups"][0]["quiet"]
+    assert result["args"]["threads"] == [1, 2]
+    assert "torch thread" not in result["device"]  # the thread count is per group
     with open(bench_run / "t.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 2 * len(labels) and rows[0]["method"] == "dynamic"
+    assert len(rows) == 4 * len(labels) and rows[0]["method"] == "dynamic"
+    assert [r["threads"] for r in rows] == ["1"] * 10 + ["2"] * 10 and {r["quiet"] for r in rows} == {"True"}
     assert (bench_run / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -150,31 +177,30 @@ def test_bench_resumes_and_force_remeasures(bench_run, monkeypatch, tmp_path):
     assert bench.main([*ARGS, "--out-dir", str(tmp_path), "--no-plot"]) == 0
     assert measured == []  # both groups are in t.json with every method
     assert bench.main([*ARGS, "--contexts", "64,96", "--out-dir", str(tmp_path), "--no-plot"]) == 0
-    assert measured == [(96, 1)]
+    assert measured == [(96, 1)] * 2  # at 1 and at 2 threads
     result = json.loads((tmp_path / "t.json").read_text())
-    assert [g["context"] for g in result["groups"]] == [64, 96, 128]
+    assert [(g["threads"], g["context"]) for g in result["groups"]] == [(n, c) for n in (1, 2) for c in (64, 96, 128)]
     assert bench.main([*ARGS, "--contexts", "64", "--force", "--out-dir", str(tmp_path), "--no-plot"]) == 0
-    assert measured == [(96, 1), (64, 1)]
+    assert measured == [(96, 1)] * 2 + [(64, 1)] * 2
+    assert bench.main([*ARGS, "--contexts", "64", "--threads", "1", "--force", "--out-dir", str(tmp_path)]) == 0
+    assert measured == [(96, 1)] * 2 + [(64, 1)] * 3
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--contexts", "0"], "--contexts='0' must be comma-separated positive integers"),
-        (["--batch-sizes", "two"], "--batch-sizes='two' must be comma-separated positive integers"),
-        (["--decode-steps", "0"], "--decode-steps=0 must be >= 1"),
+        (["--contexts", "0"], "--contexts: '0' must be a positive integer"),
+        (["--batch-sizes", "two"], "--batch-sizes: 'two' is not a positive integer"),
+        (["--decode-steps", "0"], "--decode-steps: '0' must be a positive integer"),
+        (["--random-like", "llama-9"], "--random-like: 'llama-9' is not a shape"),
+        (["--methods", "nope"], "--methods: 'nope' is not a preset"),
     ],
 )
-def test_bench_bad_options_are_named(argv, message, tmp_path):
-    with pytest.raises(SystemExit, match=message):
-        bench.main(["--random-like", "cpu-small", "--out-dir", str(tmp_path), *argv])
-
-
-def test_bench_bad_shape_and_method(tmp_path):
-    with pytest.raises(ValueError, match="--random-like='llama-9' must be one of"):
-        bench.main(["--random-like", "llama-9", "--out-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="'nope' is not a preset"):
-        bench.main(["--random-like", "cpu-small", "--methods", "nope", "--out-dir", str(tmp_path)])
+def test_bench_bad_options_are_named(argv, message, tmp_path, capsys):
+    """More bad command lines of every subcommand: tests/test_cli_errors.py."""
+    assert bench.main(["--random-like", "cpu-small", "--out-dir", str(tmp_path), *argv]) == 2
+    assert f"hfkv bench: error: {message}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
 
 
 # ------------------------------------------------------------------------------------ shapes

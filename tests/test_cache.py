@@ -280,7 +280,8 @@ def test_stats_dense_bytes_match_dynamic_cache():
     want = sum(held_bytes([layer.keys, layer.values]) for layer in dense.layers)
     assert cache.stats().dense_bytes == want
     df = cache.stats().to_dataframe()
-    assert len(df) == 2 * 2 * 2  # layers x rows x heads
+    assert len(df) == 2 * 2 * 2 * 5  # layers x rows x heads x states
+    assert df.groupby(["layer", "row", "kv_head"])["tokens"].sum().eq(cache.get_seq_length()).all()
     assert "TriStateCache(" in repr(cache)
 
 

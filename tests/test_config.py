@@ -118,6 +118,34 @@ def test_overrides_revalidate() -> None:
     assert dataclasses.replace(cfg, budget=None, oq_ratios=False, head_adaptive=False).budget is None
 
 
+# Each preset's budget in its own unit: the hfkv preset's is a memory budget (full-precision-token
+# equivalents), the paper presets' a count of tokens; an error must not call one the other.
+BUDGET_UNIT_ERRORS = [
+    ("hfkv", dict(budget="1k"), "full-precision-token equivalents per KV head", "number of tokens"),
+    ("hfkv", dict(budget=1.5), "full-precision-token equivalents per KV head", "number of tokens"),
+    ("hfkv", dict(budget=20), "full-precision-token equivalents", "number of tokens"),
+    ("hfkv", dict(budget="1k", budget_unit="bytes"), "number of bytes per KV head", "tokens per KV head"),
+    ("hfkv", dict(budget=0, budget_unit="bytes"), "number of bytes per KV head", "tokens"),
+    ("evict", dict(budget="1k"), "number of tokens per KV head", "full-precision"),
+    ("arkv", dict(budget=2.5), "number of tokens per KV head", "full-precision"),
+    ("arkv", dict(budget=20), "32 tokens", "full-precision"),
+    ("diffkv", dict(budget="1k"), "number of tokens per KV head", "full-precision"),
+    ("quant", dict(budget="1k"), "number of tokens per KV head", "full-precision"),
+    ("evict", dict(budget="1k", budget_unit="fp_tokens"), "full-precision-token equivalents", "number of tokens"),
+    ("streaming", dict(budget="1k"), "total cache size in tokens", "full-precision"),
+]
+
+
+@pytest.mark.parametrize(
+    "preset,overrides,unit,not_unit", BUDGET_UNIT_ERRORS, ids=[f"{b[0]}-{b[1]}" for b in BUDGET_UNIT_ERRORS]
+)
+def test_budget_errors_name_the_presets_unit(preset: str, overrides: dict, unit: str, not_unit: str) -> None:
+    with pytest.raises(ValueError) as e:
+        TriStateConfig.from_preset(preset, **overrides)
+    msg = str(e.value)
+    assert f"budget={overrides['budget']!r}" in msg and unit in msg and not_unit not in msg, msg
+
+
 # ---------------------------------------------------------------------------------------- paper configs
 PAPER_FILES = sorted((CONFIGS / "papers").glob("*/*.yaml"))
 

@@ -10,13 +10,17 @@ import pytest
 
 
 def test_cpu_cache_figures_writes_ratios(tmp_path, monkeypatch):
+    from hfkv.evaluation import quiet
+
     out = tmp_path / "figures.json"
     argv = [
         "cpu_cache_figures.py",
         *("--prompt", "80", "--new-tokens", "4", "--budget", "64", "--long-context", "160"),
         *("--short-context", "40", "--steps", "3", "--timed", "hfkv,evict", "--out", str(out)),
+        *("--threads", "1,2"),
     ]
     monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(quiet, "load_average", lambda: 0.05)  # a quiet machine (tests/test_quiet.py: busy)
     runpy.run_path("eval/cpu_cache_figures.py", run_name="__main__")
     result = json.loads(out.read_text())
     rows = {r["cache"]: r for r in result["memory"]}
@@ -25,12 +29,18 @@ def test_cpu_cache_figures_writes_ratios(tmp_path, monkeypatch):
         assert rows[name]["kv_bytes"] > 0
         assert rows[name]["compression_ratio"] == pytest.approx(rows[name]["dense_bytes"] / rows[name]["kv_bytes"])
     assert rows["quant"]["compression_ratio"] > 1.0  # everything outside the window is K4V2
-    for label, ctx in (("long", 160), ("short", 40)):
-        entry = result[f"decode_{label}"]
-        assert entry["context"] == ctx
-        for name in ("hfkv", "evict"):
-            t = entry[name]
-            assert t["speedup_median"] == pytest.approx(entry["dynamic_ms_median"] / t["ms_median"])
+    assert [s["threads"] for s in result["timings"]] == [1, 2]  # each thread count its own section
+    for section in result["timings"]:
+        for label, ctx in (("long", 160), ("short", 40)):
+            entry = section[f"decode_{label}"]
+            assert entry["context"] == ctx
+            for name in ("hfkv", "evict"):
+                t = entry[name]
+                assert t["speedup_median"] == pytest.approx(entry["dynamic_ms_median"] / t["ms_median"])
+                assert t["speedup_mean"] == pytest.approx(entry["dynamic_ms_mean"] / t["ms_mean"])
+    q = result["quiet"]
+    assert q["threads"] == [1, 2] and q["load_before"] == q["load_after"] == 0.05 and not q["busy"]
+    assert result["busy"] is False and result["memory_threads"] == 1
 
 
 def _format_variants():

@@ -149,3 +149,32 @@ def test_result_file_append_survives_a_cut_last_line(tmp_path):
     path.write_text('{"k": 3, "v"\n{"k": 4}\n')  # a broken line that is not the last one is an error
     with pytest.raises(ValueError, match="rows.jsonl:1"):
         read_rows(path)
+
+
+def test_human_documents_are_cut_from_this_pythons_sources(testbed):
+    import hashlib
+
+    from hfkv.evaluation.human_texts import SOURCES, human_documents, source_text
+
+    _, tok = testbed
+    docs = human_documents(tok, 3, prompt_tokens=100, continuation_tokens=20)
+    assert [d["id"] for d in docs] == [0, 1, 2] and len({d["source"] for d in docs}) == 3
+    for d, (kind, name) in zip(docs, SOURCES, strict=False):
+        text = source_text(kind, name)
+        assert d["source"] == f"{kind}:{name}" and d["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+        assert d["n_tokens"] == len(d["ids"]) == 120 and d["prompt_len"] == 100
+        assert d["ids"] == tok(text)["input_ids"][:120]  # the start of the human-written text, nothing else
+    assert human_documents(tok, 3, 100, 20) == docs
+    with pytest.raises(ValueError, match="human-written sources"):
+        human_documents(tok, len(SOURCES) + 1)
+
+
+def test_sweep_fidelity_on_human_written_documents(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "fid.jsonl"
+    argv = ["--model", "testbed", "--texts", "human", "--docs", "2", "--methods", "dynamic", "--budgets", ""]
+    argv += ["--prompt-tokens", "150", "--continuation-tokens", "6", "--out", str(out)]
+    assert "2 rows to run" in _script("sweep_fidelity.py", argv, monkeypatch, capsys)
+    rows = read_rows(out)
+    assert [r["source"] for r in rows] == ["pydoc:compound", "module:argparse"]
+    assert all(r["texts"] == "human" and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in rows)
+    assert "0 rows to run" in _script("sweep_fidelity.py", argv, monkeypatch, capsys)

@@ -109,10 +109,21 @@ def test_tables_from_hand_made_rows(root):
     start, end = top.index(mt.DEMO_START), top.index(mt.DEMO_END)
     assert top[:start] == before[: before.index(mt.DEMO_START)]
     assert top[end:] == before[before.index(mt.DEMO_END) :]
-    demo = top[start:end]
-    assert "kv_recall  DynamicCache      100     1.000        1.00x      100.0         100.0" in demo
-    assert "kv_recall  streaming@80        —         —            —          —             —" in demo
-    assert "arith_cot  hfkv@80           100     0.500        2.00x       50.0         100.0" in demo
+    assert "No committed demo run yet" in top[start:end]
+    # with a committed demo run: its rows in the demo's format, and how long it took on what
+    run = {"date": "2026-01-01", "hfkv": "0.1.0", "torch": "2.13.0", "wall_s": 150.0, "cpu_count": 2}
+    run |= {"machine": "x86_64", "threads": 2, "dtype": "float32", "load_average_before": 0.1}
+    rows = [
+        {"task": "kv_recall", "cache": c, "n": 100, "accuracy": a, "compression": x, "kv_kib": k}
+        | {"decode_tok_s": 10.0}
+        for c, a, x, k in (("DynamicCache", 1.0, 1.0, 100.0), ("hfkv@80", 0.5, 2.0, 50.0))
+    ]
+    (root / mt.DEMO).write_text(json.dumps({"run": run | {"load_average_after": 0.3}, "rows": rows}))
+    assert mt.main(["--root", str(root)]) == 0
+    demo = (root / "README.md").read_text()
+    assert "kv_recall  DynamicCache      100     1.000        1.00x      100.0          10.0" in demo
+    assert "kv_recall  hfkv@80           100     0.500        2.00x       50.0          10.0" in demo
+    assert "2.5 min on 2 cores (x86_64), 2 torch threads, float32, load average 0.10 before / 0.30 after" in demo
     assert mt.main(["--root", str(root), "--check"]) == 0
     (root / mt.TESTBED).write_text((root / mt.TESTBED).read_text().replace('"accuracy": 0.9,', '"accuracy": 0.8,'))
     assert mt.main(["--root", str(root), "--check"]) == 1

@@ -18,6 +18,7 @@ from transformers import DynamicCache, LogitsProcessorList
 import hfkv
 from hfkv import inspect as hi
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, STATE_NAMES, WINDOW
+from hfkv.stats_html import fmt_count, fmt_share
 from tests.models import left_padded_batch, tiny_model
 
 # Small windows and budgets so every preset moves tokens out of the window within a short generation.
@@ -78,7 +79,13 @@ def runs(model):
 def test_state_map_and_frames_count_what_stats_counts(runs, preset):
     cache = runs[preset]
     st_ = cache.stats()
-    per_head = st_.to_dataframe()
+    tidy = st_.to_dataframe()
+    assert list(tidy.columns) == ["layer", "row", "kv_head", "state", "tokens"]
+    per_head = tidy.pivot_table(index=["layer", "row", "kv_head"], columns="state", values="tokens", observed=True)
+    # every (layer, row, KV head) adds up to the layer's logical length
+    lengths = {ls.layer: ls.logical_length for ls in st_.layers}
+    sums = tidy.groupby(["layer", "row", "kv_head"])["tokens"].sum()
+    assert len(sums) and all(n == lengths[layer] for (layer, _, _), n in sums.items())
     layers = hi.compressed_layers(cache)
     assert layers == ([] if preset == "full" else [0, 1])
     seen = set()
@@ -89,7 +96,7 @@ def test_state_map_and_frames_count_what_stats_counts(runs, preset):
         assert list(grid.index) == [(layer, h) for layer in layers for h in range(2)]
         assert len(heads) == len(grid)
         for (layer, h), codes in grid.iterrows():
-            want = per_head[(per_head["layer"] == layer) & (per_head["batch"] == row) & (per_head["head"] == h)].iloc[0]
+            want = per_head.loc[(layer, row, h)]
             codes = codes.to_numpy()
             got = {
                 "window": int((codes == WINDOW).sum()),
@@ -202,7 +209,9 @@ def test_cache_html_contains_the_numbers(runs):
     cache = runs["hfkv"]
     st_ = cache.stats()
     text = cache._repr_html_()
+    assert text == hi.cache_html(cache)  # the public name, re-exported from hfkv.stats_html
     assert html.escape(cache.config.summary()) in text
+    assert html.escape(st_.budget_text()) in text and "fp_tokens per KV head" in text
     assert f"{st_.kv_bytes:,} B" in text and f"{st_.dense_bytes:,} B" in text
     assert f"{st_.compression_ratio:.2f}x" in text
     assert f"{cache.get_seq_length():,} tokens" in text
@@ -211,16 +220,19 @@ def test_cache_html_contains_the_numbers(runs):
         cells = [c.split("</td>")[0] for c in row.split("<td>")[1:]]
         t = ls.totals()
         n = 4 + len(hi.STATE_ORDER)
+        # token counts per KV head: the mean over 3 rows x 2 KV heads
         assert cells[:n] == [
             f"{ls.logical_length:,}",
             f"{ls.kv_bytes:,}",
             f"{ls.dense_bytes:,}",
             f"{ls.dense_bytes / ls.kv_bytes:.2f}x",
-            *(f"{t[n]:,}" for n in hi.STATE_ORDER),
+            *(fmt_count(t[n] / 6) for n in hi.STATE_ORDER),
         ]
         assert cells[n] == ", ".join(f"{float(r):.3f}" for r in cache.oq_ratios()[ls.layer])
+    assert "mean over 3 rows x 2 KV heads" in text
+    everything = sum(sum(ls.totals().values()) for ls in st_.layers)
     for name in hi.STATE_ORDER:
-        assert f"{name} {sum(ls.totals()[name] for ls in st_.layers):,}" in text
+        assert f"{name} {fmt_share(sum(ls.totals()[name] for ls in st_.layers) / everything)}" in text
     # CacheStats and LayerStats render the same numbers (without the config line and OQ ratios)
     stats_text = st_._repr_html_()
     assert f"{st_.kv_bytes:,} B" in stats_text and f"{st_.compression_ratio:.2f}x" in stats_text
@@ -250,7 +262,9 @@ def test_row_and_cache_type_errors_name_the_value(runs):
 def test_layer_frame_of_stats_sums_the_per_head_frame(runs):
     st_ = runs["arkv"].stats()
     per_layer = st_.layer_frame()
-    summed = st_.to_dataframe().groupby("layer")[["window", *STATE_NAMES]].sum().reset_index()
+    tidy = st_.to_dataframe()
+    summed = tidy.pivot_table(index="layer", columns="state", values="tokens", aggfunc="sum", observed=True)
+    summed = summed.reset_index()[["layer", "window", *STATE_NAMES]].rename_axis(columns=None)
     pd.testing.assert_frame_equal(per_layer[["layer", "window", *STATE_NAMES]], summed, check_dtype=False)
     assert per_layer["kv_bytes"].sum() == st_.kv_bytes and per_layer["dense_bytes"].sum() == st_.dense_bytes
 

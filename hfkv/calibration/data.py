@@ -116,7 +116,10 @@ def parse_subjects(names: Sequence[str] | None) -> list[str]:
         key = n.strip().lower()
         key = by_type.get(key, key.replace(" ", "_").replace("&", "and"))
         if key not in SUBJECTS:
-            raise ValueError(f"--subjects: {n!r} is not a MATH subject; allowed: {list(SUBJECTS)}")
+            from hfkv.config import did_you_mean
+
+            hint = did_you_mean(key, SUBJECTS)
+            raise ValueError(f"--subjects: {n!r} is not a MATH subject{hint}; allowed: {list(SUBJECTS)}")
         out.append(key)
     return out
 

@@ -24,7 +24,7 @@ import optuna
 
 from hfkv.calibration.granularity import GRANULARITIES, alpha_tables
 from hfkv.calibration.objectives import METRICS
-from hfkv.config import PRESETS, TriStateConfig
+from hfkv.config import PRESETS, TriStateConfig, did_you_mean
 
 SPEC_VERSION = 1
 
@@ -87,7 +87,8 @@ def parse_range(text: str) -> tuple[str, float, float]:
     if not sep or not sep2:
         raise ValueError(f"--range {text!r}: expected NAME=LO:HI, e.g. alpha_h=0:3")
     if name not in DEFAULT_RANGES:
-        raise ValueError(f"--range {text!r}: unknown parameter {name!r}; allowed: {sorted(DEFAULT_RANGES)}")
+        hint = did_you_mean(name, DEFAULT_RANGES)
+        raise ValueError(f"--range {text!r}: unknown parameter {name!r}{hint}; allowed: {sorted(DEFAULT_RANGES)}")
     try:
         return name, float(lo), float(hi)
     except ValueError as exc:
@@ -108,7 +109,8 @@ class SearchSpace:
             raise ValueError(f"--granularity={granularity!r} must be one of {GRANULARITIES}")
         unknown = [e for e in extra if e not in OPTIONAL]
         if unknown:
-            raise ValueError(f"--search: unknown group(s) {unknown}; allowed: {list(OPTIONAL)}")
+            hint = did_you_mean(unknown[0], OPTIONAL)
+            raise ValueError(f"--search: unknown group(s) {unknown}{hint}; allowed: {list(OPTIONAL)}")
         self.granularity = granularity
         names = ["alpha_h", "alpha_l", *(SHAPE if granularity != "global" else ())]
         names += [n for group in OPTIONAL if group in extra for n in OPTIONAL[group]]
@@ -231,7 +233,8 @@ def load_base(spec: str) -> TriStateConfig:
         return TriStateConfig.from_preset(spec)
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"--base={spec!r} is neither a preset {PRESETS} nor an existing YAML file")
+        hint = did_you_mean(spec, PRESETS)
+        raise ValueError(f"--base={spec!r} is neither a preset {PRESETS}{hint} nor an existing YAML file")
     return TriStateConfig.from_yaml(path)
 
 

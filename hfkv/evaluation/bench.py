@@ -15,6 +15,11 @@ of the run (sampled after the prefill and after every decode step) — the cache
 process's. On CUDA ``--max-batch-context`` also searches the largest batch that fits at that context
 for each cache (the throughput claim of DiffKV and KV-Compress).
 
+Timing is honest only on a quiet machine (:mod:`hfkv.evaluation.quiet`): the run is refused unless the
+1-minute load average is below ``--max-load`` (``--wait-quiet``, ``--force-busy``), every group is timed
+at each of ``--threads`` (default ``1,all`` on CPU), and each group records the thread count and the
+run's loads before and after; a result whose load was not below the limit at both ends is marked busy.
+
     hfkv bench --random-like cpu-small --methods dynamic,hfkv,evict,quant --budgets 1024 \\
         --contexts 512,2048,8192 --dtype fp32 --name cpu_small_fp32
 """
@@ -302,8 +307,8 @@ def bench_group(model, methods: list, context: int, batch: int, args, bar=None) 
 
 # --------------------------------------------------------------------------------------- files, plots
 CSV_FIELDS = (
-    "method kind preset budget context batch kv_bytes memory_ratio compression peak_bytes peak_ratio peak_kind "
-    "prefill_s prefill_speedup decode_ms_median decode_ms_mean decode_speedup_median decode_speedup_mean "
+    "method kind preset budget threads quiet context batch kv_bytes memory_ratio compression peak_bytes peak_ratio "
+    "peak_kind prefill_s prefill_speedup decode_ms_median decode_ms_mean decode_speedup_median decode_speedup_mean "
     "decode_tok_s max_batch"
 ).split()
 
@@ -320,28 +325,51 @@ def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """Decode speed-up and memory ratio vs context, one line per method (and batch size)."""
+    """Decode speed-up and memory ratio vs context, one line per method (and batch size, thread count).
+
+    Speed comes only from groups timed on a quiet machine (:func:`hfkv.evaluation.quiet.verdict`); when
+    there are none the figure shows memory alone."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hfkv.evaluation.quiet import verdict
     from hfkv.evaluation.results import write_bytes_atomic
 
-    rows = [r for g in result["groups"] for r in g["rows"]]
+    def rows_of(groups):
+        return [{**r, "threads": g.get("threads")} for g in groups for r in g["rows"]]
+
+    rows = rows_of(result["groups"])
+    timed = rows_of([g for g in result["groups"] if verdict(g.get("quiet")) is None])
     methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "dynamic", m))
     batches = sorted({r["batch"] for r in rows})
+    threads = sorted({r["threads"] or 0 for r in timed})
     cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
     colors = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
     styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for (label, batch), pts in sorted(_series(rows).items()):
-        xs = [r["context"] for r in pts]
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(10 if timed else 5.5, 4), squeeze=False)
+    axes = list(axes[0])
+
+    def style(label: str, batch: int, n: int = 0) -> dict[str, Any]:
+        ls = styles[(batches.index(batch) + (threads.index(n) if n in threads else 0)) % len(styles)]
+        return dict(marker="o", color=colors[label], ls=ls)
+
+    for (label, batch, n), pts in sorted(_series(timed).items()):
         name = label if len(batches) == 1 else f"{label} (batch {batch})"
-        style = dict(marker="o", color=colors[label], ls=styles[batches.index(batch) % len(styles)], label=name)
-        axes[0].plot(xs, [r["decode_speedup_median"] for r in pts], **style)
-        axes[1].plot(xs, [r["memory_ratio"] for r in pts], **style)
-    titles = ("decode speed-up vs DynamicCache (median step)", "KV memory / DynamicCache")
+        name += f", {n} thread{'s' if n != 1 else ''}" if len(threads) > 1 else ""
+        speed = [r["decode_speedup_median"] for r in pts]
+        axes[0].plot([r["context"] for r in pts], speed, label=name, **style(label, batch, n))
+    memory: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for r in rows:  # bytes do not depend on the thread count: one line per method and batch
+        memory.setdefault((r["method"], r["batch"]), {}).setdefault(r["context"], r)
+    for (label, batch), by_context in sorted(memory.items()):
+        pts = [by_context[c] for c in sorted(by_context)]
+        name = label if len(batches) == 1 else f"{label} (batch {batch})"
+        axes[-1].plot([r["context"] for r in pts], [r["memory_ratio"] for r in pts], label=name, **style(label, batch))
+    titles = ["KV memory / DynamicCache"]
+    if timed:
+        titles.insert(0, "decode speed-up vs DynamicCache (median step)")
     contexts = sorted({r["context"] for r in rows})
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
@@ -350,9 +378,14 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_xlabel("context (tokens)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"{result['name']}: {result['model']['description']} ({result['device']})", fontsize=9)
+    if timed:
+        axes[0].axhline(1.0, color="grey", lw=0.8)
+        if len(threads) > 1:
+            axes[0].legend(fontsize=7)
+    axes[-1].legend(fontsize=8)
+    head = f"{result['name']}: {result['model']['description']}"
+    title = f"{head} ({result['device']})" if timed else f"{head}\n{result['device']}; no speed: not timed quietly"
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
@@ -360,56 +393,155 @@ def plot(result: dict[str, Any], path: str) -> None:
     write_bytes_atomic(path, buf.getvalue())
 
 
-def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
-    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for r in rows:
-        out.setdefault((r["method"], r["batch"]), []).append(r)
+        out.setdefault((r["method"], r["batch"], r.get("threads") or 0), []).append(r)
     return {k: sorted(v, key=lambda r: r["context"]) for k, v in out.items()}
 
 
 # -------------------------------------------------------------------------------------------- command
+def _shape_names() -> list[str]:
+    from hfkv.evaluation.shapes import SHAPES
+
+    return list(SHAPES)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hfkv import cli_args as ca
+    from hfkv.evaluation import quiet
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__
     g = parser.add_argument_group("model (one of)")
     g.add_argument("--model", default="testbed", help="hub id, local directory, 'testbed' (default) or 'smollm2'")
     g.add_argument("--gguf-file", default=None, help="GGUF file inside --model (a directory or hub repo)")
-    g.add_argument("--random-like", default=None, help="random-weight model of a named shape (see --list-shapes)")
-    g.add_argument("--random-layers", type=int, default=None, help="with --random-like: keep only N layers")
+    g.add_argument(
+        "--random-like",
+        type=ca.one_of(_shape_names, "shape"),
+        default=None,
+        help="random-weight model of a named shape (see --list-shapes)",
+    )
+    g.add_argument("--random-layers", type=ca.integer(1), default=None, help="with --random-like: keep only N layers")
     g.add_argument("--list-shapes", action="store_true", help="print the known architecture shapes and exit")
     c = parser.add_argument_group("what to measure")
-    c.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
-    c.add_argument("--budgets", default="1024", help="budgets for presets given without '@' (default: %(default)s)")
-    c.add_argument("--contexts", default="512,2048", help="prompt lengths in tokens (default: %(default)s)")
-    c.add_argument("--batch-sizes", default="1", help="batch sizes (default: %(default)s)")
-    c.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per cache (default 32)")
-    c.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (default 2)")
-    c.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per cache (median; default 1)")
-    c.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk in tokens (0: one forward)")
-    c.add_argument("--max-batch-context", type=int, default=0, help="CUDA: largest batch that fits at this context")
-    c.add_argument("--max-batch", type=int, default=256, help="upper end of the largest-batch search (default 256)")
+    c.add_argument(
+        "--methods",
+        nargs="+",
+        type=ca.method_specs,
+        default=None,
+        metavar="SPEC",
+        help="method specs, comma- or space-separated: dynamic, static, quanto-int4, "
+        f"<preset>[@<budget>][:key=val,...], <file.yaml> (docs/bench.md) (default: {DEFAULT_METHODS})",
+    )
+    c.add_argument(
+        "--budgets",
+        type=ca.integer_list(1, allow_none=True, what="token budgets", example="256,1024", allow_empty=True),
+        default="1024",
+        help="budgets for presets given without '@', each such preset runs at each; '' runs each preset at its "
+        "own (default: %(default)s)",
+    )
+    c.add_argument(
+        "--contexts",
+        type=ca.integer_list(1, what="prompt lengths", example="512,2048"),
+        default="512,2048",
+        help="prompt lengths in tokens (default: %(default)s)",
+    )
+    c.add_argument(
+        "--batch-sizes",
+        type=ca.integer_list(1, what="batch sizes", example="1,4"),
+        default="1",
+        help="batch sizes (default: %(default)s)",
+    )
+    c.add_argument("--decode-steps", type=ca.integer(1), default=32, help="timed decode steps per cache (default 32)")
+    c.add_argument("--warmup", type=ca.integer(0), default=2, help="untimed decode steps first (default 2)")
+    c.add_argument(
+        "--prefill-repeats", type=ca.integer(1), default=1, help="timed prefills per cache (median; default 1)"
+    )
+    c.add_argument("--prefill-chunk", type=ca.integer(0), default=0, help="prefill chunk in tokens (0: one forward)")
+    c.add_argument(
+        "--max-batch-context",
+        type=ca.integer(0),
+        default=0,
+        help="CUDA: also search the largest batch that fits at this context, one of --contexts (0: no search)",
+    )
+    c.add_argument(
+        "--max-batch", type=ca.integer(1), default=256, help="upper end of the largest-batch search (default 256)"
+    )
     r = parser.add_argument_group("run")
-    r.add_argument("--dtype", default="bf16", help="model dtype: bf16 (default), fp16, fp32")
-    r.add_argument("--device", default=None, help="cuda if available, else cpu")
-    r.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable ratios)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", type=ca.dtype(), default="bf16", help="model dtype: bf16 (default), fp16, fp32, auto")
+    r.add_argument(
+        "--device", type=ca.device(), default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    quiet.add_arguments(r, default_threads=None)
+    r.add_argument(
+        "--seed", type=int, default=0, help="seed of the --random-like model's weights (default 0; prompts are fixed)"
+    )
     r.add_argument("--name", default=None, help="result name (default: <model>_<dtype>_<device>)")
     r.add_argument("--out-dir", default=DEFAULT_OUT, help="where <name>.json/.csv/.png go (default: %(default)s)")
     r.add_argument("--force", action="store_true", help="re-measure (context, batch) groups already in the JSON")
-    r.add_argument("--no-plot", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-plot", action="store_true", help="write no .png figure (JSON and CSV only)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _ints(text: str, option: str) -> list[int]:
-    from hfkv.evaluation.results import parse_list
+def check_args(args) -> tuple[list, list[tuple[str, str]]]:
+    """``(methods, skipped)`` of a checked command line, ``dynamic`` first; :class:`hfkv.cli_args.UsageError`
+    on a bad one (a spec no budget of ``--budgets`` makes valid, a model that cannot load...). Loads nothing."""
+    from hfkv import cli_args as ca
+    from hfkv.evaluation.methods import expand_methods, parse_budget, split_specs
+    from hfkv.evaluation.quiet import parse_threads
 
+    def listed(value, parse):  # parsed by add_arguments' types, or a string from a caller of run()
+        return parse(value) if isinstance(value, str) else list(value)
+
+    args.contexts = listed(args.contexts, ca.integer_list(1, what="prompt lengths"))
+    args.batch_sizes = listed(args.batch_sizes, ca.integer_list(1, what="batch sizes"))
+    if args.threads is None:  # on CUDA the CPU threads hardly matter: one pass
+        on_cuda = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+        args.threads = "all" if on_cuda else "1,all"
     try:
-        vals = [int(x) for x in parse_list(text)]
-    except ValueError:
-        raise SystemExit(f"{option}={text!r} must be comma-separated positive integers") from None
-    if not vals or min(vals) < 1:
-        raise SystemExit(f"{option}={text!r} must be comma-separated positive integers")
-    return vals
+        args.threads = parse_threads(args.threads)
+    except ValueError as exc:
+        raise ca.UsageError("--threads", str(exc)) from None
+    if not args.max_load > 0:
+        raise ca.UsageError("--max-load", f"{args.max_load!r} must be a positive number")
+    if not args.wait_quiet >= 0:
+        raise ca.UsageError("--wait-quiet", f"{args.wait_quiet!r} must be >= 0 seconds")
+    budgets = [parse_budget(b) for b in listed(args.budgets, ca.integer_list(1, allow_none=True, allow_empty=True))]
+    args.methods = list(args.methods or [DEFAULT_METHODS])
+    methods, skipped = [], []
+    try:
+        for spec in split_specs(args.methods):
+            ms, sk = expand_methods(spec, budgets)
+            if not ms:
+                others = " (and at every other budget of --budgets)" if len(sk) > 1 else ""
+                raise ValueError(f"{sk[0][1]}{others}")
+            methods += [m for m in ms if m.label not in {x.label for x in methods}]
+            skipped += sk
+    except (ValueError, FileNotFoundError) as exc:
+        raise ca.UsageError("--methods", str(exc)) from None
+    if "dynamic" not in [m.label for m in methods]:
+        methods = [*expand_methods("dynamic")[0], *methods]
+    methods = sorted(methods, key=lambda m: m.label != "dynamic")  # dynamic first: the reference
+    if args.random_like:
+        from hfkv.evaluation.shapes import get_shape
+
+        try:
+            get_shape(args.random_like)
+        except ValueError as exc:
+            raise ca.UsageError("--random-like", str(exc)) from None
+    else:
+        if args.random_layers is not None:
+            raise ca.UsageError("--random-layers", "only applies with --random-like")
+        ca.check_model("--model", args.model, args.gguf_file)
+    if args.max_batch_context:
+        if args.max_batch_context not in args.contexts:
+            raise ca.UsageError(
+                "--max-batch-context", f"{args.max_batch_context} is not one of --contexts {args.contexts}"
+            )
+        if torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cuda":
+            raise ca.UsageError("--max-batch-context", "the largest-batch search needs a CUDA device")
+    return methods, skipped
 
 
 def load_bench_model(args, max_positions: int):
@@ -432,12 +564,20 @@ def load_bench_model(args, max_positions: int):
     return model, {"model": args.model, "gguf_file": args.gguf_file, "description": args.model}
 
 
+def _group_key(group: dict[str, Any]) -> tuple:
+    return group.get("threads"), group["context"], group["batch"]
+
+
+def _group_sort(group: dict[str, Any]) -> tuple:
+    return group.get("threads") or 0, group["context"], group["batch"]
+
+
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tqdm.auto import tqdm
 
-    from hfkv.evaluation.methods import expand_methods
-    from hfkv.evaluation.results import git_commit, json_safe, machine_name, parse_list, provenance, write_text_atomic
+    from hfkv.evaluation import quiet
+    from hfkv.evaluation.results import git_commit, json_safe, machine_name, provenance, write_text_atomic
     from hfkv.evaluation.shapes import SHAPES
 
     if args.list_shapes:
@@ -447,22 +587,12 @@ def run(args) -> int:
                 f"kv_heads={s.kv_heads} head_dim={s.dim} vocab={s.vocab}"
             )
         return 0
-    for opt in ("decode_steps", "prefill_repeats", "max_batch"):
-        if getattr(args, opt) < 1:
-            raise SystemExit(f"--{opt.replace('_', '-')}={getattr(args, opt)} must be >= 1")
-    if args.warmup < 0 or args.prefill_chunk < 0:
-        raise SystemExit("--warmup and --prefill-chunk must be >= 0")
-    contexts = _ints(args.contexts, "--contexts")
-    batches = _ints(args.batch_sizes, "--batch-sizes")
+    methods, skipped = check_args(args)  # before anything is loaded
+    contexts, batches, threads = args.contexts, args.batch_sizes, args.threads
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(args.threads)
     git_commit()  # the commit of the code imported now
-    methods, skipped = expand_methods(args.methods, parse_list(args.budgets))
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    if "dynamic" not in [m.label for m in methods]:
-        methods = [*expand_methods("dynamic")[0], *methods]
-    methods = sorted(methods, key=lambda m: m.label != "dynamic")  # dynamic first: the reference
 
     tag = args.random_like or os.path.basename(args.model.rstrip("/"))
     name = args.name or f"{tag}_{args.dtype}_{torch.device(args.device).type}"
@@ -471,15 +601,26 @@ def run(args) -> int:
     if os.path.exists(json_path):
         with open(json_path, encoding="utf-8") as fh:
             result = json.load(fh)
+    legacy = result.get("args", {}).get("threads")  # files from before --threads took a list: one count
+    for g in result.get("groups", []):
+        g.setdefault("threads", legacy if isinstance(legacy, int) else None)
     labels = {m.label for m in methods}
-    done = {(g["context"], g["batch"]) for g in result.get("groups", []) if labels <= {r["method"] for r in g["rows"]}}
-    todo = [(c, b) for c in contexts for b in batches if args.force or (c, b) not in done]
+    done = {_group_key(g) for g in result.get("groups", []) if labels <= {r["method"] for r in g["rows"]}}
+    todo = [(n, c, b) for n in threads for c in contexts for b in batches if args.force or (n, c, b) not in done]
+    record = None
+    if todo:  # before the model is built: the load of other processes only
+        record = quiet.start(threads, args.max_load, args.wait_quiet, args.force_busy)
+        if record["busy"]:
+            print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
     max_pos = max(contexts) + args.warmup + args.decode_steps + 8
     model, model_info = load_bench_model(args, max(max_pos, 4096))
+    device = machine_name(args.device)
+    if device.endswith("torch thread(s)"):  # the thread count is per group
+        device = device.rsplit(", ", 1)[0]
     result.update(
         {
             "name": name,
-            "device": machine_name(args.device),
+            "device": device,
             "model": model_info,
             "dtype": args.dtype,
             "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
@@ -488,26 +629,51 @@ def run(args) -> int:
     )
     per_group = len(methods) * (args.prefill_repeats + args.warmup + args.decode_steps)
     bar = tqdm(total=per_group * len(todo), desc=f"bench {name}", disable=args.no_progress)
-    for context, batch in todo:
-        bar.set_postfix_str(f"context {context} batch {batch}")
-        t0 = time.perf_counter()
-        rows = bench_group(model, methods, context, batch, args, bar)
-        groups = [g for g in result["groups"] if (g["context"], g["batch"]) != (context, batch)]
-        groups.append({"context": context, "batch": batch, "rows": rows, "wall_s": round(time.perf_counter() - t0, 2)})
-        result["groups"] = sorted(groups, key=lambda g: (g["context"], g["batch"]))
+    torch_threads = torch.get_num_threads()
+
+    def save() -> None:
+        result["busy"] = any((g.get("quiet") or {}).get("busy") for g in result["groups"])
         write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
-        for r in rows:
-            tqdm.write(
-                f"context {context:>6} batch {batch:>3} {r['method']:<14} kv={r['kv_bytes'] / 2**20:9.2f} MiB "
-                f"({r['compression']:.2f}x) prefill={r['prefill_s']:.3f}s ({r['prefill_speedup']:.2f}x) "
-                f"decode={r['decode_ms_median']:.2f} ms/step ({r['decode_speedup_median']:.2f}x median, "
-                f"{r['decode_speedup_mean']:.2f}x mean)" + (f" max_batch={r['max_batch']}" if "max_batch" in r else "")
-            )
+
+    try:
+        for n, context, batch in todo:
+            torch.set_num_threads(n)
+            bar.set_postfix_str(f"threads {n} context {context} batch {batch}")
+            t0 = time.perf_counter()
+            rows = bench_group(model, methods, context, batch, args, bar)
+            for r in rows:
+                r["threads"] = n
+            groups = [g for g in result["groups"] if _group_key(g) != (n, context, batch)]
+            wall = round(time.perf_counter() - t0, 2)
+            groups.append({"threads": n, "context": context, "batch": batch, "rows": rows, "wall_s": wall})
+            groups[-1]["quiet"] = record  # completed by quiet.finish once the last group is timed
+            result["groups"] = sorted(groups, key=_group_sort)
+            save()
+            for r in rows:
+                tqdm.write(
+                    f"threads {n:>2} context {context:>6} batch {batch:>3} {r['method']:<14} "
+                    f"kv={r['kv_bytes'] / 2**20:9.2f} MiB ({r['compression']:.2f}x) prefill={r['prefill_s']:.3f}s "
+                    f"({r['prefill_speedup']:.2f}x) decode={r['decode_ms_median']:.2f} ms/step "
+                    f"({r['decode_speedup_median']:.2f}x median, {r['decode_speedup_mean']:.2f}x mean)"
+                    + (f" max_batch={r['max_batch']}" if "max_batch" in r else "")
+                )
+    finally:
+        torch.set_num_threads(torch_threads)
+    if record is not None:
+        bar.set_postfix_str("waiting for the run's own load to decay")
+        quiet.finish(record)
+        result["quiet"] = record
+        if record["busy"]:
+            tqdm.write(f"busy machine ({quiet.describe(record)}): the result is marked busy, not a result")
     bar.close()
     if not result["groups"]:
         raise SystemExit("nothing measured")
-    rows = [r for g in result["groups"] for r in g["rows"]]
-    write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    rows = [
+        {**r, "threads": g.get("threads"), "quiet": quiet.verdict(g.get("quiet")) is None}
+        for g in result["groups"]
+        for r in g["rows"]
+    ]
+    save()
     write_csv(os.path.join(args.out_dir, f"{name}.csv"), rows)
     if not args.no_plot:
         plot(result, os.path.join(args.out_dir, f"{name}.png"))
@@ -516,9 +682,10 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hfkv bench", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    """``python -m hfkv.evaluation.bench ...`` = ``hfkv bench ...`` (same checks and errors)."""
+    from hfkv.cli import main as hfkv_main
+
+    return hfkv_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ from typing import Any
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from hfkv.config import TriStateConfig
+from hfkv.config import TriStateConfig, did_you_mean
 from hfkv.evaluation.methods import (
     QUANTIZED_OPTIONS,
     TIER_FIELDS,
     Method,
+    check_override_keys,
     kv_and_dense_bytes,
     parse_method,
     parse_value,
@@ -39,6 +40,69 @@ from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
 PREFIX = "hfkv."
 _HFLM_PARAMS = set(inspect.signature(HFLM.__init__).parameters)
 _CONFIG_FIELDS = {f.name for f in fields(TriStateConfig)}
+#: The hfkv model's own model_args keys (the rest configure the cache, or HFLM and from_pretrained).
+HFKV_KEYS = ("pretrained", "hfkv_config")
+#: from_pretrained keyword arguments HFLM forwards unchanged that a model_args key may name (besides
+#: HFLM's own arguments, read from its signature); any other key is refused before a model loads.
+FROM_PRETRAINED_KEYS = (
+    "attn_implementation",
+    "device_map",
+    "low_cpu_mem_usage",
+    "quantization_config",
+    "load_in_8bit",
+    "load_in_4bit",
+    "bnb_4bit_compute_dtype",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "torch_dtype",
+    "cache_dir",
+    "local_files_only",
+    "token",
+    "use_safetensors",
+    "variant",
+    "force_download",
+    "code_revision",
+)
+
+
+def hflm_keys() -> list[str]:
+    """model_args keys that go to HFLM or from_pretrained rather than to the cache."""
+    own = sorted(_HFLM_PARAMS - {"self", "kwargs", "pretrained"})
+    return own + [k for k in FROM_PRETRAINED_KEYS if k not in _HFLM_PARAMS]
+
+
+def check_model_args(kwargs: dict[str, Any]) -> Method:
+    """The cache a ``--model hfkv`` run would use, from its ``model_args``, without loading anything.
+
+    Refuses (ValueError) a key that is neither the hfkv model's (``pretrained``, ``hfkv_config``), nor a
+    cache override (a TriStateConfig field, ``<tier>.<key>``, ``hfkv.<field>``, a QuantizedCache option),
+    nor an argument of lm-eval's HFLM or a from_pretrained argument it forwards (:data:`FROM_PRETRAINED_KEYS`):
+    misspelt keys used to reach ``from_pretrained`` and fail after the tasks were built. The overrides are
+    then checked by building the config, exactly as a method spec of ``hfkv bench`` is.
+    """
+    model_keys = set(hflm_keys())
+    cache_keys = sorted(_CONFIG_FIELDS) + list(QUANTIZED_OPTIONS)
+    for key in kwargs:
+        if key in HFKV_KEYS or key in model_keys:
+            continue
+        if key in _CONFIG_FIELDS or key in QUANTIZED_OPTIONS:
+            continue
+        sub = key.removeprefix(PREFIX)
+        if "." in sub or key.startswith(PREFIX):
+            if sub in QUANTIZED_OPTIONS:
+                continue
+            check_override_keys([sub])  # dotted tier keys, hfkv.<field>: a did-you-mean of their own
+            continue
+        everything = [*HFKV_KEYS, *cache_keys, *model_keys]
+        raise ValueError(
+            f"unknown key {key!r}{did_you_mean(key, everything)}; the hfkv model takes {', '.join(HFKV_KEYS)}, "
+            f"cache overrides (TriStateConfig fields: {', '.join(sorted(_CONFIG_FIELDS))}; tier keys such as "
+            f"quantized.key; hfkv.<field>; QuantizedCache options {', '.join(QUANTIZED_OPTIONS)}) and the "
+            "arguments of lm-eval's HF model (dtype, device, revision, max_length, gguf_file, trust_remote_code, "
+            "attn_implementation, ...: docs/lm-eval.md)"
+        )
+    overrides, _ = split_model_args({k: v for k, v in kwargs.items() if k not in HFKV_KEYS})
+    return parse_method(str(kwargs.get("hfkv_config", "hfkv")), overrides)
 
 
 def is_cache_arg(key: str) -> bool:
@@ -102,9 +166,9 @@ class HFKVLM(HFLM):
     """``HFLM`` whose generation runs through a fresh cache built from ``hfkv_config`` (+ overrides)."""
 
     def __init__(self, pretrained: Any = TESTBED, hfkv_config: str = "hfkv", **kwargs: Any) -> None:
+        # Check first: a misspelt key or a typo in the cache config must fail before a model is loaded.
+        self.hfkv_method: Method = check_model_args({"hfkv_config": hfkv_config, **kwargs})
         overrides, kwargs = split_model_args(kwargs)
-        # Parse first: a typo in the cache config must fail before a model is loaded.
-        self.hfkv_method: Method = parse_method(str(hfkv_config), overrides)
         self.hfkv_spec = str(hfkv_config)
         self.hfkv_overrides = dict(overrides)
         if pretrained == TESTBED:

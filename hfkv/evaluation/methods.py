@@ -21,12 +21,12 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
 
-from hfkv.config import PRESETS, TIER_FIELDS, TriStateConfig
+from hfkv.config import PRESETS, TIER_FIELDS, TierFormat, TriStateConfig, did_you_mean
 
 DYNAMIC = "dynamic"
 STATIC = "static"
@@ -47,6 +47,65 @@ def baseline_names() -> list[str]:
     out = [DYNAMIC, STATIC]
     out += [f"{b}-int{n}" for b, bits in QUANTIZED_BACKENDS.items() for n in bits]
     return out
+
+
+def unknown_name(name: str) -> str:
+    """Why ``name`` names no method: the presets and baselines, and the closest of them."""
+    known = [*PRESETS, *baseline_names()]
+    return (
+        f"{name!r} is not a preset{did_you_mean(name, known)}; presets: {', '.join(PRESETS)}; "
+        f"baselines: {', '.join(baseline_names())}; or a .yaml path"
+    )
+
+
+def config_fields() -> list[str]:
+    """The TriStateConfig fields an override may name (tier fields also take a dotted key)."""
+    return [f.name for f in fields(TriStateConfig)]
+
+
+def check_override_keys(keys: Iterable[str]) -> None:
+    """Refuse override keys that name no TriStateConfig field (``bugdet``) or tier key (``quantized.kye``)."""
+    names = config_fields()
+    tier_keys = [f.name for f in fields(TierFormat)]
+    for key in keys:
+        if "." in key:
+            tier, sub = key.split(".", 1)
+            if tier not in TIER_FIELDS:
+                raise ValueError(
+                    f"override {key!r}: dotted keys are only for the tier fields {TIER_FIELDS}"
+                    f"{did_you_mean(tier, TIER_FIELDS)} (e.g. quantized.key=fp8, original.group_size=64)"
+                )
+            if sub not in tier_keys:
+                raise ValueError(f"override {key!r}: a tier has the keys {tier_keys}{did_you_mean(sub, tier_keys)}")
+        elif key not in names:
+            raise ValueError(
+                f"unknown override {key!r}{did_you_mean(key, names)}; TriStateConfig fields: {', '.join(names)} "
+                "(tier fields also as <tier>.key / .value / .group_size)"
+            )
+
+
+def check_spec(spec: str) -> None:
+    """Check a spec's shape, name, budget and override keys (ValueError naming the part at fault).
+
+    A baseline or a spec with an explicit ``@budget`` is built in full (its values are checked too); a
+    preset or YAML spec without one is only checked this far, because a sweep crosses it with budgets
+    and its values may be valid only at those (``hfkv:window=2000`` at ``--budgets 4096``).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method spec {spec!r} must be a non-empty string")
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise ValueError(f"method spec {spec!r} must look like <name>[@<budget>][:key=val,...]")
+    name = m["name"].strip()
+    if name in (DYNAMIC, STATIC) or _QUANTIZED.match(name) or m["budget"] is not None:
+        parse_method(spec)
+        return
+    check_override_keys(parse_overrides(m["overrides"]))
+    if _is_yaml_path(name):
+        if not os.path.isfile(name):
+            raise ValueError(f"config file {name!r} not found (a method spec ending in .yaml is a path)")
+    elif name not in PRESETS:
+        raise ValueError(unknown_name(name))
 
 
 def split_top_level(text: str, sep: str = ",") -> list[str]:
@@ -160,7 +219,11 @@ def parse_budget(text: str | int | None) -> int | None:
     if low in ("none", "null"):
         return None
     if not re.fullmatch(r"\d+", low):
-        raise ValueError(f"budget {text!r} must be a positive integer (tokens per KV head) or 'none'")
+        raise ValueError(
+            f"budget {text!r} must be a positive integer per KV head in the preset's budget unit "
+            "(tokens for evict / quant / streaming / arkv / diffkv, full-precision-token equivalents for hfkv, "
+            "bytes with budget_unit=bytes) or 'none'"
+        )
     return int(low)
 
 
@@ -196,7 +259,7 @@ def build_config(base: str, budget: Any = _UNSET, overrides: Mapping[str, Any] |
         except ValueError as exc:
             raise ValueError(f"{base}: {exc}") from exc
     if base not in PRESETS:
-        raise ValueError(f"{base!r} is not a preset {PRESETS}, a baseline {baseline_names()} or a .yaml path")
+        raise ValueError(unknown_name(base))
     return TriStateConfig.from_preset(base, **over)
 
 

@@ -18,22 +18,85 @@ DEFAULT_PRESETS = "evict,quant,streaming,arkv,diffkv,hfkv"
 DEFAULT_BUDGETS = "80,160"
 
 
+def _task_names() -> list[str]:
+    from hfkv.testbed.tasks import TASKS
+
+    return list(TASKS)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hfkv import cli_args as ca
+    from hfkv.config import PRESETS
+
     parser.add_argument("--model", default=None, help="model directory (default: the shipped testbed)")
-    parser.add_argument("--tasks", default=None, help="comma-separated task names (default: all testbed tasks)")
-    parser.add_argument("--limit", type=int, default=100, help="examples per task (default: 100, the whole test set)")
     parser.add_argument(
-        "--presets", default=DEFAULT_PRESETS, help=f"comma-separated presets, or 'none' (default: {DEFAULT_PRESETS})"
+        "--tasks",
+        type=ca.names(_task_names, "task"),
+        default=None,
+        help="comma-separated testbed task names (default: all testbed tasks)",
     )
     parser.add_argument(
-        "--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated token budgets (default: {DEFAULT_BUDGETS})"
+        "--limit", type=ca.integer(1), default=100, help="examples per task (default: 100, the whole test set)"
     )
     parser.add_argument(
-        "--batch-size", type=int, default=25, help="prompts per generate call (left padding; default 25)"
+        "--presets",
+        type=ca.names(PRESETS, "preset", none=True),
+        default=DEFAULT_PRESETS,
+        help=f"comma-separated presets ({', '.join(PRESETS)}), or 'none' for the DynamicCache rows only "
+        f"(default: {DEFAULT_PRESETS})",
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--budgets",
+        type=ca.integer_list(1, what="token budgets"),
+        default=DEFAULT_BUDGETS,
+        help=f"comma-separated token budgets, each preset runs at each (default: {DEFAULT_BUDGETS})",
+    )
+    parser.add_argument(
+        "--batch-size", type=ca.integer(1), default=25, help="prompts per generate call (left padding; default 25)"
+    )
+    parser.add_argument("--threads", type=ca.integer(0), default=0, help="torch CPU threads (0: leave as is)")
+    parser.add_argument(
+        "--device", type=ca.device(), default="cpu", help="torch device of the model: cpu (default), cuda, cuda:N"
+    )
+    parser.add_argument(
+        "--dtype",
+        type=ca.dtype(allow_auto=False),
+        default="fp32",
+        help="model and cache dtype: fp32 (default: what a CPU without bf16 units runs fastest), bf16, fp16",
+    )
+    parser.add_argument(
+        "--out", default=None, help="also write the rows and how the run went (time, threads, load) to this JSON"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_args(args) -> tuple[str, list[str], list[str], list[int]]:
+    """``(model path, tasks, presets, budgets)`` of a checked command line; :class:`hfkv.cli_args.UsageError`
+    on a bad one (a missing model, an unknown task or preset, a preset refusing a budget). Loads nothing."""
+    from hfkv import cli_args as ca
+    from hfkv.config import PRESETS, TriStateConfig
+    from hfkv.testbed import TESTBED_PATH
+
+    def listed(value, parse):  # parsed by add_arguments' types, or a string from a caller of run()
+        return parse(value) if isinstance(value, str) else list(value)
+
+    path = args.model or TESTBED_PATH
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ca.UsageError(
+            "--model",
+            f"no model at {path!r} (expected config.json, safetensors and tokenizer files); the testbed ships in "
+            "hfkv/testbed/model, or train one with `python -m hfkv.testbed.train`",
+        )
+    tasks = listed(args.tasks, ca.names(_task_names, "task")) if args.tasks else _task_names()
+    presets = listed(args.presets, ca.names(PRESETS, "preset", none=True))
+    budgets = listed(args.budgets, ca.integer_list(1, what="token budgets"))
+    for name in presets:
+        for b in budgets:
+            try:
+                TriStateConfig.from_preset(name, budget=b)
+            except ValueError as exc:
+                raise ca.UsageError("--presets/--budgets", f"{name}@{b}: {exc}") from None
+    return path, tasks, presets, budgets
 
 
 class _StepClock:
@@ -79,12 +142,16 @@ def evaluate(
     preset: str | None = None,
     budget: int | None = None,
     batch_size: int = 25,
-    progress: str | None = None,
+    bar=None,
+    warmup: bool = True,
 ) -> dict:
     """Greedy exact-match accuracy of ``model`` on ``data`` with a ``DynamicCache`` (``preset`` None)
     or a fresh ``TriStateCache(preset, budget)`` per batch; with the KV bytes held vs dense, and
-    the decode speed."""
-    from tqdm.auto import tqdm
+    the decode speed.
+
+    ``warmup`` runs one short untimed generation with the same kind of cache first, so the first
+    row of a run does not pay one-off costs (lazy imports, thread pools, kernel builds) in its
+    tok/s. ``bar`` (a tqdm) advances by one per example."""
     from transformers import DynamicCache
 
     from hfkv.storage import dynamic_cache_bytes
@@ -95,15 +162,19 @@ def evaluate(
     correct = kv_bytes = dense_bytes = n_tok = 0
     t_dec = 0.0
     bs = max(1, batch_size)
-    bar = tqdm(total=len(data), desc=progress, leave=False, disable=progress is None)
+
+    def new_cache():
+        if preset is None:
+            return DynamicCache()
+        import hfkv
+
+        return hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=budget))
+
+    if warmup and data:
+        _generate(model, tok, [r["prompt"] for r in data[:2]], new_cache(), min(8, task.max_new_tokens), stop_ids)
     for i in range(0, len(data), bs):
         chunk = data[i : i + bs]
-        if preset is None:
-            cache = DynamicCache()
-        else:
-            import hfkv
-
-            cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=budget))
+        cache = new_cache()
         preds, nt, dt = _generate(model, tok, [r["prompt"] for r in chunk], cache, task.max_new_tokens, stop_ids)
         n_tok += nt
         t_dec += dt
@@ -115,8 +186,8 @@ def evaluate(
             st = cache.stats()
             kv_bytes += int(st.kv_bytes)
             dense_bytes += int(st.dense_bytes)
-        bar.update(len(chunk))
-    bar.close()
+        if bar is not None:
+            bar.update(len(chunk))
     return {
         "n": len(data),
         "accuracy": correct / max(1, len(data)),
@@ -128,73 +199,103 @@ def evaluate(
 
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path, task_names, presets, budgets = check_args(args)  # before anything is loaded
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hfkv.testbed import TESTBED_PATH
-    from hfkv.testbed.tasks import TASKS, load_test_set
+    from hfkv.testbed.tasks import load_test_set
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = args.model or TESTBED_PATH
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise SystemExit(
-            f"--model: no model at {path!r} (expected config.json, safetensors and tokenizer files); "
-            "the testbed ships in hfkv/testbed/model, or train one with `python -m hfkv.testbed.train`"
-        )
-    model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
+    from hfkv.loading import parse_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(getattr(args, "dtype", "fp32")))
+    model = model.to(args.device)
     model.eval()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
 
-    task_names = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
-    for t in task_names:
-        if t not in TASKS:
-            raise SystemExit(f"unknown task {t!r}; known: {', '.join(TASKS)}")
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    if presets == ["none"] or not presets:
-        presets = []
-    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-
     configs: list[tuple[str, str | None, int | None]] = [("DynamicCache", None, None)]
     configs += [(f"{name}@{b}", name, b) for name in presets for b in budgets]
 
+    from tqdm.auto import tqdm
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    print(
+        f"hfkv demo: {'the testbed' if args.model is None else path} model, {dtype}, {args.device}, "
+        f"{torch.get_num_threads()} torch threads; {len(task_names)} tasks x {len(configs)} caches x "
+        f"{args.limit} examples. decode tok/s: measured after a warm-up, indicative of this machine only.",
+        flush=True,
+    )
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
     rows = []
+    bar = tqdm(
+        total=sum(min(args.limit, len(load_test_set(t))) for t in task_names) * len(configs),
+        desc="demo",
+        unit="ex",
+        disable=args.no_progress,
+    )
     for task_name in task_names:
         data = load_test_set(task_name)[: args.limit]
         for label, preset, budget in configs:
-            r = evaluate(
-                model,
-                tok,
-                task_name,
-                data,
-                preset,
-                budget,
-                batch_size=args.batch_size,
-                progress=f"{task_name} {label}" if not args.no_progress else None,
-            )
+            bar.set_postfix_str(f"{task_name} {label}")
+            r = evaluate(model, tok, task_name, data, preset, budget, batch_size=args.batch_size, bar=bar)
             rows.append({"task": task_name, "cache": label, **r})
+    bar.close()
+    wall = time.perf_counter() - started
+    print(format_table(rows))
+    print(f"{wall / 60:.1f} min")
+    if getattr(args, "out", None):
+        import json
+        import platform
 
+        import hfkv
+        from hfkv.atomic import write_atomic
+
+        run_info = {
+            "options": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"},
+            "hfkv": hfkv.__version__,
+            "torch": torch.__version__,
+            "dtype": dtype,
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(),
+            "load_average_before": round(load_before, 2),
+            "load_average_after": round(os.getloadavg()[0], 2),
+            "wall_s": round(wall, 1),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        }
+        write_atomic(args.out, json.dumps({"run": run_info, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def format_table(rows: list[dict]) -> str:
+    """The demo's table; eval/make_tables.py renders README's copy of a committed run with it."""
     header = (
         f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "
         f"{'decode tok/s':>13}"
     )
-    print(header)
-    print("-" * len(header))
+    lines = [header, "-" * len(header)]
     for r in rows:
         speed = r["decode_tok_s"]
         speed = f"{speed:>13.1f}" if speed == speed else f"{'-':>13}"  # NaN: no decode step happened
-        print(
+        lines.append(
             f"{r['task']:<10} {r['cache']:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
             f"{r['kv_kib']:>10.1f} {speed}"
         )
-    return 0
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    """``python -m hfkv.testbed.demo ...`` = ``hfkv demo ...`` (same checks and errors)."""
+    import sys
+
+    from hfkv.cli import main as hfkv_main
+
+    return hfkv_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,285 @@
+"""Argument checking shared by the ``hfkv`` subcommands: one-line errors, validated lists and method specs.
+
+Every subcommand checks its whole command line before it loads a model, builds data or runs a row.
+The ``type=`` callables here turn one option's text into what the command uses (``"80,160"`` ->
+``[80, 160]``) or refuse it; a refusal that needs several options (``diffkv`` at ``--budgets 48``) is a
+:class:`UsageError` raised by the subcommand's own check before any work. :func:`hfkv.cli.main` prints
+either as one line, ``hfkv <cmd>: error: <option>: <message>``, and exits with status 2 (``--debug``:
+with the traceback). Names close to a known one get a "did you mean" (presets, TriStateConfig fields,
+tasks, choices).
+
+This module sits above :mod:`hfkv.config` and :mod:`hfkv.evaluation.methods` (it imports them, they never
+import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hfkv.config import PRESETS, did_you_mean
+
+__all__ = [
+    "ArgumentParser",
+    "UsageError",
+    "check_model",
+    "device",
+    "did_you_mean",
+    "dtype",
+    "integer",
+    "integer_list",
+    "method_specs",
+    "names",
+    "one_of",
+    "preset_or_yaml",
+    "split_list",
+    "usage_from",
+    "validated",
+]
+
+
+class UsageError(ValueError):
+    """A bad command line: ``option`` (``--budgets``), what is wrong with its value and what is allowed."""
+
+    def __init__(self, option: str | None, message: str, prog: str | None = None):
+        self.option, self.message, self.prog = option, message, prog
+        super().__init__(f"{option}: {message}" if option else message)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: :meth:`error` raises :class:`UsageError` (printed by ``hfkv.cli.main``,
+    exit status 2) instead of printing the usage, and an invalid choice names the closest valid one."""
+
+    def error(self, message: str):
+        option = None
+        if message.startswith("argument ") and ": " in message:
+            option, message = message[len("argument ") :].split(": ", 1)
+        raise UsageError(option, message, prog=self.prog)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        choices = action.choices
+        if choices is not None and value not in choices:
+            shown = [str(c) for c in choices]
+            raise argparse.ArgumentError(
+                action, f"{value!r} is not one of {', '.join(shown)}{did_you_mean(str(value), shown)}"
+            )
+
+
+def usage_from(exc: BaseException, option: str | None = None) -> UsageError:
+    """A :class:`UsageError` from a library error whose message starts with the option it is about
+    (``"--range 'x=0:1': unknown parameter 'x'"``), else about ``option``."""
+    import re
+
+    m = re.match(r"(--[a-z0-9][a-z0-9_-]*)[=:]?\s*(.*)", str(exc), re.S)
+    if m:
+        return UsageError(m[1], m[2])
+    return UsageError(option, str(exc))
+
+
+def split_list(text: str | Iterable[str] | None) -> list[str]:
+    """``"a,b c"`` or ``["a,b", "c"]`` -> ``["a", "b", "c"]`` (commas or spaces)."""
+    if text is None:
+        return []
+    items = [text] if isinstance(text, str) else list(text)
+    return [p.strip() for item in items for p in item.replace(" ", ",").split(",") if p.strip()]
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    fn.__name__ = name  # argparse names the type in messages it writes itself
+    return fn
+
+
+def _int_range(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f"an integer from {low} to {high}"
+    if low == 1:
+        return "a positive integer"
+    if low is not None:
+        return f"an integer >= {low}"
+    if high is not None:
+        return f"an integer <= {high}"
+    return "an integer"
+
+
+def _to_int(text: str, low: int | None, high: int | None, whole: str | None = None) -> int:
+    where = f" in {whole!r}" if whole is not None and whole.strip() != text.strip() else ""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}{where} is not {_int_range(low, high)}") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{text!r}{where} must be {_int_range(low, high)}")
+    return value
+
+
+def integer(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """``type=`` for one integer in ``[low, high]``."""
+    return _named(lambda text: _to_int(text, low, high), "integer")
+
+
+def integer_list(
+    low: int | None = 1,
+    allow_none: bool = False,
+    what: str = "integers",
+    example: str = "80,160",
+    allow_empty: bool = False,
+) -> Callable[[str], list]:
+    """``type=`` for comma-separated integers >= ``low`` (``"80,160"`` -> ``[80, 160]``); ``none`` -> None
+    for an element when ``allow_none`` (budgets); ``""`` -> ``[]`` when ``allow_empty``."""
+
+    def parse(text: str) -> list:
+        parts = split_list(text)
+        if not parts and allow_empty:
+            return []
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r} is empty; give comma-separated {what}, e.g. {example}")
+        out: list = []
+        for part in parts:
+            if allow_none and part.lower() in ("none", "null"):
+                out.append(None)
+                continue
+            try:
+                out.append(_to_int(part, low, None, text))
+            except argparse.ArgumentTypeError as exc:
+                extra = " or 'none'" if allow_none else ""
+                raise argparse.ArgumentTypeError(f"{exc}{extra} (comma-separated {what}, e.g. {example})") from None
+        return out
+
+    return _named(parse, "integer list")
+
+
+def names(
+    choices: Sequence[str] | Callable[[], Sequence[str]], what: str, none: bool = False
+) -> Callable[[str], list[str]]:
+    """``type=`` for a comma-separated list of known names (``choices``, or a function giving them so a
+    module is imported only when the option is used); ``none`` (when allowed) gives ``[]``."""
+
+    def parse(text: str) -> list[str]:
+        known = list(choices() if callable(choices) else choices)
+        parts = split_list(text)
+        if none and [p.lower() for p in parts] == ["none"]:
+            return []
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r} is empty; {what}s: {', '.join(known)}")
+        for part in parts:
+            if part not in known:
+                alt = ", or 'none'" if none else ""
+                raise argparse.ArgumentTypeError(
+                    f"{part!r} is not a {what}{did_you_mean(part, known)}; {what}s: {', '.join(known)}{alt}"
+                )
+        return parts
+
+    return _named(parse, f"{what} list")
+
+
+def one_of(choices: Sequence[str] | Callable[[], Sequence[str]], what: str) -> Callable[[str], str]:
+    """``type=`` for one known name, with a did-you-mean (``choices`` as in :func:`names`)."""
+
+    def parse(text: str) -> str:
+        known = list(choices() if callable(choices) else choices)
+        if text not in known:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {what}{did_you_mean(text, known)}; {what}s: {', '.join(known)}"
+            )
+        return text
+
+    return _named(parse, what)
+
+
+def validated(check: Callable[[str], Any], name: str = "value") -> Callable[[str], str]:
+    """``type=`` that runs ``check(text)`` (a ValueError refuses the value) and keeps the text as given."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except (ValueError, FileNotFoundError) as exc:
+            msg = usage_from(exc).message  # without a leading "--option" (argparse names the option)
+            raise argparse.ArgumentTypeError(msg if repr(text) in msg else f"{text!r}: {msg}") from None
+        return text
+
+    return _named(parse, name)
+
+
+def _check_specs(text: str) -> None:
+    import re
+
+    from hfkv.evaluation.methods import check_spec, split_specs, split_top_level
+
+    pieces = split_top_level(text)
+    while pieces and "=" in re.split(r"[@:]", pieces[0], maxsplit=1)[0]:
+        pieces.pop(0)  # overrides of the spec in the previous word (--methods hfkv:alpha_h=1 window=8)
+    for spec in split_specs(",".join(pieces)):
+        check_spec(spec)
+
+
+#: ``type=`` for method specs (``dynamic,hfkv@80:alpha_h=0.8,evict``): names, budgets and override keys are
+#: checked (did-you-mean on presets and TriStateConfig fields); the text is kept for the command's own check.
+method_specs = validated(_check_specs, "method specs")
+
+
+def _check_preset_or_yaml(text: str) -> None:
+    if text in PRESETS:
+        return
+    if text.endswith((".yaml", ".yml")):
+        if not os.path.isfile(text):
+            raise ValueError(f"config file {text!r} not found")
+        return
+    raise ValueError(
+        f"{text!r} is not a preset{did_you_mean(text, PRESETS)} or a .yaml file; presets: {', '.join(PRESETS)}"
+    )
+
+
+#: ``type=`` for a preset name or an existing YAML config file (the text is kept).
+preset_or_yaml = validated(_check_preset_or_yaml, "preset")
+
+
+def dtype(allow_auto: bool = True) -> Callable[[str], str]:
+    """``type=`` for a model dtype name (bf16, fp16, fp32, bfloat16, ...; ``auto`` when allowed); kept as text."""
+
+    def parse(text: str) -> str:
+        from hfkv.loading import _DTYPES
+
+        known = [*_DTYPES, *(["auto"] if allow_auto else [])]
+        if text not in known:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a dtype{did_you_mean(text, known)}; one of {', '.join(known)}"
+            )
+        return text
+
+    return _named(parse, "dtype")
+
+
+def device(allow_auto: bool = False) -> Callable[[str], str]:
+    """``type=`` for a torch device (cpu, cuda, cuda:N, ...; ``auto`` when allowed); CUDA must be available."""
+
+    def parse(text: str) -> str:
+        if allow_auto and text == "auto":
+            return text
+        import torch
+
+        try:
+            dev = torch.device(text)
+        except (RuntimeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:N)") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine; use cpu")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+                )
+        return text
+
+    return _named(parse, "device")
+
+
+def check_model(option: str, spec: str, gguf_file: str | None = None) -> None:
+    """:class:`UsageError` for a model spec that cannot load (:func:`hfkv.loading.check_model_spec`)."""
+    from hfkv.loading import check_model_spec
+
+    try:
+        check_model_spec(spec, gguf_file)
+    except ValueError as exc:
+        raise UsageError(option, str(exc)) from None
