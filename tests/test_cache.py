@@ -410,3 +410,28 @@ def test_a_forward_that_raised_half_way_does_not_poison_the_next():
     hfkv.attention.interface.set_pending(cache.layers[0])  # as if an exception struck between update and attention
     model(input_ids=ids[:, :1], position_ids=torch.tensor([[10]]), past_key_values=cache)
     assert cache.get_seq_length() == 11
+
+
+def test_an_unpadded_prompt_prefills_on_sdpas_causal_path(monkeypatch):
+    """An empty layer's plain causal prompt builds no T x T mask (SDPA's causal path, as for DynamicCache); a
+    left-padded prompt gets the boolean mask, and so does every later step (logical coordinates)."""
+    from hfkv.cache import TriStateLayer
+
+    masks = []
+    attend = TriStateLayer.attend
+
+    def spy(self, module, query, key, value, mask, scaling):
+        if self.layer_idx == 0:
+            masks.append(None if mask is None else (mask.dtype, tuple(mask.shape)))
+        return attend(self, module, query, key, value, mask, scaling)
+
+    monkeypatch.setattr(TriStateLayer, "attend", spy)
+    model = tiny_model("llama")
+    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=32)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    _generate(model, hfkv.TriStateCache(model, cfg), ids, new=3)
+    assert masks[0] is None and all(m is not None and m[0] == torch.bool for m in masks[1:]) and len(masks) == 3
+    masks.clear()
+    ids, mask = left_padded_batch(lengths=(20, 13))
+    _generate(model, hfkv.TriStateCache(model, cfg), ids, mask, new=2)
+    assert masks[0] == (torch.bool, (2, 1, 20, 20))

@@ -126,6 +126,53 @@ def test_decode_kernel_matches_torch_twin(kernel, key, value, dtype, dim, ratio,
     assert (got[2][0] == 0).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[8]], ids=["int4-int2", "bf16-l2", "chunk"])
+def test_cpu_kernel_on_several_threads_matches_torch_twin(threads, case):
+    """Threads share the (row, head) pairs; with min_split=16 every pair's slots are also cut into ranges
+    (split-K, more threads than pairs at 7), whose maxima and sums are combined exactly."""
+    key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts = case
+    bsz, heads, length = 2, 2, 120
+    layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
+    tiers = _storage(layouts, bsz, heads, dim, length, counts, page_bytes, seed=dim + qlen)
+    win = _window(bsz, heads, dim, dtype, length, cap=12 + qlen, filled=7 + qlen, seed=3)
+    query = torch.randn(bsz, heads * ratio, qlen, dim, generator=torch.Generator().manual_seed(9)).to(dtype)
+    pad_end, q_start = torch.tensor([0, 5]), length - qlen
+    ref = _run(paged_attention_reference, query, tiers, layouts, win, q_start, pad_end, reduction)
+    for min_split in (16, 512):
+        got = _run(paged_attention_cpu, query, tiers, layouts, win, q_start, pad_end, reduction,
+                   threads=threads, min_split=min_split)  # fmt: skip
+        tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got[0], ref[0], **tol)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got[3], ref[3], atol=1e-6, rtol=1e-5)
+        for a, b in zip(_tier_scores(tiers, layouts, got[2]), _tier_scores(tiers, layouts, ref[2]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_kernel_splits_one_long_head_over_threads():
+    """One row, one KV head, 2,000 slots: the split ranges' partial outputs and scores add up to the twin's."""
+    dim, dtype = 64, torch.float32
+    layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    tiers = _storage(layouts, 1, 1, dim, 2100, (300, 1700), None, seed=4)
+    win = _window(1, 1, dim, dtype, 2100, cap=16, filled=9, seed=5)
+    query = torch.randn(1, 4, 1, dim, generator=torch.Generator().manual_seed(2))
+    pad = torch.zeros(1, dtype=torch.long)
+    ref = _run(paged_attention_reference, query, tiers, layouts, win, 2099, pad, "max")
+    for threads in (2, 5):
+        got = _run(paged_attention_cpu, query, tiers, layouts, win, 2099, pad, "max", threads=threads, min_split=64)
+        torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+        for a, b in zip(_tier_scores(tiers, layouts, got[2]), _tier_scores(tiers, layouts, ref[2]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_kernel_names_a_bad_thread_count():
+    win = DenseSlots(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), torch.arange(4), None)
+    with pytest.raises(ValueError, match="threads=0"):
+        paged_attention_cpu(torch.zeros(1, 1, 1, 8), [win], 3, torch.zeros(1, dtype=torch.long), 1.0, threads=0)
+
+
 @kernels
 def test_masking_is_by_slot_position(kernel):
     """Causal + left padding from the tags alone: a slot at a future position or in padding gets nothing."""

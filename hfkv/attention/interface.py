@@ -24,8 +24,9 @@ NAME = "hfkv"
 
 # The layer whose update() ran last and whose attention call has not happened yet.
 _PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("hfkv_pending_layer", default=None)
-# Set by a compressing layer's get_mask_sizes(): the next mask must be a materialised boolean mask.
-_MASK_REQUEST: contextvars.ContextVar[bool] = contextvars.ContextVar("hfkv_mask_request", default=False)
+# Set by a compressing layer's get_mask_sizes(): the next mask must be SDPA's boolean mask in logical
+# coordinates, "skippable" (None where it is plain causal without padding) or "materialised".
+_MASK_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("hfkv_mask_request", default=None)
 # id(config) -> the attention implementation the model had before hfkv.enable().
 _DELEGATES: dict[int, str] = {}
 
@@ -38,8 +39,9 @@ def pending() -> Any:
     return _PENDING.get()
 
 
-def request_logical_mask() -> None:
-    _MASK_REQUEST.set(True)
+def request_logical_mask(skippable: bool = False) -> None:
+    """Ask for a boolean mask in logical coordinates; ``skippable``: None is fine where it is plain causal."""
+    _MASK_REQUEST.set("skippable" if skippable else "materialised")
 
 
 def _delegate_name(config: Any) -> str:
@@ -74,10 +76,12 @@ def hfkv_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 def hfkv_mask(*args, **kwargs):
     """The ``"hfkv"`` mask: never skipped, boolean, logical coordinates — only when a compressing layer asks."""
-    if _MASK_REQUEST.get():
-        _MASK_REQUEST.set(False)
-        kwargs["allow_is_causal_skip"] = False
-        kwargs["allow_is_bidirectional_skip"] = False
+    request = _MASK_REQUEST.get()
+    if request:
+        _MASK_REQUEST.set(None)
+        if request == "materialised":
+            kwargs["allow_is_causal_skip"] = False
+            kwargs["allow_is_bidirectional_skip"] = False
         return sdpa_mask(*args, **kwargs)
     name = _delegate_name(kwargs.get("config"))
     fn = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask

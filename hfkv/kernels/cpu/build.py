@@ -24,6 +24,9 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fPIC", "-shared", "-fno-math-errno")
 ARCH_FLAGS = ("-march=native",)
+# Threads through the OpenMP runtime torch loaded: both name libgomp.so.1, so the library binds to torch's
+# copy and its threads are torch's (a second runtime would spin on the same cores between calls).
+OPENMP_FLAGS = ("-fopenmp",)
 
 
 class CpuKernelUnavailable(RuntimeError):
@@ -80,6 +83,8 @@ def _compile(cxx: str, flags: tuple[str, ...], target: Path) -> subprocess.Compl
 @cache
 def library() -> ctypes.CDLL:
     """The compiled kernels (built now if this machine has no cached build); raises CpuKernelUnavailable."""
+    import torch  # noqa: F401  (loads torch's libgomp first, so the library's libgomp.so.1 resolves to it)
+
     cxx = compiler()
     if cxx is None:
         raise CpuKernelUnavailable(
@@ -88,7 +93,8 @@ def library() -> ctypes.CDLL:
         )
     version = _version(cxx)
     errors = []
-    for flags in (FLAGS + ARCH_FLAGS, FLAGS):  # a compiler that does not know -march=native still builds
+    # A compiler without OpenMP or -march=native still builds (single-threaded, or generic SIMD).
+    for flags in (FLAGS + OPENMP_FLAGS + ARCH_FLAGS, FLAGS + OPENMP_FLAGS, FLAGS + ARCH_FLAGS, FLAGS):
         key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, _cpu_features()]).encode())
         target = cache_dir() / f"paged_decode-{key.hexdigest()[:20]}.so"
         if not target.exists():
@@ -96,7 +102,10 @@ def library() -> ctypes.CDLL:
             if done.returncode != 0:
                 errors.append(f"{cxx} {' '.join(flags)}: {done.stderr.strip()[-2000:]}")
                 continue
-        return ctypes.CDLL(str(target))
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as err:  # e.g. an OpenMP runtime older than the compiler's
+            errors.append(f"loading {target}: {err}")
     raise CpuKernelUnavailable("hfkv CPU kernels failed to build:\n" + "\n".join(errors))
 
 

@@ -8,6 +8,10 @@
 // online softmax, because the probabilities are needed anyway: they are the decode-time significance
 // scores, added in place to the records' score fields in the second pass.
 //
+// The (row, KV head) pairs, and for a step with fewer pairs than threads ranges of their slots (split-K,
+// combined through each range's max and sum), run on torch's own OpenMP threads, as many as
+// torch.get_num_threads() says at the call.
+//
 // Built at first use by hfkv/kernels/cpu/build.py (plain C ABI, no Python or torch headers, so the build
 // takes a second) and called through ctypes; hfkv/kernels/cpu/paged_decode.py is the Python side.
 
@@ -150,63 +154,62 @@ inline float lane_sum(Vec v) {
 #endif
 }
 
-// sum_e a[e] * b[e]: whole vectors, then the tail (head dims that are not a multiple of 16).
-template <int D>
-inline float dot(const float* a, const float* b, int dim) {
+// N query rows at once: each vector of x is loaded once for N products (decode has g rows per KV head).
+template <int D, int N>
+inline void dotn(const float* q, int dim, const float* x, float* lg, int64_t stride) {
     const int d = D ? D : dim;
     const int whole = d / kLanes * kLanes;
-    Vec acc = {};
-    for (int e = 0; e < whole; e += kLanes) acc += load_vec(a + e) * load_vec(b + e);
-    float s = lane_sum(acc);
-    for (int e = whole; e < d; ++e) s += a[e] * b[e];
-    return s;
-}
-
-// o[e] += w * x[e]
-template <int D>
-inline void axpy(float* o, float w, const float* x, int dim) {
-    const int d = D ? D : dim;
-    const int whole = d / kLanes * kLanes;
-    for (int e = 0; e < whole; e += kLanes) store_vec(o + e, load_vec(o + e) + w * load_vec(x + e));
-    for (int e = whole; e < d; ++e) o[e] += w * x[e];
-}
-
-// Four query rows at once: each vector of x is loaded once for four products (decode has g rows per KV head).
-template <int D>
-inline void dot4(const float* q, int dim, const float* x, float* lg, int64_t stride) {
-    const int d = D ? D : dim;
-    const int whole = d / kLanes * kLanes;
-    Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    Vec acc[N] = {};
     for (int e = 0; e < whole; e += kLanes) {
         const Vec v = load_vec(x + e);
-        a0 += load_vec(q + e) * v;
-        a1 += load_vec(q + d + e) * v;
-        a2 += load_vec(q + 2 * d + e) * v;
-        a3 += load_vec(q + 3 * d + e) * v;
+        for (int r = 0; r < N; ++r) acc[r] += load_vec(q + r * d + e) * v;
     }
-    float s[4] = {lane_sum(a0), lane_sum(a1), lane_sum(a2), lane_sum(a3)};
+    for (int r = 0; r < N; ++r) {
+        float s = lane_sum(acc[r]);
+        for (int e = whole; e < d; ++e) s += q[r * d + e] * x[e];
+        lg[r * stride] = s;
+    }
+}
+
+// o[r] += w[r * stride] * x for N rows.
+template <int D, int N>
+inline void axpyn(float* o, int dim, const float* w, int64_t stride, const float* x) {
+    const int d = D ? D : dim;
+    const int whole = d / kLanes * kLanes;
+    float wr[N];
+    for (int r = 0; r < N; ++r) wr[r] = w[r * stride];
+    for (int e = 0; e < whole; e += kLanes) {
+        const Vec v = load_vec(x + e);
+        for (int r = 0; r < N; ++r) store_vec(o + r * d + e, load_vec(o + r * d + e) + wr[r] * v);
+    }
     for (int e = whole; e < d; ++e)
-        for (int r = 0; r < 4; ++r) s[r] += q[r * d + e] * x[e];
-    for (int r = 0; r < 4; ++r) lg[r * stride] = s[r];
+        for (int r = 0; r < N; ++r) o[r * d + e] += wr[r] * x[e];
+}
+
+// Every one of `rows` query rows against one key: blocks of four, then the rest in one block.
+template <int D>
+inline void dot_rows(const float* q, int rows, int dim, const float* x, float* lg, int64_t stride) {
+    const int d = D ? D : dim;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) dotn<D, 4>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride);
+    switch (rows - r) {
+        case 3: dotn<D, 3>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
+        case 2: dotn<D, 2>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
+        case 1: dotn<D, 1>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
+        default: break;
+    }
 }
 
 template <int D>
-inline void axpy4(float* o, int dim, const float* w, int64_t stride, const float* x) {
+inline void axpy_rows(float* o, int rows, int dim, const float* w, int64_t stride, const float* x) {
     const int d = D ? D : dim;
-    const int whole = d / kLanes * kLanes;
-    const float w0 = w[0], w1 = w[stride], w2 = w[2 * stride], w3 = w[3 * stride];
-    for (int e = 0; e < whole; e += kLanes) {
-        const Vec v = load_vec(x + e);
-        store_vec(o + e, load_vec(o + e) + w0 * v);
-        store_vec(o + d + e, load_vec(o + d + e) + w1 * v);
-        store_vec(o + 2 * d + e, load_vec(o + 2 * d + e) + w2 * v);
-        store_vec(o + 3 * d + e, load_vec(o + 3 * d + e) + w3 * v);
-    }
-    for (int e = whole; e < d; ++e) {
-        o[e] += w0 * x[e];
-        o[d + e] += w1 * x[e];
-        o[2 * d + e] += w2 * x[e];
-        o[3 * d + e] += w3 * x[e];
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) axpyn<D, 4>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x);
+    switch (rows - r) {
+        case 3: axpyn<D, 3>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
+        case 2: axpyn<D, 2>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
+        case 1: axpyn<D, 1>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
+        default: break;
     }
 }
 
@@ -294,113 +297,192 @@ inline void bf16_row(const uint16_t* h, int d, float* out) {
     for (; e < d; ++e) out[e] = bf16_to_float(h[e]);
 }
 
-// Values of one field of one record, in natural order, fp32: the twin of QuantFormat.decode_at.
+// Values of one field of one record, in natural order, fp32: the twin of QuantFormat.decode_at. Returns where
+// they are: the record itself for fp32 fields (nothing to convert), else `out`.
 template <int D>
-inline void decode_field(const uint8_t* rec, const HfkvField& f, int dim, float* out) {
+inline const float* decode_field(const uint8_t* rec, const HfkvField& f, int dim, float* out) {
     const int d = D ? D : dim;
     const uint8_t* src = rec + f.offset;
     if (f.family == MODEL) {
-        if (f.dtype == F32) {
-            std::memcpy(out, src, sizeof(float) * d);
-        } else if (f.dtype == BF16) {
-            uint16_t h[D ? D : 512];
-            std::memcpy(h, src, 2 * d);
+        if (f.dtype == F32) return reinterpret_cast<const float*>(src);  // records are 4-byte aligned
+        uint16_t h[D ? D : 512];
+        std::memcpy(h, src, 2 * d);
+        if (f.dtype == BF16) {
             bf16_row(h, d, out);
         } else {
-            uint16_t h[D ? D : 512];
-            std::memcpy(h, src, 2 * d);
             for (int e = 0; e < d; ++e) out[e] = half_to_float(h[e]);
         }
-        return;
+        return out;
     }
     if (f.family == FP8) {
         float scale;
         std::memcpy(&scale, src + d, 4);
         for (int e = 0; e < d; ++e) out[e] = kFp8.value[src[e]] * scale;
-        return;
+        return out;
     }
     switch (f.bits) {
         case 8: unpack_int<D, 8>(src, f.group, dim, out); break;
         case 4: unpack_int<D, 4>(src, f.group, dim, out); break;
         default: unpack_int<D, 2>(src, f.group, dim, out);
     }
+    return out;
 }
 
 template <int D>
-inline void decode_dense(const void* base, int32_t dtype, int64_t index, int dim, float* out) {
+inline const float* decode_dense(const void* base, int32_t dtype, int64_t index, int dim, float* out) {
     const int d = D ? D : dim;
-    if (dtype == F32) {
-        std::memcpy(out, static_cast<const float*>(base) + index * d, sizeof(float) * d);
+    if (dtype == F32) return static_cast<const float*>(base) + index * d;
+    const uint16_t* h = static_cast<const uint16_t*>(base) + index * d;
+    if (dtype == BF16) {
+        bf16_row(h, d, out);
     } else {
-        const uint16_t* h = static_cast<const uint16_t*>(base) + index * d;
-        if (dtype == BF16) {
-            bf16_row(h, d, out);
-        } else {
-            for (int e = 0; e < d; ++e) out[e] = half_to_float(h[e]);
-        }
+        for (int e = 0; e < d; ++e) out[e] = half_to_float(h[e]);
     }
+    return out;
 }
 
-// Where slot s of a part lives, and its tag (position + 1, 0 = empty).
+// Where a slot lives, and its tag (position + 1, 0 = empty).
 struct SlotRef {
     const uint8_t* record;  // paged only
     int64_t dense_index;    // dense only: (row * H + head) * S + s
     int32_t tag;
 };
 
-inline SlotRef locate(const HfkvPart& part, int64_t bh, int s) {
-    SlotRef ref{nullptr, 0, 0};
-    if (part.paged) {
-        const int32_t page = part.table[bh * part.table_w + s / part.tpp];
-        ref.record = part.pool + page * part.page_bytes + static_cast<int64_t>(s % part.tpp) * part.record;
-        std::memcpy(&ref.tag, ref.record + part.tag_offset, 4);
-    } else {
-        ref.dense_index = bh * part.slots + s;
-        ref.tag = static_cast<int32_t>(part.pos[s] + 1);
-    }
-    return ref;
-}
+// Walks the slots of one part for one (row, head) in order, page by page and record by record (no division
+// per slot).
+struct Cursor {
+    const HfkvPart& part;
+    int64_t bh;
+    int s, page, in_page;
+    const uint8_t* rec;
 
-template <int D>
-void attend_head(const float* q, int G, int qlen, int dim, int64_t q_start, int64_t pad_end, int nparts,
-                 const HfkvPart* parts, int64_t bh, int reduction, float* out, float* delta, int64_t s_total,
-                 float* logits) {
-    const int d = D ? D : dim;
-    const int rows = G * qlen;
-    // Rows of the logits are padded to whole vectors, so the softmax and the score pass run on vectors only.
-    const int64_t stride = (s_total + kLanes - 1) / kLanes * kLanes;
-    std::vector<float> buf_storage(d), inv_sum(rows);
-    float* buf = buf_storage.data();
-
-    // Pass 1: masked logits of every slot; keys are read here and never again.
-    int64_t col = 0;
-    for (int pi = 0; pi < nparts; ++pi) {
-        const HfkvPart& part = parts[pi];
-        for (int s = 0; s < part.slots; ++s, ++col) {
-            const SlotRef ref = locate(part, bh, s);
-            const int64_t pos = static_cast<int64_t>(ref.tag) - 1;
-            const bool live = ref.tag > 0 && pos >= pad_end;
-            if (live) {
-                if (part.paged) decode_field<D>(ref.record, part.key, d, buf);
-                else decode_dense<D>(part.k, part.dense_dtype, ref.dense_index, d, buf);
-            }
-            int r = 0;
-            if (live && pos <= q_start) {  // visible to every query row (always, when decoding)
-                for (; r + 4 <= rows; r += 4) dot4<D>(q + static_cast<int64_t>(r) * d, d, buf, logits + r * stride + col, stride);
-            }
-            for (; r < rows; ++r) {
-                const bool seen = live && pos <= q_start + r % qlen;
-                logits[r * stride + col] = seen ? dot<D>(q + static_cast<int64_t>(r) * d, buf, d) : -INFINITY;
-            }
+    Cursor(const HfkvPart& p, int64_t bh_, int s0) : part(p), bh(bh_), s(s0), page(0), in_page(0), rec(nullptr) {
+        if (part.paged) {
+            page = s0 / part.tpp;
+            in_page = s0 % part.tpp;
+            rec = page < part.table_w ? page_base(page) + static_cast<int64_t>(in_page) * part.record : nullptr;
         }
     }
-    // Softmax per query row, in place: logits become unnormalised probabilities (0 where masked).
+    const uint8_t* page_base(int pg) const {
+        return part.pool + static_cast<int64_t>(part.table[bh * part.table_w + pg]) * part.page_bytes;
+    }
+    void next() {
+        ++s;
+        if (!part.paged) return;
+        if (++in_page == part.tpp) {
+            in_page = 0;
+            ++page;
+            rec = page < part.table_w ? page_base(page) : nullptr;
+        } else {
+            rec += part.record;
+        }
+    }
+    SlotRef ref() const {
+        SlotRef r{rec, 0, 0};
+        if (part.paged) {
+            std::memcpy(&r.tag, rec + part.tag_offset, 4);
+        } else {
+            r.dense_index = bh * part.slots + s;
+            r.tag = static_cast<int32_t>(part.pos[s] + 1);
+        }
+        return r;
+    }
+    // The cache lines of [offset, offset + bytes) of the current record, and of its tag (and score).
+    void prefetch(int32_t offset, int32_t bytes) const {
+        const uint8_t* a = rec + offset;
+        for (int32_t i = 0; i < bytes; i += 64) __builtin_prefetch(a + i);
+        __builtin_prefetch(a + bytes - 1);
+        __builtin_prefetch(rec + part.tag_offset);
+    }
+};
+
+// Records asked for ahead of the one being read, so that a pass's loads overlap instead of each record's tag
+// waiting for its own cache miss.
+constexpr int kAhead = 6;
+
+// One call's work: B * H (row, KV head) pairs, each cut into `nsplit` column ranges of whole vectors (split-K),
+// so that a step with fewer (row, head) pairs than threads still keeps every thread busy.
+struct Work {
+    const float* q;
+    int G, qlen, dim, H, nparts, reduction, nsplit;
+    int64_t q_start, s_total, stride, split_len;
+    const int64_t* pad_end;
+    const HfkvPart* parts;
+    const int64_t* part_start;  // first column of each part
+    float* out;                 // [BH, rows, D], zeroed
+    float* delta;               // [BH, s_total] or null
+    float* logits;              // [BH, rows, stride]
+    float* red;                 // [BH, stride]: each column's significance
+    float* stats;               // [BH, nsplit, rows, 2]: local max and sum, then the normalising factor
+    float* partial;             // [BH, nsplit, rows, D] when nsplit > 1
+
+    int rows() const { return G * qlen; }
+    int64_t begin(int sp) const { return sp * split_len; }
+    int64_t end(int sp) const { return sp + 1 == nsplit ? stride : (sp + 1) * split_len; }
+};
+
+// Calls fn(part, ref, col) for every slot of columns [c0, min(c1, s_total)) of one (row, head), in column
+// order, prefetching the tag and the keys (or, with `values`, the values) of the records kAhead slots on.
+template <class F>
+inline void for_columns(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool values, F&& fn) {
+    c1 = c1 < w.s_total ? c1 : w.s_total;
+    for (int pi = 0; pi < w.nparts; ++pi) {
+        const HfkvPart& part = w.parts[pi];
+        const int64_t first = w.part_start[pi], last = first + part.slots;
+        const int64_t lo = c0 > first ? c0 : first, hi = c1 < last ? c1 : last;
+        if (lo >= hi) continue;
+        const int end = static_cast<int>(hi - first);
+        const HfkvField& f = values ? part.value : part.key;
+        const int32_t bytes = (values ? part.tag_offset : part.value.offset) - f.offset;
+        Cursor cur(part, bh, static_cast<int>(lo - first)), ahead = cur;
+        if (part.paged) {
+            for (int i = 0; i < kAhead && ahead.s < end; ++i, ahead.next()) ahead.prefetch(f.offset, bytes);
+        }
+        for (int64_t col = lo; col < hi; ++col, cur.next()) {
+            if (part.paged && ahead.s < end) {
+                ahead.prefetch(f.offset, bytes);
+                ahead.next();
+            }
+            fn(part, cur.ref(), col);
+        }
+    }
+}
+
+// Phase 1 of a (row-head, split): masked logits of the split's slots (keys are read here and never again),
+// then per query row the split's max and the sum of exp(logit - max), the logits becoming those exps.
+template <int D>
+void split_logits(const Work& w, int64_t bh, int sp) {
+    const int d = D ? D : w.dim;
+    const int rows = w.rows();
+    const int64_t c0 = w.begin(sp), c1 = w.end(sp), pad_end = w.pad_end[bh / w.H];
+    const float* q = w.q + bh * rows * d;
+    float* lg = w.logits + bh * rows * w.stride;
+    alignas(64) float buf[D ? D : 512];
+    for_columns(w, bh, c0, c1, false, [&](const HfkvPart& part, const SlotRef& ref, int64_t col) {
+        const int64_t pos = static_cast<int64_t>(ref.tag) - 1;
+        const bool live = ref.tag > 0 && pos >= pad_end;
+        const float* key = buf;
+        if (live) {
+            key = part.paged ? decode_field<D>(ref.record, part.key, d, buf)
+                             : decode_dense<D>(part.k, part.dense_dtype, ref.dense_index, d, buf);
+        }
+        if (live && pos <= w.q_start) {  // visible to every query row (always, when decoding)
+            dot_rows<D>(q, rows, d, key, lg + col, w.stride);
+            return;
+        }
+        for (int r = 0; r < rows; ++r) {  // a chunk's causal mask: row r is query r % qlen
+            const bool seen = live && pos <= w.q_start + r % w.qlen;
+            if (seen) dot_rows<D>(q + static_cast<int64_t>(r) * d, 1, d, key, lg + r * w.stride + col, w.stride);
+            else lg[r * w.stride + col] = -INFINITY;
+        }
+    });
+    float* st = w.stats + (bh * w.nsplit + sp) * rows * 2;
     for (int r = 0; r < rows; ++r) {
-        float* lr = logits + r * stride;
-        for (int64_t c = s_total; c < stride; ++c) lr[c] = -INFINITY;
+        float* lr = lg + r * w.stride;
+        for (int64_t c = (c0 > w.s_total ? c0 : w.s_total); c < c1; ++c) lr[c] = -INFINITY;  // vector padding
         Vec mv = {};
         mv -= INFINITY;
-        for (int64_t c = 0; c < stride; c += kLanes) {
+        for (int64_t c = c0; c < c1; c += kLanes) {
             const Vec x = load_vec(lr + c);
             mv = x > mv ? x : mv;
         }
@@ -408,77 +490,119 @@ void attend_head(const float* q, int G, int qlen, int dim, int64_t q_start, int6
         for (int i = 0; i < kLanes; ++i) m = mv[i] > m ? mv[i] : m;
         const float shift = m == -INFINITY ? 0.0f : m;
         Vec sv = {};
-        for (int64_t c = 0; c < stride; c += kLanes) {
+        for (int64_t c = c0; c < c1; c += kLanes) {
             const Vec p = exp_nonpositive(load_vec(lr + c) - shift);
             store_vec(lr + c, p);
             sv += p;
         }
-        const float sum = lane_sum(sv);
-        inv_sum[r] = sum > 0.0f ? 1.0f / sum : 0.0f;  // a row that sees nothing gives zeros
+        st[2 * r] = m;
+        st[2 * r + 1] = lane_sum(sv);
     }
-    // Each slot's significance: probabilities reduced over the GQA group, summed over the queries.
-    float* red_row = logits + static_cast<int64_t>(rows) * stride;  // scratch row after the logits
-    for (int64_t c = 0; c < stride; c += kLanes) {
+}
+
+// Between the phases, per (row-head, query row): the factor turning a split's exps into probabilities,
+// exp(m_split - m) / sum over splits (0 for a split that saw nothing, and for a row that sees nothing).
+inline void combine_row(const Work& w, int64_t bh, int r) {
+    const int rows = w.rows();
+    float* st = w.stats + bh * w.nsplit * rows * 2 + 2 * r;
+    float m = -INFINITY;
+    for (int sp = 0; sp < w.nsplit; ++sp) m = st[sp * rows * 2] > m ? st[sp * rows * 2] : m;
+    float sum = 0.0f;
+    for (int sp = 0; sp < w.nsplit; ++sp) {
+        const float ms = st[sp * rows * 2];
+        const float f = ms == -INFINITY ? 0.0f : (w.nsplit == 1 ? 1.0f : std::exp(ms - m));
+        st[sp * rows * 2] = f;
+        sum += f * st[sp * rows * 2 + 1];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int sp = 0; sp < w.nsplit; ++sp) st[sp * rows * 2] *= inv;
+}
+
+// Phase 2 of a (row-head, split): probabilities, each slot's significance (reduced over the GQA group, summed
+// over the queries) added to its score sum where it lies, and the values weighted by the probabilities.
+template <int D>
+void split_values(const Work& w, int64_t bh, int sp) {
+    const int d = D ? D : w.dim;
+    const int rows = w.rows();
+    const int64_t c0 = w.begin(sp), c1 = w.end(sp), pad_end = w.pad_end[bh / w.H];
+    float* lg = w.logits + bh * rows * w.stride;
+    float* red_row = w.red + bh * w.stride;
+    const float* st = w.stats + (bh * w.nsplit + sp) * rows * 2;
+    for (int64_t c = c0; c < c1; c += kLanes) {
         Vec total = {};
-        for (int qi = 0; qi < qlen; ++qi) {
+        for (int qi = 0; qi < w.qlen; ++qi) {
             Vec red = {};
-            for (int gi = 0; gi < G; ++gi) {
-                const int r = gi * qlen + qi;
-                const Vec p = load_vec(logits + r * stride + c) * inv_sum[r];
-                if (reduction == RED_MAX) red = p > red ? p : red;
-                else if (reduction == RED_MEAN) red += p;
+            for (int gi = 0; gi < w.G; ++gi) {
+                const int r = gi * w.qlen + qi;
+                const Vec p = load_vec(lg + r * w.stride + c) * st[2 * r];
+                store_vec(lg + r * w.stride + c, p);
+                if (w.reduction == RED_MAX) red = p > red ? p : red;
+                else if (w.reduction == RED_MEAN) red += p;
                 else red += p * p;
             }
-            if (reduction == RED_MEAN) {
-                red = red / static_cast<float>(G);
-            } else if (reduction == RED_L2) {
-                red = red / static_cast<float>(G);
+            if (w.reduction == RED_MEAN) {
+                red = red / static_cast<float>(w.G);
+            } else if (w.reduction == RED_L2) {
+                red = red / static_cast<float>(w.G);
                 for (int i = 0; i < kLanes; ++i) red[i] = std::sqrt(red[i]);
             }
             total += red;
         }
         store_vec(red_row + c, total);
     }
-    if (delta) std::memcpy(delta, red_row, sizeof(float) * s_total);
-    // Pass 2: values weighted by the probabilities, and each live slot's significance added to its score
-    // sum where it lies (masked and empty slots received exact zeros and are not touched).
-    col = 0;
-    for (int pi = 0; pi < nparts; ++pi) {
-        const HfkvPart& part = parts[pi];
-        for (int s = 0; s < part.slots; ++s, ++col) {
-            const SlotRef ref = locate(part, bh, s);
-            if (ref.tag <= 0 || static_cast<int64_t>(ref.tag) - 1 < pad_end) continue;
-            if (part.paged) {
-                decode_field<D>(ref.record, part.value, d, buf);
-                if (part.add_scores) {
-                    float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(ref.record) + part.score_offset);
-                    *sc += red_row[col];
-                }
-            } else {
-                decode_dense<D>(part.v, part.dense_dtype, ref.dense_index, d, buf);
-                if (part.add_scores && part.score) part.score[ref.dense_index] += red_row[col];
-            }
-            int r = 0;
-            for (; r + 4 <= rows; r += 4) axpy4<D>(out + static_cast<int64_t>(r) * d, d, logits + r * stride + col, stride, buf);
-            for (; r < rows; ++r) axpy<D>(out + static_cast<int64_t>(r) * d, logits[r * stride + col], buf, d);
-        }
+    if (w.delta && c0 < w.s_total) {
+        const int64_t hi = c1 < w.s_total ? c1 : w.s_total;
+        std::memcpy(w.delta + bh * w.s_total + c0, red_row + c0, sizeof(float) * (hi - c0));
     }
-    for (int r = 0; r < rows; ++r) {
-        float* orow = out + static_cast<int64_t>(r) * d;
-        for (int e = 0; e < d; ++e) orow[e] *= inv_sum[r];
+    float* out = w.nsplit == 1 ? w.out + bh * rows * d : w.partial + (bh * w.nsplit + sp) * rows * d;
+    alignas(64) float buf[D ? D : 512];
+    // Masked and empty slots received exact zeros and are not touched.
+    for_columns(w, bh, c0, c1, true, [&](const HfkvPart& part, const SlotRef& ref, int64_t col) {
+        if (ref.tag <= 0 || static_cast<int64_t>(ref.tag) - 1 < pad_end) return;
+        const float* value;
+        if (part.paged) {
+            value = decode_field<D>(ref.record, part.value, d, buf);
+            if (part.add_scores) {
+                float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(ref.record) + part.score_offset);
+                *sc += red_row[col];
+            }
+        } else {
+            value = decode_dense<D>(part.v, part.dense_dtype, ref.dense_index, d, buf);
+            if (part.add_scores && part.score) part.score[ref.dense_index] += red_row[col];
+        }
+        axpy_rows<D>(out, rows, d, lg + col, w.stride, value);
+    });
+}
+
+inline void sum_splits(const Work& w, int64_t bh) {
+    const int64_t n = static_cast<int64_t>(w.rows()) * w.dim;
+    float* out = w.out + bh * n;
+    for (int sp = 0; sp < w.nsplit; ++sp) {
+        const float* src = w.partial + (bh * w.nsplit + sp) * n;
+        for (int64_t i = 0; i < n; ++i) out[i] += src[i];
     }
 }
 
+// The phases run on `threads` threads of the OpenMP runtime torch itself uses (the library links the libgomp
+// torch loaded), so the kernel's threads are torch's warm threads, not a second pool competing for cores.
 template <int D>
-void attend_all(const float* q, int B, int H, int G, int qlen, int dim, int64_t q_start, const int64_t* pad_end,
-                int nparts, const HfkvPart* parts, int reduction, float* out, float* delta, float* logits) {
-    int64_t s_total = 0;
-    for (int pi = 0; pi < nparts; ++pi) s_total += parts[pi].slots;
-    const int rows = G * qlen;
-    for (int64_t bh = 0; bh < static_cast<int64_t>(B) * H; ++bh) {
-        const int64_t b = bh / H;
-        attend_head<D>(q + bh * rows * dim, G, qlen, dim, q_start, pad_end[b], nparts, parts, bh, reduction,
-                       out + bh * rows * dim, delta ? delta + bh * s_total : nullptr, s_total, logits);
+void attend_all(Work& w, int64_t BH, int threads) {
+    const int64_t items = BH * w.nsplit;
+    const int64_t rows_all = BH * w.rows();
+    const bool parallel = threads > 1 && items > 1;
+    (void)parallel;
+#pragma omp parallel num_threads(threads) if (parallel)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) split_logits<D>(w, it / w.nsplit, static_cast<int>(it % w.nsplit));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows_all; ++i) combine_row(w, i / w.rows(), static_cast<int>(i % w.rows()));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) split_values<D>(w, it / w.nsplit, static_cast<int>(it % w.nsplit));
+        if (w.nsplit > 1) {
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < BH; ++bh) sum_splits(w, bh);
+        }
     }
 }
 
@@ -487,17 +611,36 @@ void attend_all(const float* q, int B, int H, int G, int qlen, int dim, int64_t 
 extern "C" {
 
 // query [B, H, G * qlen, D] fp32, already scaled, rows ordered (gi, qi); out [B, H, G * qlen, D] fp32,
-// zeroed; delta [B, H, sum slots] fp32 or null; logits: scratch of (G * qlen + 1) * round_up(sum slots, 16)
-// floats.
+// zeroed; delta [B, H, sum slots] fp32 or null; logits: scratch of B * H * (G * qlen + 1) * round_up(sum
+// slots, 16) floats. threads: how many threads to use (torch.get_num_threads() at the call); min_split: the
+// fewest slots a split-K range holds.
 // Returns 0, or -1 for a head dim beyond 512.
 int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32_t qlen, int32_t dim,
                       int64_t q_start, const int64_t* pad_end, int32_t nparts, const HfkvPart* parts,
-                      int32_t reduction, float* out, float* delta, float* logits) {
-    if (dim > 512) return -1;  // the fp16 / bf16 staging buffers of decode_field
+                      int32_t reduction, float* out, float* delta, float* logits, int32_t threads,
+                      int32_t min_split) {
+    if (dim > 512) return -1;  // the staging buffers of decode_field
+    std::vector<int64_t> part_start(nparts + 1, 0);
+    for (int pi = 0; pi < nparts; ++pi) part_start[pi + 1] = part_start[pi] + parts[pi].slots;
+    const int64_t s_total = part_start[nparts], BH = static_cast<int64_t>(B) * H;
+    const int64_t stride = (s_total + kLanes - 1) / kLanes * kLanes;
+    const int rows = G * qlen;
+    // Split-K only where (row, head) pairs are fewer than twice the threads, never below min_split slots.
+    int64_t nsplit = 1;
+    if (threads > 1 && BH < 2 * threads) nsplit = (2 * threads + BH - 1) / BH;
+    const int64_t most = stride / (min_split > kLanes ? min_split : kLanes);
+    if (nsplit > most) nsplit = most > 1 ? most : 1;
+    const int64_t split_len = ((stride + nsplit - 1) / nsplit + kLanes - 1) / kLanes * kLanes;
+    nsplit = stride ? (stride + split_len - 1) / split_len : 1;
+    std::vector<float> stats(BH * nsplit * rows * 2);
+    std::vector<float> partial(nsplit > 1 ? BH * nsplit * rows * dim : 0, 0.0f);
+    Work w{query, G, qlen, dim, H, nparts, reduction, static_cast<int>(nsplit), q_start, s_total, stride,
+           split_len ? split_len : kLanes, pad_end, parts, part_start.data(), out, delta, logits,
+           logits + BH * rows * stride, stats.data(), partial.data()};
     switch (dim) {
-        case 64: attend_all<64>(query, B, H, G, qlen, dim, q_start, pad_end, nparts, parts, reduction, out, delta, logits); break;
-        case 128: attend_all<128>(query, B, H, G, qlen, dim, q_start, pad_end, nparts, parts, reduction, out, delta, logits); break;
-        default: attend_all<0>(query, B, H, G, qlen, dim, q_start, pad_end, nparts, parts, reduction, out, delta, logits);
+        case 64: attend_all<64>(w, BH, threads); break;
+        case 128: attend_all<128>(w, BH, threads); break;
+        default: attend_all<0>(w, BH, threads);
     }
     return 0;
 }

@@ -56,7 +56,7 @@ class _Part(ctypes.Structure):
 def _kernel():
     fn = library().hfkv_paged_decode
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i32, i32, i32, i32, i32, i64, ptr, i32, ctypes.POINTER(_Part), i32, ptr, ptr, ptr]
+    fn.argtypes = [ptr, i32, i32, i32, i32, i32, i64, ptr, i32, ctypes.POINTER(_Part), i32, ptr, ptr, ptr, i32, i32]
     fn.restype = ctypes.c_int
     if library().hfkv_part_size() != ctypes.sizeof(_Part):
         raise RuntimeError("hfkv CPU kernel: the C and ctypes part layouts differ (a stale build?)")
@@ -128,12 +128,18 @@ def paged_attention_cpu(
     reduction: str = "max",
     add_scores: bool = True,
     return_delta: bool = True,
+    threads: int | None = None,
+    min_split: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
     Same arguments and results as :func:`hfkv.kernels.decode_attention.paged_attention`: ``(out [B, q,
     Hq, D]`` in the query dtype, ``delta [B, H, sum slots]`` or None), with each slot's GQA-reduced
     probability added to its score sum in place when ``add_scores``. CPU tensors only.
+
+    ``threads`` (default: ``torch.get_num_threads()`` now, so a later ``torch.set_num_threads`` is honoured)
+    threads share the (row, KV head) pairs; where those are fewer than twice the threads, each pair's slots
+    are cut into ranges of at least ``min_split`` slots (split-K) so every thread has work.
     """
     heads, g = check_call(query, parts, pad_end, reduction)
     if query.device.type != "cpu":
@@ -147,10 +153,15 @@ def paged_attention_cpu(
     pad = pad_end.to(torch.int64).contiguous()
     out = torch.zeros(bsz, heads, g * qlen, dim, dtype=torch.float32)
     delta = torch.empty(bsz, heads, s_total, dtype=torch.float32) if return_delta else None
-    logits = torch.empty((g * qlen + 1) * (-(-s_total // 16) * 16), dtype=torch.float32)  # rows + 1, padded
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads < 1 or min_split < 1:
+        raise ValueError(f"paged_attention_cpu: threads={threads} and min_split={min_split} must be >= 1")
+    # Per (row, head): its query rows' logits and a row of significances, padded to whole vectors.
+    logits = torch.empty(bsz * heads * (g * qlen + 1) * (-(-s_total // 16) * 16), dtype=torch.float32)
     status = _kernel()(
         qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(parts), described,
         REDUCTIONS[reduction], out.data_ptr(), delta.data_ptr() if delta is not None else None, logits.data_ptr(),
+        threads, min_split,
     )  # fmt: skip
     if status != 0:
         raise ValueError(
