@@ -259,7 +259,11 @@ class TriStateLayer(CacheLayerMixin):
             if rho is not None:  # ARKV's OQ ratio: the layer's share of the exact tokens that would fit
                 cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
                 cap = cap if cfg.head_adaptive else cap.view(bsz, 1).expand(bsz, heads)
-            return allocate(
+            if self.backend == "cpu":  # the same decisions, selected in C++ instead of sorted in torch
+                from hfkv.kernels.cpu.allocate import allocate_cpu as allocate_fn
+            else:
+                allocate_fn = allocate
+            return allocate_fn(
                 scores,
                 state,
                 sink,

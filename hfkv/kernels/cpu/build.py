@@ -21,7 +21,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.cpp", "allocate.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fPIC", "-shared", "-fno-math-errno")
 ARCH_FLAGS = ("-march=native",)
 # Threads through the OpenMP runtime torch loaded: both name libgomp.so.1, so the library binds to torch's
@@ -71,7 +71,7 @@ def _compile(cxx: str, flags: tuple[str, ...], target: Path) -> subprocess.Compl
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode == 0:
             os.replace(tmp, target)
         return done
@@ -95,8 +95,9 @@ def library() -> ctypes.CDLL:
     errors = []
     # A compiler without OpenMP or -march=native still builds (single-threaded, or generic SIMD).
     for flags in (FLAGS + OPENMP_FLAGS + ARCH_FLAGS, FLAGS + OPENMP_FLAGS, FLAGS + ARCH_FLAGS, FLAGS):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, _cpu_features()]).encode())
-        target = cache_dir() / f"paged_decode-{key.hexdigest()[:20]}.so"
+        texts = [src.read_text() for src in SOURCES]
+        key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, _cpu_features()]).encode())
+        target = cache_dir() / f"hfkv_cpu-{key.hexdigest()[:20]}.so"
         if not target.exists():
             done = _compile(cxx, flags, target)
             if done.returncode != 0:
