@@ -70,7 +70,8 @@ class PagedTiers:
         backend: str = "torch",
     ) -> None:
         self.layouts = tuple(layouts)
-        # "triton": records are encoded, moved and cleared by the kernels of hfkv.kernels (same bytes).
+        # "triton": records are encoded, moved and cleared by the kernels of hfkv.kernels (same bytes);
+        # "cpu": encoded by the C++ of hfkv.kernels.cpu (same bytes), moved and cleared by torch.
         self.backend = backend
         if page_bytes is None:
             page_bytes = auto_page_bytes([lay.nbytes for lay in self.layouts])
@@ -170,16 +171,19 @@ class PagedTiers:
         """Encode tokens ``k, v [n, D]`` (positions ``pos [n]``, score sums ``score [n]``) into the tier's
         format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`).
 
-        The Triton backend quantizes, packs and writes each record in one kernel, straight into its slot.
+        The Triton and CPU backends quantize, pack and write each record in one call, straight into its slot
+        (a policy run's few dozen tokens cost the torch encoder some fifty tensor operations).
         """
         if b.numel() == 0:
             return
         lay = self.layouts[tier]
-        if self.backend != "triton":
+        if self.backend == "triton":
+            from hfkv.kernels.encode import encode_write
+        elif self.backend == "cpu":
+            from hfkv.kernels.cpu.encode import encode_write_cpu as encode_write
+        else:
             self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite))
             return
-        from hfkv.kernels.encode import encode_write
-
         if check_finite:
             lay.check_encodable(k, v)
         page, off = self._reserve(tier, b, h)
