@@ -57,7 +57,7 @@ def encode_write_cpu(
     (CPU tensors; offsets 4-aligned and records disjoint, as for :func:`hfkv.kernels.encode.encode_write`)."""
     n = dest.shape[0] if dest.dim() == 1 else -1
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous()):
-        raise ValueError(f"encode_write_cpu: pool must be a contiguous uint8 CPU tensor, got {pool.dtype} {pool.device}")
+        raise ValueError(f"encode_write_cpu: pool must be a contiguous uint8 CPU tensor, got {pool.dtype}")
     if n < 0 or dest.dtype != torch.int64:
         raise ValueError(f"encode_write_cpu: dest must be int64 [N] byte offsets, got {dest.dtype} {tuple(dest.shape)}")
     for name, x, fmt in (("k", k, layout.key), ("v", v, layout.value)):
