@@ -39,6 +39,9 @@ RULER = "eval/results/ruler_*.jsonl"
 BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 DEMO = "eval/results/demo.json"
+CPU_SCALING = "eval/results/cpu_kernel_scaling.json"
+KERNELS_DOC = "docs/kernels.md"
+SCALING_START, SCALING_END = "<!-- results:cpu-kernel-scaling:start -->", "<!-- results:cpu-kernel-scaling:end -->"
 PLOTS = "eval/results/plots"
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
 EVAL_README = "eval/README.md"
@@ -374,16 +377,21 @@ def last_per_key(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> lis
 
 
 def ruler_task_table(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """Per method of one (model, dtype, length, task): mean score and memory on the examples every method
-    has, and how many of the group's examples were left out because some method lacks them."""
+    """Per method of one (model, dtype, length, task): mean score and memory on its examples among the full
+    cache's (``dynamic``; without it, the examples every method has), and how many examples were left out
+    because the full cache lacks them. A sweep grows n only where methods are close, so a method far from
+    the front keeps the examples it was first run on, and its n says so."""
     by: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         by[r["method"]][r["doc_id"]] = r
-    docs = set.intersection(*(set(d) for d in by.values())) if by else set()
+    if "dynamic" in by:
+        docs = set(by["dynamic"])
+    else:
+        docs = set.intersection(*(set(d) for d in by.values())) if by else set()
     left_out = len({r["doc_id"] for r in rows} - docs)
     agg = []
     for method, per_doc in by.items():
-        sel = [per_doc[d] for d in sorted(docs)]
+        sel = [per_doc[d] for d in sorted(docs) if d in per_doc]
         n = len(sel)
         total = sum(r["score"] for r in sel)
         first = next(iter(per_doc.values()))
@@ -422,8 +430,10 @@ def ruler_section(rows: list[dict[str, Any]], files: list[str] | None = None) ->
         "Score = lm-eval's RULER string match of the example (the fraction of the reference strings found in "
         "the greedy output), averaged over examples; memory = mean over examples of the KV bytes the cache "
         "holds at the end / what a DynamicCache holds for the same tokens; 95% interval = Wilson score interval "
-        "over the n examples (partial matches count as fractions). The methods of a table are compared on the "
-        "examples all of them have. front = on the Pareto front of score vs memory among the table's methods.",
+        "over the n examples (partial matches count as fractions). Each method is scored on its examples among "
+        "the full cache's (n): examples are added where methods are close, so a method whose interval is already "
+        "clear of the front keeps the examples it was first run on. front = on the Pareto front of score vs "
+        "memory among the table's methods.",
         "",
     ]
     setups = sorted(
@@ -450,7 +460,7 @@ def ruler_section(rows: list[dict[str, Any]], files: list[str] | None = None) ->
             out += [f"### {task} at {length} tokens ({model}, {dtype})", ""]
             out += [md_table(["method", "n", "score", "95% interval", "memory", "front"], table, "lrrrrl"), ""]
             if left_out:
-                out += [f"{left_out} example(s) left out: not every method has them.", ""]
+                out += [f"{left_out} example(s) left out: the full cache (`dynamic`) has no row for them.", ""]
         out += ruler_average(per_task, model, dtype, length)
     return out
 
@@ -672,6 +682,44 @@ def cpu_figures_section(res: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def cpu_scaling_table(res: dict[str, Any] | None) -> str:
+    """docs/kernels.md's table of ``eval/cpu_kernel_scaling.py``: the CPU kernel from one thread to every core."""
+    from hfkv.evaluation.quiet import verdict
+
+    head = "Scaling over cores (`python eval/cpu_kernel_scaling.py`, `eval/results/cpu_kernel_scaling.json`):"
+    if res is None:
+        return f"{head} not measured yet."
+    record = res.get("quiet")
+    lines = [
+        f"{head} one decode call of one layer (one new token, scores added), {res['machine']}, torch "
+        f"{res['torch']}, {res['cases'][0]['dtype'] if res['cases'] else ''}; timing: {timing_note(record)}. "
+        "`dense SDPA` is the step a DynamicCache pays for the same layer: `scaled_dot_product_attention` over "
+        "a dense K/V of the same length, at the same thread count. Median ms of repeated calls.",
+        "",
+    ]
+    if verdict(record) is not None:
+        return "\n".join([*lines, "No timing from a busy machine."])
+    rows = []
+    for case in res["cases"]:
+        one = case["timings"][0]["kernel"]["ms_median"]
+        for t in case["timings"]:
+            k, d = t["kernel"]["ms_median"], t["sdpa_dense"]["ms_median"]
+            rows.append(
+                [
+                    f"{case['shape']} ({case['kv_heads']} KV heads x {case['head_dim']})",
+                    f"`{case['kind']}`",
+                    f"{case['context']:,}",
+                    str(t["threads"]),
+                    fmt(k, ".2f"),
+                    fmt(one / k, ".2f", "x"),
+                    fmt(d, ".2f"),
+                    fmt(d / k, ".2f", "x"),
+                ]
+            )
+    header = ["shape", "storage", "tokens", "threads", "kernel ms", "vs 1 thread", "dense SDPA ms", "SDPA / kernel"]
+    return "\n".join([*lines, md_table(header, rows, "lllrrrrr")])
+
+
 # ------------------------------------------------------------------------------------------ main
 def render(root: Path, plots: bool = True) -> tuple[str, str]:
     """``(eval/README.md text, README demo block)`` from the result files under ``root``."""
@@ -742,6 +790,8 @@ hfkv bench --wait-quiet 600 --random-like cpu-small \\
 # CPU decode step at 8k and 512 tokens, one process (the last spec is the hfkv preset before memory budgets)
 python eval/cpu_cache_figures.py --wait-quiet 600 --timed \\
     "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
+# the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
+python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
 OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
@@ -779,6 +829,11 @@ def main(argv: list[str] | None = None) -> int:
     top = (root / TOP_README).read_text(encoding="utf-8")
     new_top = replace_block(top, demo)
     targets = {root / EVAL_README: readme, root / TOP_README: new_top}
+    kernels = root / KERNELS_DOC
+    if kernels.exists():
+        scaling = root / CPU_SCALING
+        block = cpu_scaling_table(json.loads(scaling.read_text(encoding="utf-8")) if scaling.exists() else None)
+        targets[kernels] = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:

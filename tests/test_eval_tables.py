@@ -22,7 +22,7 @@ def test_committed_markdown_is_reproduced_byte_for_byte():
     assert (REPO / "eval" / "README.md").read_text(encoding="utf-8") == readme
     top = (REPO / "README.md").read_text(encoding="utf-8")
     assert mt.replace_block(top, demo) == top
-    assert mt.main(["--check"]) == 0
+    assert mt.main(["--check"]) == 0  # docs/kernels.md's scaling block included
 
 
 def test_pareto_matches_the_inspect_reference():
@@ -162,7 +162,7 @@ def _ruler(task, method, doc, score, mem, preset=None, budget=None, **extra):
 def ruler_root(root):
     ev, hf = ("evict@256", "evict", 256), ("hfkv@256", "hfkv", 256)
     rows = [
-        # niah_single_1: hfkv lacks doc 3, so every method is scored on docs 0-2
+        # niah_single_1: hfkv lacks doc 3 (scored on docs 0-2), the others have all four; doc 4 has no dynamic row
         *[_ruler("niah_single_1", "dynamic", d, 1.0, 1.0) for d in range(4)],
         _ruler("niah_single_1", *ev[:1], 0, 0.0, 0.14, *ev[1:]),  # replaced by the later row of the same key
         *[_ruler("niah_single_1", ev[0], d, s, 0.14, *ev[1:]) for d, s in ((0, 1.0), (1, 0.0), (2, 0.0), (3, 0.0))],
@@ -170,6 +170,7 @@ def ruler_root(root):
             _ruler("niah_single_1", hf[0], d, s, m, *hf[1:])
             for d, s, m in ((0, 1.0, 0.12), (1, 1.0, 0.12), (2, 0.5, 0.15))
         ],
+        _ruler("niah_single_1", ev[0], 4, 1.0, 0.14, *ev[1:]),
         # niah_multikey_2: solved by the full cache (0.5), enters the average
         *[_ruler("niah_multikey_2", "dynamic", d, s, 1.0) for d, s in ((0, 1.0), (1, 0.0))],
         *[_ruler("niah_multikey_2", ev[0], d, 0.0, 0.14, *ev[1:]) for d in (0, 1)],
@@ -188,7 +189,7 @@ def test_ruler_tables_from_hand_made_rows(ruler_root):
     assert text.index("## Real model: teacher-forced fidelity") < text.index("## RULER") < text.index("## Speed")
     assert (
         "From `eval/results/ruler_x.jsonl` (hfkv 0.1.0, commit(s) abc, 2026-01-02 to 2026-01-02; "
-        "23 rows took 2.3 min on cpu)." in sec
+        "24 rows took 2.4 min on cpu)." in sec
     )
     heads = [line for line in sec.splitlines() if line.startswith("### ")]
     assert heads == [
@@ -199,27 +200,27 @@ def test_ruler_tables_from_hand_made_rows(ruler_root):
         "### Best score per memory level at 4096 tokens (smollm2, bf16)",
     ]
     single = sec.split("### niah_single_1")[1].split("###")[0]
-    # docs 0-2 (hfkv has no doc 3); Wilson at 3/3 = [3 / (3 + 1.96^2), 1]; evict's doc 0 is its last row (1.0);
-    # hfkv (13.0%, 0.833) dominates evict (14.0%, 0.333)
-    assert "| dynamic | 3 | 1.000 | [0.438, 1.000] | 100.0% | yes |" in single
-    assert "| evict@256 | 3 | 0.333 | [0.061, 0.792] | 14.0% |  |" in single
+    # dynamic's docs 0-3 (doc 4 left out); hfkv has docs 0-2 only; Wilson at 4/4 = [4 / (4 + 1.96^2), 1];
+    # evict's doc 0 is its last row (1.0); hfkv (13.0%, 0.833) dominates evict (14.0%, 0.25)
+    assert "| dynamic | 4 | 1.000 | [0.510, 1.000] | 100.0% | yes |" in single
+    assert "| evict@256 | 4 | 0.250 | [0.046, 0.699] | 14.0% |  |" in single
     assert "| hfkv@256 | 3 | 0.833 | " in single and " | 13.0% | yes |" in single
     assert single.index("| dynamic |") < single.index("| evict@256 |") < single.index("| hfkv@256 |")
-    assert "1 example(s) left out: not every method has them." in single
+    assert "1 example(s) left out: the full cache (`dynamic`) has no row for them." in single
     assert "left out" not in sec.split("### niah_multikey_2")[1].split("###")[0]
     avg = sec.split("### Average over tasks")[1].split("###")[0]
     assert "Tasks (dynamic's score): niah_multikey_2 (0.500), niah_single_1 (1.000)." in avg
     assert "Left out (dynamic < 0.3): ruler_vt (0.200)." in avg
-    # means over the two solved tasks: dynamic (0.5 + 1) / 2, evict (0 + 1/3) / 2, hfkv (0.5 + 5/6) / 2
+    # means over the two solved tasks: dynamic (0.5 + 1) / 2, evict (0 + 1/4) / 2, hfkv (0.5 + 5/6) / 2
     assert "| dynamic | 2 | 0.750 | 100.0% | yes |" in avg
-    assert "| evict@256 | 2 | 0.167 | 14.0% |  |" in avg
+    assert "| evict@256 | 2 | 0.125 | 14.0% |  |" in avg
     assert "| hfkv@256 | 2 | 0.667 | 13.0% | yes |" in avg
     best = sec.split("### Best score per memory level")[1]
     assert "Full cache (`dynamic`): 0.750 on the same tasks' average." in best
     assert "| memory | dynamic | evict | hfkv |" in best
     assert "| ≤ 7.5% | — | — | — |" in best
-    assert "| ≤ 15% | — | 0.167 (@256) | 0.667 (@256) |" in best
-    assert "| ≤ 30% | — | 0.167 (@256) | 0.667 (@256) |" in best
+    assert "| ≤ 15% | — | 0.125 (@256) | 0.667 (@256) |" in best
+    assert "| ≤ 30% | — | 0.125 (@256) | 0.667 (@256) |" in best
     # the same from the rows directly, and deterministic
     rows = [json.loads(line) for line in (ruler_root / "eval" / "results" / "ruler_x.jsonl").read_text().splitlines()]
     assert mt.ruler_section(rows, ["eval/results/ruler_x.jsonl"]) == mt.ruler_section(
