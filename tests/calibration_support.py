@@ -1,10 +1,13 @@
 """Helpers of the calibration tests: a tiny random model with a byte-level tokenizer saved to disk (so
-worker processes load it by path, like a real model), the fixture, and a throw-away PostgreSQL server."""
+worker processes load it by path, like a real model), the fixture, a throw-away PostgreSQL server, and a
+fake objective (no model) for properties that need many studies."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -118,3 +121,49 @@ def cli_args(model_dir, tmp, *extra) -> list[str]:
         "--no-progress",
         *map(str, extra),
     ]  # fmt: skip
+
+
+def _config_key(cfg, *drop: str) -> str:
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "provenance", *drop)}
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+class FakeObjective:
+    """A stand-in for a model in the calibration loop: KL, top-1 and memory are cheap deterministic functions
+    of the config alone (a seeded hash of its fields), so a test can draw any landscape, including ones
+    where the base is the best point and ones where it is the worst (``base_factor`` scales its KL).
+
+    Memory grows with the budget and depends on the thresholds (and may exceed the full cache, as small
+    sequences make real configs do); KL falls with the budget, times a per-threshold factor and a little
+    per-config jitter. ``evaluated`` maps each config's name (``trial<N>`` in a study) to the config.
+    """
+
+    name = "fidelity"
+    metrics = ("kl", "top1")
+
+    def __init__(self, seed: int, base=None, base_factor: float = 1.0, length: int = 200) -> None:
+        self.seed, self.base, self.base_factor, self.length = seed, base, base_factor, length
+        self.evaluated: dict = {}
+
+    def _u(self, *parts: str) -> float:
+        digest = hashlib.sha256(json.dumps([self.seed, *parts]).encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
+
+    def longest(self) -> int:
+        return self.length
+
+    def evaluate(self, cfg, progress: bool = False):
+        from hfkv.calibration.objectives import Evaluation
+
+        self.evaluated[cfg.name] = cfg
+        dense = 1_000_000
+        if not cfg.compress:
+            return Evaluation({"kl": 0.0, "top1": 1.0}, dense, dense, 1)
+        shape, whole = _config_key(cfg, "budget"), _config_key(cfg)
+        share = min(1.0, (cfg.budget or self.length) / self.length)
+        memory = share * (0.55 + 0.6 * self._u("memory", shape))
+        kl = (0.002 + 0.05 * (1.0 - share) ** 2) * (0.3 + 1.4 * self._u("kl", shape))
+        kl *= 1.0 + 0.3 * self._u("jitter", whole)
+        if self.base is not None and shape == _config_key(self.base, "budget"):
+            kl *= self.base_factor
+        return Evaluation({"kl": kl, "top1": max(0.0, 1.0 - 4.0 * kl)}, round(memory * dense), dense, 1)

@@ -4,6 +4,7 @@ resuming, a SIGKILLed worker, several workers on one journal file or PostgreSQL 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -56,11 +57,13 @@ def _snapshot(study):
 
 def test_three_trial_study_writes_a_config_that_loads_and_runs(tiny_dir, tmp_path):
     args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "s3", "--n-trials", 3, "--holdout", 2,
-                    "--compare", "quant", "--match-steps", 2)  # fmt: skip
+                    "--compare", "quant", "--match-steps", 2, "--holdout-levels", "none")  # fmt: skip
     assert main(args) == 0
     study = optuna.load_study(study_name="s3", storage=_sqlite(tmp_path, "s3"))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
-    assert study.trials[0].params == {"alpha_h": 1.0, "alpha_l": 0.02}  # warm start: diffkv's own thresholds
+    # the base first: diffkv's own thresholds (and the base config itself, as the trial evaluated it)
+    assert study.trials[0].params == {"alpha_h": 1.0, "alpha_h_off": False, "alpha_l": 0.02}
+    assert study.trials[0].user_attrs["base_point"] == "diffkv" and study.trials[0].user_attrs["config"] == {}
     ref = study.user_attrs["reference"]
     assert (ref["kl"], ref["top1"], ref["memory_ratio"]) == (0.0, 1.0, 1.0)
 
@@ -73,9 +76,10 @@ def test_three_trial_study_writes_a_config_that_loads_and_runs(tiny_dir, tmp_pat
     assert prov["metrics"] == chosen.user_attrs["metrics"] and prov["params"] == chosen.params
     assert {"hfkv", "torch", "transformers", "optuna", "python"} <= set(prov["versions"]) and prov["date"]
     assert cfg.name == "s3" and cfg.window == 64  # the diffkv base, with the trial's thresholds
+    assert prov["verdict"] == ("base" if chosen.number == 0 else "calibrated")
     assert (cfg.alpha_h, cfg.alpha_l) == (
-        chosen.user_attrs["config"]["alpha_h"],
-        chosen.user_attrs["config"]["alpha_l"],
+        chosen.user_attrs["config"].get("alpha_h", 1.0),
+        chosen.user_attrs["config"].get("alpha_l", 0.02),
     )
     # smallest memory within the default tolerance (0.01 nats)
     ok = [t for t in study.trials if t.user_attrs["metrics"]["kl"] <= 0.01]
@@ -97,6 +101,32 @@ def test_three_trial_study_writes_a_config_that_loads_and_runs(tiny_dir, tmp_pat
     for f in ("summary.json", "trials.csv", "pareto.png", "importance.png", "holdout.json", "holdout.png"):
         assert (out_dir / f).stat().st_size > 0, f
     assert (out_dir / "trials.csv").read_text().count("\n") == 4
+
+
+def test_holdout_compares_at_two_memory_levels(tiny_dir, tmp_path, capsys):
+    # Sequences of ~300 tokens so that 15% of DynamicCache is above the least budget the presets take;
+    # chunks of 8 solution tokens per forward keep the ~25 evaluations of the comparison cheap.
+    args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "lv", "--n-trials", 1, "--tolerance", 1,
+                    "--n-problems", 1, "--holdout", 1, "--max-solution-tokens", 128, "--chunk", 8,
+                    "--compare", "hfkv", "--match-steps", 5, "--holdout-levels", "0.3,0.15")  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    path = tmp_path / "studies" / "lv" / "holdout.json"
+    result = json.loads(path.read_text())
+    assert [lv["level"] for lv in result["levels"]] == [0.15, 0.3]
+    assert "memory level 0.15 of DynamicCache" in out and "memory level 0.30 of DynamicCache" in out
+    for lv in result["levels"]:
+        rows = {r["config"]: r for r in lv["rows"]}
+        hfkv = rows["hfkv"]  # its fp-token budget reaches both levels on these sequences
+        assert lv["level"] - 0.05 <= hfkv["memory_ratio"] <= lv["level"], lv
+        assert hfkv["kind"] == "preset" and {"kl", "top1"} <= set(hfkv) and hfkv["budget"] > 0
+        if "lv" in rows:  # the selected config, its budget matched to the level like the presets'
+            assert lv["level"] - 0.05 <= rows["lv"]["memory_ratio"] <= lv["level"], lv
+            assert "hfkv" in lv["verdicts"]
+        else:  # diffkv's token budget may not get that low: then the table says so
+            assert lv["missing"]["lv"]["lowest_memory"] > lv["level"]
+    # a finished study's report reuses the comparison
+    assert main(args) == 0 and json.loads(path.read_text()) == result
 
 
 def test_rerun_resumes_and_keeps_earlier_trials(tiny_dir, tmp_path, capsys):

@@ -48,15 +48,16 @@ def test_layer_tables_use_the_head_mean():
 
 
 def test_search_space_parameters_and_ranges():
-    assert list(SearchSpace("global").params) == ["alpha_h", "alpha_l"]
-    assert list(SearchSpace("head").params) == ["alpha_h", "alpha_l", "beta_h", "beta_l", "delta"]
+    assert list(SearchSpace("global").params) == ["alpha_h", "alpha_h_off", "alpha_l"]
+    assert list(SearchSpace("head").params) == ["alpha_h", "alpha_h_off", "alpha_l", "beta_h", "beta_l", "delta"]
     s = SearchSpace("global", ["tau", "budget"], ["alpha_h=0:3"])
-    assert list(s.params) == ["alpha_h", "alpha_l", "tau1", "tau2", "tau3", "budget"]
+    assert list(s.params) == ["alpha_h", "alpha_h_off", "alpha_l", "tau1", "tau2", "tau3", "budget"]
     assert (s.params["alpha_h"].low, s.params["alpha_h"].high) == (0.0, 3.0)
     assert s.params["alpha_l"].high == 0.1
     for bad, msg in (
         (dict(ranges=["alpha_h=3"]), "NAME=LO:HI"),
         (dict(ranges=["nope=0:1"]), "unknown parameter 'nope'"),
+        (dict(ranges=["alpha_h_off=0:1"]), "unknown parameter 'alpha_h_off'"),  # a choice, not a range
         (dict(ranges=["gamma=0:1"]), "does not vary"),
         (dict(ranges=["alpha_h=2:1"]), "LO <= HI"),
         (dict(extra=["temperature"]), "--search: unknown group"),
@@ -68,7 +69,7 @@ def test_search_space_parameters_and_ranges():
 def test_fidelity_search_sets_the_tier_fidelities_of_a_memory_budget():
     base = TriStateConfig.from_preset("hfkv", budget=256)
     space = SearchSpace("global", ["fidelity"], base=base)
-    assert list(space.params) == ["alpha_h", "alpha_l", "fidelity_mid", "fidelity_quantized"]
+    assert list(space.params) == ["alpha_h", "alpha_h_off", "alpha_l", "fidelity_mid", "fidelity_quantized"]
     point = {"alpha_h": 1.0, "alpha_l": 0.01, "fidelity_mid": 0.9, "fidelity_quantized": 0.4}
     assert space.config(point, base, None, "t").fidelity == (1.0, 0.9, 0.4)
     clipped = space.config(point | {"fidelity_quantized": 0.95}, base, None, "t")
@@ -76,7 +77,7 @@ def test_fidelity_search_sets_the_tier_fidelities_of_a_memory_budget():
     # Without a mid tier only the quantized tier's fidelity is searched (a mid value would change nothing).
     two = TriStateConfig.from_preset("hfkv", budget=256, mid=None)
     space2 = SearchSpace("global", ["fidelity"], base=two)
-    assert list(space2.params) == ["alpha_h", "alpha_l", "fidelity_quantized"]
+    assert list(space2.params) == ["alpha_h", "alpha_h_off", "alpha_l", "fidelity_quantized"]
     assert space2.config({"alpha_h": 1.0, "alpha_l": 0.0, "fidelity_quantized": 0.3}, two, None, "t").fidelity == (
         1.0,
         0.3,
@@ -95,14 +96,56 @@ def test_fidelity_search_sets_the_tier_fidelities_of_a_memory_budget():
         SearchSpace("global", ["fidelity"], ["fidelity_mid=0.2:1.5"], base=base)
 
 
-def test_warm_start_is_the_base_point_and_budgets_are_clipped_to_valid():
+def test_alpha_h_off_is_a_point_of_the_space():
+    base = TriStateConfig.from_preset("diffkv")
+    space = SearchSpace("global")
+    on = space.config({"alpha_h": 2.0, "alpha_h_off": False, "alpha_l": 0.05}, base, None, "t")
+    off = space.config({"alpha_h": 2.0, "alpha_h_off": True, "alpha_l": 0.05}, base, None, "t")
+    assert (on.alpha_h, on.alpha_l) == (2.0, 0.05)
+    assert math.isinf(off.alpha_h) and off.alpha_l == 0.05  # alpha_l is not clipped to an infinite alpha_h
+    head = SearchSpace("head").config(
+        {"alpha_h": 2.0, "alpha_h_off": True, "alpha_l": 0.05, "beta_h": 1.0, "beta_l": 0.0, "delta": 0.5}, base,
+        STATS, "t")  # fmt: skip
+    assert all(math.isinf(a) for row in head.alpha_h for a in row)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    sampled = [space.sample(study.ask())["alpha_h_off"] for _ in range(40)]
+    assert set(sampled) == {False, True}  # the sampler reaches both, not only the float range
+
+
+def test_base_point_is_the_base_and_budgets_span_the_range():
     base = TriStateConfig.from_preset("hfkv", alpha_h=1.0, alpha_l=0.02)  # explicit: the preset's values may change
-    assert SearchSpace("global").warm_start(base) == {"alpha_h": 1.0, "alpha_l": 0.02}
-    inf = TriStateConfig.from_preset("hfkv", alpha_h=math.inf, alpha_l=0.02)
-    assert SearchSpace("global").warm_start(inf) is None  # not a point of alpha_h in [0, 5]
-    assert SearchSpace("head").warm_start(base) == {"alpha_h": 1.0, "alpha_l": 0.02, "beta_h": 0.0, "beta_l": 0.0,
-                                                    "delta": 0.0}  # fmt: skip
-    assert SearchSpace("global", ranges=["alpha_h=2:5"]).warm_start(base) is None  # outside the space
+    assert SearchSpace("global").base_point(base) == {"alpha_h": 1.0, "alpha_h_off": False, "alpha_l": 0.02}
+    hfkv = TriStateConfig.from_preset("hfkv")
+    assert math.isinf(hfkv.alpha_h)  # the preset this exists for
+    space = SearchSpace("global")
+    point = space.base_point(hfkv)
+    assert point["alpha_h_off"] is True and point["alpha_l"] == hfkv.alpha_l
+    rebuilt = space.config(point, hfkv, None, "hfkv")
+    assert (rebuilt.alpha_h, rebuilt.alpha_l) == (hfkv.alpha_h, hfkv.alpha_l)
+    assert SearchSpace("head").base_point(base) == {"alpha_h": 1.0, "alpha_h_off": False, "alpha_l": 0.02,
+                                                    "beta_h": 0.0, "beta_l": 0.0, "delta": 0.0}  # fmt: skip
+    # Outside a --range: recorded at the nearest point (a base point evaluates the base itself).
+    assert SearchSpace("global", ranges=["alpha_h=2:5"]).base_point(base)["alpha_h"] == 2.0
+    arkv = TriStateConfig.from_preset("arkv")
+    full_point = SearchSpace("global", ["tau", "gamma", "window"]).base_point(arkv)
+    assert [full_point[f"tau{i}"] for i in (1, 2, 3)] == list(arkv.tau)
+    assert (full_point["gamma"], full_point["window"]) == (arkv.gamma, arkv.window)
+
+    assert SearchSpace("global").base_budgets(hfkv, 4) == [None]  # budget not searched: the base's own
+    budgets = SearchSpace("global", ["budget"], ["budget=32:160"]).base_budgets(hfkv, 4)
+    assert budgets[0] == 32 and budgets[-1] == 160 and len(budgets) == 4 and budgets == sorted(budgets)
+    ratios = [b / a for a, b in zip(budgets, budgets[1:], strict=False)]
+    assert max(ratios) / min(ratios) < 1.1  # geometric: as many points at low memory as at high
+    least = least_valid_budget(lambda b: TriStateConfig.from_preset("hfkv", budget=b))
+    clipped = SearchSpace("global", ["budget"], [f"budget={max(1, least // 4)}:{least}"]).base_budgets(hfkv, 4)
+    assert clipped == [max(1, least // 4)]  # all raise to the least valid budget: queued once
+    space = SearchSpace("global", ["budget"])
+    assert space.base_overrides({"budget": 1}, hfkv) == {"budget": least}
+    assert SearchSpace("global").base_overrides({"alpha_h": 1.0}, hfkv) == {}
+
+
+def test_sampled_budgets_are_clipped_to_valid():
+    base = TriStateConfig.from_preset("hfkv", alpha_h=1.0, alpha_l=0.02)
     space = SearchSpace("global", ["budget"])
     least = least_valid_budget(lambda b: TriStateConfig.from_preset("hfkv", budget=b))
     over = space.overrides({"alpha_h": 1.0, "alpha_l": 0.0, "budget": 1}, base, None)

@@ -54,8 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--base",
         type=ca.preset_or_yaml,
         default="hfkv",
-        help="preset name or YAML the searched fields are applied to; its own alphas are the first trial "
-        "(default: hfkv)",
+        help="preset name or YAML the searched fields are applied to; the base itself is the first trial(s) "
+        "and is written instead of a calibrated config that does not beat it (default: hfkv)",
     )
 
     g = p.add_argument_group("data")
@@ -95,6 +95,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="problems held out from calibration (taken first from the shuffled data) to compare the "
         "selected config with the presets at equal memory (default: 0 = no comparison)",
+    )
+    g.add_argument(
+        "--holdout-levels",
+        type=_levels,
+        default=None,
+        metavar="R,R[,...]",
+        help="with --holdout: also compare the selected config and the presets at these memory levels "
+        "(fractions of DynamicCache in (0, 1], two or more), each matched by budget; 'none': only at the "
+        "selected config's memory (default: 0.15,0.30)",
     )
 
     g = p.add_argument_group("objective")
@@ -182,10 +191,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="finished trials the study should hold (see below); 0 = only report (default: 30)",
     )
     g.add_argument(
+        "--base-points",
+        type=ca.integer(1),
+        default=4,
+        help="with --search budget: the base config is queued at this many budgets spread over the budget "
+        "range, so the verdict compares with it at the memory the search explores (default: 4)",
+    )
+    g.add_argument(
         "--no-warm-start",
         dest="warm_start",
         action="store_false",
-        help="do not queue the base config's own alphas as the first trial",
+        help="do not queue the base config (then no verdict against the base can be given)",
     )
 
     g = p.add_argument_group("objectives and selection")
@@ -286,6 +302,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _levels(text: str) -> list[float]:
+    """argparse ``type=`` of --holdout-levels (argparse names the option in front of the message)."""
+    from hfkv import cli_args as ca
+    from hfkv.calibration.compare import parse_levels
+
+    try:
+        return parse_levels(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(ca.usage_from(exc).message) from None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a bad command line (:class:`hfkv.cli_args.UsageError`) before data, storage or model are touched:
     metric vs objective, single-objective bounds, heartbeat vs grace period, the base config, the searched
@@ -308,6 +335,12 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.tolerance is not None and args.tolerance < 0:
         raise ca.UsageError("--tolerance", f"{args.tolerance} must be >= 0")
+    if args.holdout_levels and not args.holdout:
+        raise ca.UsageError(
+            "--holdout-levels",
+            f"{','.join(map(str, args.holdout_levels))} needs held-out problems to be measured on (allowed: "
+            "with --holdout N, N > 0)",
+        )
     try:
         directions(metric, args.max_memory_ratio, args.min_quality)
         base = load_base(args.base)
@@ -381,18 +414,26 @@ def run(args: argparse.Namespace) -> int:
     shown = ["kl", "top1"] if args.objective == "fidelity" else ["accuracy"]
     tolerance = args.tolerance if args.tolerance is not None else rp.DEFAULT_TOLERANCE[metric]
     front = rp.pareto_front(trials, metric)
-    selected = rp.select_trial(trials, metric, reference, tolerance, args.max_memory_ratio, args.min_quality)
+    choice = rp.choose(
+        trials, metric, reference, tolerance, args.max_memory_ratio, args.min_quality, base_name=ctx.base.name
+    )
+    selected = choice.trial
     out = Path(args.output_dir or Path(args.studies_dir) / ctx.study_name)
     rule = {
         "metric": metric,
         "tolerance": tolerance,
         "max_memory_ratio": args.max_memory_ratio,
         "min_quality": args.min_quality,
+        "base_rule": "a base point at least as good at equal or lower memory is written instead",
     }
     imp = rp.importances(study, trials, metric)
     rp.atomic_write(
         out / "summary.json",
-        rp.dump_json(rp.summary(study, ctx.spec, reference, trials, front, selected, rule, imp, ctx.storage.public)),
+        rp.dump_json(
+            rp.summary(
+                study, ctx.spec, reference, trials, front, selected, rule, imp, ctx.storage.public, choice.record()
+            )
+        ),
     )
     rp.atomic_write(out / "trials.csv", rp.trials_csv(study, shown))
     rp.plot_pareto(trials, front, selected, reference, shown, out / "pareto.png")
@@ -411,6 +452,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return rc or 3
+    print(f"verdict: {choice.verdict}: {choice.message()}")
 
     name = args.name or ctx.study_name
     provenance = {
@@ -422,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
         "metric": metric,
         "granularity": args.granularity,
         "base": args.base,
+        "verdict": choice.verdict,
+        "verdict_evidence": choice.record(),
         "data": {**ctx.spec["data"], "seed": args.seed, "holdout": len(ctx.selection.holdout)},
         "evaluation": ctx.spec["evaluation"],
         "study": {
@@ -439,9 +483,10 @@ def run(args: argparse.Namespace) -> int:
     }
     path = Path(args.config_dir) / f"{name}.yaml"
     cfg = rp.write_config(path, ctx.base, selected, name, provenance)
-    print(f"selected trial {selected.number}: written {path}", file=sys.stderr)
+    print(f"selected trial {selected.number} ({choice.verdict}): written {path}", file=sys.stderr)
 
     if args.holdout and args.compare:
+        levels = list(cp.DEFAULT_LEVELS) if args.holdout_levels is None else args.holdout_levels
         # The comparison is the expensive part of a report: re-running a finished study reuses it as long as
         # the selected config, the held-out problems and the comparison are the same.
         key = {
@@ -451,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
             "holdout_sha256": ctx.selection.holdout_hash,
             "compare": args.compare,
             "match_steps": args.match_steps,
+            "levels": levels,
             "spec": ctx.spec,
         }
         key = json.loads(json.dumps(key))
@@ -462,17 +508,16 @@ def run(args: argparse.Namespace) -> int:
             model, tok = loaded()
             objective = make_objective(ctx, model, tok, ctx.selection.holdout)
             progress = not args.no_progress
-            result = cp.compare(
-                lambda c: objective.evaluate(c, progress),
-                cfg,
-                metric,
-                args.compare,
-                objective.longest(),
-                args.match_steps,
+            evaluate = cp.memoized(lambda c: objective.evaluate(c, progress))
+            result = cp.compare(evaluate, cfg, metric, args.compare, objective.longest(), args.match_steps)
+            result["levels"] = cp.compare_levels(
+                evaluate, cfg, metric, args.compare, levels, objective.longest(), args.match_steps
             )
             result["holdout"] = {"n": len(ctx.selection.holdout), "sha256": ctx.selection.holdout_hash}
             result["key"] = key
             rp.atomic_write(previous, rp.dump_json(result))
         cp.plot(result, out / "holdout.png")
         print(f"\nheld-out problems ({len(ctx.selection.holdout)}):\n" + cp.table(result))
+        if result.get("levels"):
+            print("\n" + cp.level_tables(result["levels"]))
     return rc

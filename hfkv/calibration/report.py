@@ -6,6 +6,10 @@ best-quality trial under that memory; with ``--min-quality`` the smallest-memory
 Under every rule a trial that holds more bytes than the full cache is never selected: the full cache
 is exact with fewer (a large sampled budget on short calibration sequences compresses nothing, and
 pages and per-token metadata then hold up to ~13% more than DynamicCache at ~120 tokens).
+The base is a candidate (the base points of hfkv.calibration.search): :func:`choose` never ships a config
+that a base point matches or beats at equal or lower memory on the calibration problems; the base point
+is shipped instead, with the verdict ``base`` (``calibrated`` when the selected config beats every base
+point at its memory or below).
 Everything written here is written atomically, so an interrupted report never leaves a
 truncated file next to a good study.
 """
@@ -18,6 +22,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hfkv.atomic import write_atomic
 from hfkv.calibration.objectives import METRICS
-from hfkv.calibration.search import quality_loss, quality_ok
+from hfkv.calibration.search import BASE_POINT, quality_loss, quality_ok
 from hfkv.config import TriStateConfig
 
 DEFAULT_TOLERANCE = {"kl": 0.01, "top1": 0.01, "accuracy": 0.01}
@@ -89,6 +94,98 @@ def select_trial(
     return min(ok, key=lambda t: (mem(t), sign * q(t), t.number), default=None)
 
 
+def is_base_point(t: FrozenTrial) -> bool:
+    """Marked when queued (and kept by its retries), not inferred from the parameters: a base point's
+    parameters only approximate the base (an alpha table, a value outside a --range), its config is exact."""
+    return bool(t.user_attrs.get(BASE_POINT))
+
+
+def _metrics_of(t: FrozenTrial, metric: str) -> dict:
+    m = t.user_attrs["metrics"]
+    out = {"trial": t.number, "budget": (t.user_attrs.get("config") or {}).get("budget")}
+    return out | {k: m[k] for k in dict.fromkeys(("kl", "top1", "accuracy", metric, "memory_ratio")) if k in m}
+
+
+@dataclass
+class Verdict:
+    """What the report ships: the trial, whether it is the base or a calibrated config, and the evidence."""
+
+    trial: FrozenTrial | None
+    verdict: str | None  # "calibrated" | "base" | None (no trial qualifies)
+    base_best: FrozenTrial | None  # the best base point at the shipped trial's memory or below
+    n_base: int  # finished base points
+    metric: str
+    base_name: str = "base"
+
+    def message(self) -> str:
+        """One line for the terminal and the config's provenance, with the numbers behind the verdict."""
+        if self.trial is None:
+            return "no trial qualifies under the selection rule"
+        m = self.trial.user_attrs["metrics"]
+        budget = (self.trial.user_attrs.get("config") or {}).get("budget")
+        at = f"{self.metric} {m[self.metric]:.4g} at memory {m['memory_ratio']:.4f}"
+        if self.verdict == "base":
+            where = f" at budget {budget}" if budget is not None else ""
+            return (
+                f"no calibrated config beats the base ({self.base_name}) on the calibration problems: the base "
+                f"is written{where} (trial {self.trial.number}: {at})"
+            )
+        if self.base_best is not None:
+            b = self.base_best.user_attrs["metrics"]
+            return (
+                f"calibrated (trial {self.trial.number}: {at}) beats the best base point at equal or lower memory "
+                f"(trial {self.base_best.number}: {self.metric} {b[self.metric]:.4g} at memory "
+                f"{b['memory_ratio']:.4f})"
+            )
+        if self.n_base == 0:
+            return f"calibrated (trial {self.trial.number}: {at}); no base point finished, so none to compare with"
+        return f"calibrated (trial {self.trial.number}: {at}); every base point holds more memory"
+
+    def record(self) -> dict:
+        """The verdict's evidence, YAML/JSON-safe (the config's provenance, summary.json)."""
+        return {
+            "verdict": self.verdict,
+            "message": self.message(),
+            "base": self.base_name,
+            "base_points": self.n_base,
+            "selected": None if self.trial is None else _metrics_of(self.trial, self.metric),
+            "best_base_at_or_below": None if self.base_best is None else _metrics_of(self.base_best, self.metric),
+        }
+
+
+def choose(
+    trials: Sequence[FrozenTrial],
+    metric: str,
+    reference: dict,
+    tolerance: float,
+    max_memory_ratio: float | None = None,
+    min_quality: float | None = None,
+    base_name: str = "base",
+) -> Verdict:
+    """:func:`select_trial`, then the base rule: if a base point is at least as good at equal or lower
+    memory, ship that base point instead (verdict ``base``). A calibrated config must beat the base where
+    it is measured, or calibrating was not worth its risk (a threshold tuned on a few problems)."""
+    sign = 1.0 if METRICS[metric][1] == "minimize" else -1.0
+    full = reference.get("memory_ratio", 1.0)
+    bases = [t for t in trials if is_base_point(t)]
+    chosen = select_trial(trials, metric, reference, tolerance, max_memory_ratio, min_quality)
+    if chosen is None:
+        return Verdict(None, None, None, len(bases), metric, base_name)
+
+    def mem(t):
+        return t.user_attrs["metrics"]["memory_ratio"]
+
+    def q(t):
+        return sign * t.user_attrs["metrics"][metric]
+
+    below = [b for b in bases if mem(b) <= min(mem(chosen), full)]
+    best = min(below, key=lambda t: (q(t), mem(t), t.number), default=None)
+    if best is not None and q(best) <= q(chosen):
+        chosen = best  # a tie goes to the base: calibration must beat it, not match it
+    verdict = "base" if is_base_point(chosen) else "calibrated"
+    return Verdict(chosen, verdict, best, len(bases), metric, base_name)
+
+
 # --------------------------------------------------------------------------- table
 def _params(t: FrozenTrial) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
@@ -135,6 +232,17 @@ def plot_pareto(trials, front, selected, reference: dict, metrics: Sequence[str]
             c="C0",
             label="Pareto front",
         )
+        bases = [t for t in trials if is_base_point(t)]
+        if bases:
+            ax.scatter(
+                [t.user_attrs["metrics"]["memory_ratio"] for t in bases],
+                [t.user_attrs["metrics"][m] for t in bases],
+                marker="x",
+                s=40,
+                c="C1",
+                zorder=4,
+                label="base config",
+            )
         ax.scatter([reference["memory_ratio"]], [reference[m]], marker="s", c="k", label="full cache")
         if selected is not None:
             sm = selected.user_attrs["metrics"]
@@ -210,7 +318,7 @@ def _trial_record(t: FrozenTrial) -> dict:
         "metrics": t.user_attrs.get("metrics"),
         "config": t.user_attrs.get("config"),  # the config fields the trial set: the trial is rebuildable
         "worker": t.user_attrs.get("worker"),
-        **{k: t.user_attrs[k] for k in ("retry_of", "warm_start", "error", "failed_reason") if k in t.user_attrs},
+        **{k: t.user_attrs[k] for k in ("retry_of", BASE_POINT, "error", "failed_reason") if k in t.user_attrs},
         "duration_s": t.duration.total_seconds() if t.duration else None,
     }
 
@@ -262,11 +370,16 @@ def write_config(
     provenance: dict,
     command: str | None = None,
 ) -> TriStateConfig:
-    """The selected trial's config (base + the fields the trial set) as YAML, with provenance, atomically."""
+    """The selected trial's config (base + the fields the trial set: only the budget for a base point) as
+    YAML, with provenance, atomically."""
     cfg = TriStateConfig.from_dict(
         {**base.to_dict(), **trial.user_attrs["config"], "name": name, "provenance": provenance}
     )
-    header = f"Calibrated by `hfkv calibrate` (study {provenance['study']['name']}, trial {trial.number})."
+    where = f"study {provenance['study']['name']}, trial {trial.number}"
+    if is_base_point(trial):
+        header = f"The base config {base.name!r}: no calibrated config beat it (`hfkv calibrate`, {where})."
+    else:
+        header = f"Calibrated by `hfkv calibrate` ({where})."
     if command:
         header += f"\nCommand: {command}"
     header += "\nLoad with TriStateConfig.from_yaml(path) or hfkv_config=<path>."
@@ -275,7 +388,16 @@ def write_config(
 
 
 def summary(
-    study, ctx_spec: dict, reference: dict, trials, front, selected, rule: dict, imp: dict, public_url: str
+    study,
+    ctx_spec: dict,
+    reference: dict,
+    trials,
+    front,
+    selected,
+    rule: dict,
+    imp: dict,
+    public_url: str,
+    verdict: dict | None = None,
 ) -> dict:
     return {
         "study": study.study_name,
@@ -286,6 +408,7 @@ def summary(
         "counts": {s.name.lower(): sum(t.state == s for t in study.get_trials(deepcopy=False)) for s in TrialState},
         "selection": rule,
         "selected": None if selected is None else _trial_record(selected),
+        "verdict": verdict,
         "pareto": [_trial_record(t) for t in front],
         "importance": imp,
         "head_stats": study.user_attrs.get("head_stats"),

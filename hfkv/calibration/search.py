@@ -1,11 +1,17 @@
 """The Optuna study: search space, objectives' directions, the study's spec and its one-time references.
 
-Search space: ``alpha_h`` in [0, 5] and ``alpha_l`` in [0, 0.1] (DESIGN section 7), optionally
+Search space: ``alpha_h`` in [0, 5] or off (``alpha_h_off``: inf, the ``hfkv`` preset's own choice, which
+no float range holds) and ``alpha_l`` in [0, 0.1] (DESIGN section 7), optionally
 ARKV's ``tau1..3`` and ``gamma``, the ``budget``, the ``window`` and the tiers' ``fidelity`` (what a
 memory budget values a mid or quantized token at: per model, since the built-in table is one guess
 for all); ``--granularity layer|head`` adds the three shape parameters of
 :mod:`hfkv.calibration.granularity`. ``alpha_l <= alpha_h`` and ``fidelity_quantized <=
 fidelity_mid`` are kept by construction (clipped), so no sampled point is infeasible.
+
+The base config is a candidate of every study: it is queued as the first trial(s), at a few budgets
+spanning the searched range when the budget is searched (:meth:`SearchSpace.base_budgets`), and such a
+"base point" evaluates the base config exactly (only its budget replaced), so selection can always
+compare a calibrated config with what not calibrating would have given (:func:`hfkv.calibration.report.choose`).
 
 A study remembers what it measures (model, data hash, objective, base config, space) in its user
 attributes; resuming with a different setup is refused instead of mixing incomparable trials. The
@@ -26,7 +32,9 @@ from hfkv.calibration.granularity import GRANULARITIES, alpha_tables
 from hfkv.calibration.objectives import METRICS
 from hfkv.config import PRESETS, TriStateConfig, did_you_mean
 
-SPEC_VERSION = 1
+# 2: alpha_h_off joined the space and the base points joined the spec (a version-1 study cannot be resumed).
+SPEC_VERSION = 2
+BASE_POINT = "base_point"  # user attribute of a trial that evaluates the base config (its value: the base's name)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,26 @@ class Param:
     def to_list(self) -> list:
         return [self.low, self.high, self.log, self.integer]
 
+    def nearest(self, value: float) -> float | int:
+        """``value`` clipped into the range (of the parameter's type)."""
+        v = min(max(value, self.low), self.high)
+        return int(round(v)) if self.integer else float(v)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A categorical parameter, for a setting no float range holds (alpha_h off = inf) but the base may use:
+    the sampler must be able to reach the base's own policy, not only approximate it."""
+
+    name: str
+    choices: tuple = (False, True)
+
+    def suggest(self, trial: optuna.Trial):
+        return trial.suggest_categorical(self.name, list(self.choices))
+
+    def to_list(self) -> list:
+        return ["choice", *self.choices]
+
 
 DEFAULT_RANGES: dict[str, Param] = {
     p.name: p
@@ -70,6 +98,7 @@ DEFAULT_RANGES: dict[str, Param] = {
         Param("fidelity_quantized", 0.0, 1.0),
     )
 }
+CHOICES: dict[str, Choice] = {"alpha_h_off": Choice("alpha_h_off")}
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "tau": ("tau1", "tau2", "tau3"),
     "gamma": ("gamma",),
@@ -112,7 +141,7 @@ class SearchSpace:
             hint = did_you_mean(unknown[0], OPTIONAL)
             raise ValueError(f"--search: unknown group(s) {unknown}{hint}; allowed: {list(OPTIONAL)}")
         self.granularity = granularity
-        names = ["alpha_h", "alpha_l", *(SHAPE if granularity != "global" else ())]
+        names = ["alpha_h", "alpha_h_off", "alpha_l", *(SHAPE if granularity != "global" else ())]
         names += [n for group in OPTIONAL if group in extra for n in OPTIONAL[group]]
         if "fidelity" in extra:
             names = [n for n in names if n not in _unused_fidelities(base, "budget" in extra)]
@@ -120,8 +149,11 @@ class SearchSpace:
         stray = sorted(set(overrides) - set(names))
         if stray:
             raise ValueError(f"--range given for {stray}, which this search does not vary (searched: {names})")
-        self.params: dict[str, Param] = {}
+        self.params: dict[str, Param | Choice] = {}
         for n in names:
+            if n in CHOICES:
+                self.params[n] = CHOICES[n]
+                continue
             p = DEFAULT_RANGES[n]
             if n in overrides:
                 lo, hi = overrides[n]
@@ -142,7 +174,7 @@ class SearchSpace:
         """The config fields a point sets (YAML-safe): alpha tables, and tau/gamma/window/budget if searched."""
         h, lo = alpha_tables(
             self.granularity,
-            point["alpha_h"],
+            math.inf if point.get("alpha_h_off") else point["alpha_h"],
             point["alpha_l"],
             stats,
             point.get("beta_h", 0.0),
@@ -156,10 +188,12 @@ class SearchSpace:
             out["gamma"] = point["gamma"]
         if "fidelity_quantized" in point:
             quantized = point["fidelity_quantized"]
+            top = base.fidelity[0] if base.fidelity is not None else 1.0  # the original tier's, as the base has it
             if "fidelity_mid" in point:
-                out["fidelity"] = [1.0, point["fidelity_mid"], min(quantized, point["fidelity_mid"])]
+                mid = min(point["fidelity_mid"], top)
+                out["fidelity"] = [top, mid, min(quantized, mid)]
             else:
-                out["fidelity"] = [1.0, quantized]
+                out["fidelity"] = [top, min(quantized, top)]
         window = int(point.get("window", base.window))
         if "window" in point:
             out["window"] = window
@@ -173,18 +207,70 @@ class SearchSpace:
     def config(self, point: dict, base: TriStateConfig, stats: dict | None, name: str) -> TriStateConfig:
         return dataclasses.replace(base, name=name, provenance={}, **self.overrides(point, base, stats))
 
-    def warm_start(self, base: TriStateConfig) -> dict | None:
-        """The base config's own thresholds (e.g. DiffKV's alpha_h 1, alpha_l 0.02; beta = delta = 0) as the
-        first trial of a new study, so the search starts from the preset. Only the threshold parameters are
-        fixed; any other searched parameter (budget, tau, ...) is left to the sampler. None if the base has
-        alpha tables or its alphas lie outside the searched ranges."""
-        if not all(isinstance(getattr(base, f), float) for f in ("alpha_h", "alpha_l")):
-            return None
-        point = {"alpha_h": base.alpha_h, "alpha_l": base.alpha_l, "beta_h": 0.0, "beta_l": 0.0, "delta": 0.0}
-        point = {n: v for n, v in point.items() if n in self.params}
-        if any(not (self.params[n].low <= v <= self.params[n].high) for n, v in point.items()):
-            return None
-        return point
+    def base_point(self, base: TriStateConfig) -> dict:
+        """The point of the space closest to ``base`` (without its budget): the base's own alphas (alpha_h
+        off as ``alpha_h_off``), beta = delta = 0, its tau, gamma, window and fidelities.
+
+        A base point evaluates ``base`` itself (:meth:`base_overrides`), so this only tells the sampler
+        where the base lies; a value the space cannot hold (an alpha table, a value outside a --range, the
+        built-in fidelity table) is recorded at the nearest point of its range, and a parameter that does
+        not matter for the base (alpha_h when off) at its upper end, so the record is reproducible."""
+        ps = self.params
+
+        def at(name: str, value) -> float | int:
+            p = ps[name]
+            assert isinstance(p, Param)
+            if isinstance(value, list):  # a per-layer or [layer][head] table: its mean finite entry
+                flat = [x for row in value for x in (row if isinstance(row, list) else [row])]
+                finite = [x for x in flat if math.isfinite(x)]
+                value = sum(finite) / len(finite) if finite else math.inf
+            return p.nearest(p.high if value is None or not math.isfinite(value) else value)
+
+        off = isinstance(base.alpha_h, float) and math.isinf(base.alpha_h)
+        point: dict = {
+            "alpha_h": at("alpha_h", base.alpha_h),
+            "alpha_h_off": off,
+            "alpha_l": at("alpha_l", base.alpha_l),
+        }
+        point |= {n: 0.0 for n in SHAPE}
+        point |= {f"tau{i + 1}": t for i, t in enumerate(base.tau)}
+        point |= {"gamma": base.gamma, "window": base.window}
+        fid = base.fidelity
+        point |= {"fidelity_mid": fid[1] if fid is not None and len(fid) == 3 else None}
+        point |= {"fidelity_quantized": fid[-1] if fid is not None else None}
+        return {
+            n: (v if isinstance(ps[n], Choice) else at(n, v)) for n, v in point.items() if n in ps and n != "budget"
+        }
+
+    def base_budgets(self, base: TriStateConfig, count: int) -> list[int | None]:
+        """The budgets the base is queued at: its own when the budget is not searched ([None]), else
+        ``count`` budgets spaced geometrically over the searched range (ends included), so the base is
+        measured across the memory the search explores, not at one point. Budgets the base would raise
+        to the same valid one are queued once."""
+        if "budget" not in self.params:
+            return [None]
+        p = self.params["budget"]
+        assert isinstance(p, Param)
+        lo, hi = int(p.low), int(p.high)
+        # A budget range is log-scale, so LO > 0 (Param refuses anything else).
+        grid = [hi] if count <= 1 or lo == hi else [round(lo * (hi / lo) ** (i / (count - 1))) for i in range(count)]
+        least = least_valid_budget(lambda b: dataclasses.replace(base, budget=b))
+        out: list[int | None] = []
+        seen: set[int] = set()
+        for b in grid:
+            b = min(max(int(b), lo), hi)
+            if max(b, least) not in seen:
+                seen.add(max(b, least))
+                out.append(b)
+        return out
+
+    def base_overrides(self, point: dict, base: TriStateConfig) -> dict:
+        """The fields a base point changes in ``base``: only the budget, when it is searched (raised to the
+        least the base accepts, as for any trial)."""
+        if "budget" not in point:
+            return {}
+        least = least_valid_budget(lambda b: dataclasses.replace(base, budget=b))
+        return {"budget": max(int(point["budget"]), least)}
 
 
 def _unused_fidelities(base: TriStateConfig | None, budget_searched: bool) -> tuple[str, ...]:

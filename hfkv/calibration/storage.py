@@ -36,6 +36,7 @@ DEFAULT_DIR = Path("calibration/studies")
 JOURNAL_SUFFIXES = (".log", ".journal", ".jsonl")
 HEARTBEAT = "heartbeat"
 WORKER = "worker"
+INHERITED = ("base_point",)  # user attributes a retry keeps (hfkv.calibration.search.BASE_POINT)
 
 
 def worker_id() -> str:
@@ -231,7 +232,11 @@ def fail_stale(study: optuna.Study, grace_period: float, max_retry: int) -> list
         failed.append(t.number)
         lineage = [*t.user_attrs.get("retry_history", []), t.number]
         if len(lineage) <= max_retry:
-            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number, "retry_history": lineage})
+            # A queued trial (a base point) may die before it suggested everything: re-queue what was fixed
+            # for it too, and what marks it, so its retry evaluates the same config.
+            params = {**t.system_attrs.get("fixed_params", {}), **t.params}
+            attrs = {k: t.user_attrs[k] for k in INHERITED if k in t.user_attrs}
+            study.enqueue_trial(params, user_attrs={**attrs, "retry_of": t.number, "retry_history": lineage})
     return failed
 
 

@@ -10,6 +10,7 @@ if their worker died, their heartbeat goes stale and this worker re-runs them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from hfkv.calibration.objectives import (
     encode,
 )
 from hfkv.calibration.search import (
+    BASE_POINT,
     SPEC_VERSION,
     SearchSpace,
     check_spec,
@@ -95,6 +97,8 @@ def prepare(args: argparse.Namespace) -> Context:
     selection = select(rows, args.n_problems, args.seed, args.levels, args.subjects, args.holdout, source)
     base = load_base(args.base)
     space = SearchSpace(args.granularity, args.search or (), args.range or (), base)
+    # The base's own config, queued at these budgets when the study is created (None: its own budget).
+    base_budgets = space.base_budgets(base, args.base_points) if args.warm_start else []
     evaluation = {"prompt": args.prompt, "n_shots": args.n_shots}
     if args.objective == "fidelity":
         evaluation |= {"chunk": args.chunk, "max_solution_tokens": args.max_solution_tokens}
@@ -120,6 +124,7 @@ def prepare(args: argparse.Namespace) -> Context:
         "evaluation": evaluation,
         "space": space.describe(),
         "base": {k: v for k, v in base.to_dict().items() if k != "provenance"},
+        "base_points": base_budgets,
     }
     spec = json.loads(json.dumps(spec))  # what the storage will hand back (lists, not tuples)
     name = args.study_name or default_study_name(args, metric)
@@ -128,7 +133,11 @@ def prepare(args: argparse.Namespace) -> Context:
 
 
 def open_study(ctx: Context, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
-    """Create or load the study; on creation store its spec and queue the base config as the first trial."""
+    """Create or load the study; on creation store its spec and queue the base config as the first trial(s).
+
+    The spec and the base points are written together, under the study lock, by whichever worker finds
+    the study without a spec: so the base is queued exactly once per study, however many workers start
+    together and however often the study is resumed or extended."""
     study = optuna.create_study(
         study_name=ctx.study_name,
         storage=ctx.storage.storage,
@@ -150,13 +159,13 @@ def open_study(ctx: Context, sampler: optuna.samplers.BaseSampler | None = None)
                     if len(ctx.directions) == 2
                     else ["memory_ratio" if ctx.args.min_quality is not None else ctx.metric]
                 )
-            warm = ctx.space.warm_start(ctx.base) if ctx.args.warm_start else None
-            if warm is not None:
-                study.enqueue_trial(warm, user_attrs={"warm_start": ctx.base.name})
-            elif ctx.args.warm_start:
+            for budget in ctx.spec["base_points"]:
+                point = ctx.space.base_point(ctx.base) | ({} if budget is None else {"budget": budget})
+                study.enqueue_trial(point, user_attrs={BASE_POINT: ctx.base.name})
+            if not ctx.spec["base_points"]:
                 print(
-                    f"note: the alphas of --base {ctx.args.base} are tables or lie outside the searched ranges; "
-                    "no warm-start trial",
+                    "note: --no-warm-start: the base config is not queued, so the verdict cannot compare the "
+                    "selected config with it",
                     file=sys.stderr,
                 )
     return study
@@ -222,7 +231,7 @@ def run_worker(
     ctx = ctx or prepare(args)
     study = open_study(ctx)
     c = st.counts(study)
-    if args.n_trials == 0 or (c.complete >= args.n_trials and not c.waiting and not c.running):
+    if args.n_trials == 0 or (c.complete >= args.n_trials and not c.running):
         return 0  # finished: no model needed
     model, tok = loaded() if callable(loaded) else (loaded or load(ctx, index))
     objective = make_objective(ctx, model, tok, ctx.selection.calibration)
@@ -248,7 +257,9 @@ def run_worker(
             with ctx.storage.lock():
                 st.fail_stale(study, args.grace_period, args.max_retry)
                 c = st.counts(study)
-                if c.waiting or c.complete + c.running < args.n_trials:
+                # Queued trials (base points, retries) are taken first, but never past --n-trials: base points
+                # left over when the study is small stay queued and run when it is extended.
+                if c.complete + c.running < args.n_trials:
                     trial = study.ask()
                     st.mark_started(study, trial._trial_id)
                 elif c.complete >= args.n_trials:
@@ -280,7 +291,9 @@ def run_worker(
                 done_here += 1
                 metrics = trial.user_attrs.get("metrics", {})
                 bar.set_postfix_str(_short(metrics, ctx.metric))
-                params = " ".join(f"{k}={v:.4g}" for k, v in trial.params.items())
+                params = " ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()
+                )
                 bar.write(
                     f"trial {trial.number} [{ctx.study_name}]: {_short(metrics, ctx.metric)} "
                     f"({params}) in {time.time() - started:.0f}s",
@@ -299,9 +312,12 @@ def _short(metrics: dict, metric: str) -> str:
 
 def _evaluate(ctx: Context, trial: optuna.Trial, objective, stats, progress: bool) -> list[float]:
     point = ctx.space.sample(trial)
-    overrides = ctx.space.overrides(point, ctx.base, stats)
+    if trial.user_attrs.get(BASE_POINT):  # the base itself (its point only approximates it, e.g. alpha tables)
+        overrides = ctx.space.base_overrides(point, ctx.base)
+    else:
+        overrides = ctx.space.overrides(point, ctx.base, stats)
     trial.set_user_attr("config", overrides)
-    cfg = ctx.space.config(point, ctx.base, stats, name=f"trial{trial.number}")
+    cfg = dataclasses.replace(ctx.base, name=f"trial{trial.number}", provenance={}, **overrides)
     ev = objective.evaluate(cfg, progress)
     metrics = ev.to_dict()
     trial.set_user_attr("metrics", metrics)
