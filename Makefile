@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -n 2 tests
+
+# On a lent GPU machine (docs/kernels.md, "Validating on a GPU"): its python3 with the carried wheels, no venv.
+# The files go to $OUT (the run tool's output folder) or gpu_check_out; GPU_CHECK_ARGS=--dry-run rehearses on a CPU.
+gpu-check:
+	$(PYTHON) -m hfkv.kernels.gpu_check --out $${OUT:-gpu_check_out} $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfkv tests eval configs calibration

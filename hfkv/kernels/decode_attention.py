@@ -59,7 +59,8 @@ def _partial_kernel(
     pos_ptr,
     pool_ptr,
     table_ptr,
-    table_w,
+    table_sb,
+    table_sh,
     tpp,
     page_bytes,
     n_slots,
@@ -111,6 +112,7 @@ def _partial_kernel(
     qf = qf.to(tl.float32) * scaling
     pad_end = tl.load(pad_end_ptr + b)
     qpos = q_start + qi
+    table_row = b.to(tl.int64) * table_sb + h.to(tl.int64) * table_sh  # 64-bit, as every pool offset
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -121,7 +123,7 @@ def _partial_kernel(
         s = start + tl.arange(0, BLOCK_N)
         in_range = s < hi
         if PAGED:
-            page = tl.load(table_ptr + bh.to(tl.int64) * table_w + s // tpp, mask=in_range, other=0)
+            page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
@@ -215,7 +217,9 @@ def _score_kernel(
     score_ptr,
     pool_ptr,
     table_ptr,
-    table_w,
+    table_sb,
+    table_sh,
+    H,
     tpp,
     page_bytes,
     n_slots,
@@ -267,7 +271,8 @@ def _score_kernel(
         # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
         # once, which stores the same zeros whatever the order.
         if PAGED:
-            page = tl.load(table_ptr + bh.to(tl.int64) * table_w + s // tpp, mask=in_range, other=0)
+            table_row = (bh // H).to(tl.int64) * table_sb + (bh % H).to(tl.int64) * table_sh
+            page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
         else:
@@ -276,6 +281,21 @@ def _score_kernel(
 
 
 # --------------------------------------------------------------------------------------------- wrappers
+_NO_TABLE = (None, None, 0, 0, 1, 0)  # (pool, table, table strides, tpp, page_bytes) of a dense part
+
+
+def _table_args(part: PagedSlots) -> tuple:
+    """``(pool, table, stride of b, stride of h, tpp, page_bytes)`` as the kernels index a paged part.
+
+    The kernels take the table's row strides rather than assuming ``[B, H, W]`` is contiguous, so a
+    table that is a view (a slice of a wider table) is read where it lies; only its columns must be
+    adjacent. Every offset into the table and the pool is formed in 64 bits from these, so neither
+    may pass 2^31 elements or bytes unnoticed (tests/test_kernel_offsets64.py).
+    """
+    table = part.table if part.table.stride(-1) == 1 else part.table.contiguous()
+    return part.pool, table, table.stride(0), table.stride(1), part.tpp, part.pool.shape[1]
+
+
 def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None) -> int:
     """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding)."""
     if split_slots is not None:
@@ -341,14 +361,14 @@ def paged_attention(
         if isinstance(part, DenseSlots):
             dt = tl_dtype(part.k.dtype)
             k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
-            paged = (None, None, 0, 1, 0)
+            paged = _NO_TABLE
             fmt = dict(REC=4, V_OFF=0, TAG_OFF=0, K_FAM=0, K_BITS=8 * part.k.element_size(), K_GROUP=dim)
             fmt |= dict(K_DTYPE=dt, V_FAM=0, V_BITS=8 * part.k.element_size(), V_GROUP=dim, V_DTYPE=dt)
         else:
             lay = part.layout
             kc, vc = format_constants(lay.key), format_constants(lay.value)
             k = v = pos = None
-            paged = (part.pool, part.table, part.table.shape[-1], part.tpp, part.pool.shape[1])
+            paged = _table_args(part)
             fmt = dict(REC=lay.nbytes, V_OFF=lay.key.nbytes, TAG_OFF=lay.pos_offset)
             fmt |= dict(K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"])
             fmt |= dict(V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"])
@@ -369,15 +389,16 @@ def paged_attention(
         paged_part = isinstance(part, PagedSlots)
         if paged_part:
             lay = part.layout
-            score, paged = None, (part.pool, part.table, part.table.shape[-1], part.tpp, part.pool.shape[1])
+            score, paged = None, _table_args(part)
             offs = dict(REC=lay.nbytes, SCORE_OFF=lay.score_offset)
         else:
-            score, paged, offs = part.score, (None, None, 0, 1, 0), dict(REC=4, SCORE_OFF=0)
+            score, paged, offs = part.score, _NO_TABLE, dict(REC=4, SCORE_OFF=0)
             if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
                 raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
         add = add_scores and (paged_part or score is not None)
+        pool, table, t_sb, t_sh, tpp, page_bytes = paged
         _score_kernel[(bsz * heads, triton.cdiv(n, block_s))](
-            logits, s_total, col0, mf, lf, delta, score, *paged, n,
+            logits, s_total, col0, mf, lf, delta, score, pool, table, t_sb, t_sh, heads, tpp, page_bytes, n,
             PAGED=paged_part, ADD=add, WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s,
             **shape, **offs,
         )  # fmt: skip

@@ -1,0 +1,313 @@
+"""Host side of a decode step: launches and Python time hfkv adds per compressed layer, on a CPU.
+
+On a GPU a decode step is a stream of small launches, and the step can go no faster than the host
+issues them: 32 compressed layers, each adding its window write, its attention and its score
+update, must each cost the host less than the GPU spends on that layer, or the GPU idles. Targets
+(reported, never asserted): at most 3 launches per compressed layer per step between policy runs,
+and at most 40 us of host time for them.
+
+What is measured, on a CPU: one compressed layer of Llama-3.1-8B's attention shape (32 query heads,
+8 KV heads, head_dim 128, bf16) holding a ``--context`` (32k) token prompt. One layer stands for all
+32: every compressed layer does the same host work, so the model has a single layer, built on the
+``meta`` device (the cache reads its config only). The layer is filled by
+``TriStateLayer.ingest_prefill`` from random keys and values, as a prefill forward leaves it
+(scores, tiers, records at the ``--budget``). Each timed step is what hfkv adds between a layer's projections:
+``cache.update(k, v, layer)`` and the ``"hfkv"`` attention function, as transformers calls them.
+
+* Triton launches are recorded instead of run (``TRITON_INTERPRET=1``, with the interpreter's launch
+  replaced by a recorder), so no GPU is needed and the time is the host's: Python, torch's dispatch
+  of the small ops, the kernels' allocations. Triton's own launch path (argument binding, cache
+  lookup) is not in it: on a GPU add its cost per launch.
+* The torch ops of the step run on CPU tensors; they are small (one token's window write) and cost
+  about their dispatch. A TorchDispatchMode counts every aten op that would launch a device kernel
+  (views, allocations and metadata excluded) in a separate pass, since counting slows the step.
+* Only steps between policy runs are timed: after ``interval - 1`` steps (the next would run the
+  policy) the window ring and the step counters are put back to their state after the prefill,
+  outside the timed region. A policy run in a timed step would be counted in
+  ``policy_runs_in_timed_steps`` (0 by construction).
+
+Storage writes of the prefill use the torch backend (encoding 32k tokens in the interpreter would
+take minutes); the layer is then switched to the Triton backend, whose storage layout is the same.
+Timed only on a quiet machine (:mod:`hfkv.evaluation.quiet`: load below ``--max-load`` before and
+after, recorded):
+
+    python eval/host_overhead.py --wait-quiet 600
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are decorated, so before any import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+from hfkv.atomic import write_atomic  # noqa: E402
+from hfkv.evaluation import quiet  # noqa: E402
+
+TARGET_LAUNCHES, TARGET_HOST_US = 3, 40.0
+DEFAULT_OUT = REPO / "eval" / "results" / "host_overhead.json"
+ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "set_"}
+METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "_local_scalar_dense"}
+
+
+# ------------------------------------------------------------------------------------------ recording
+@contextmanager
+def recorded_triton_launches():
+    """Within the block, an interpreted ``kernel[grid](...)`` appends the kernel's name instead of running."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names: list[str] = []
+    run = InterpretedFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        names.append(getattr(getattr(self, "fn", None), "__name__", str(self)))
+
+    InterpretedFunction.run = record
+    try:
+        yield names
+    finally:
+        InterpretedFunction.run = run
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts the aten ops that would launch a kernel on a GPU: all but views, allocations and metadata."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not (func.is_view or name in ALLOCATIONS or name in METADATA):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------------- the layer
+def build_layer(
+    context: int, batch: int, shape_name: str, preset: str, budget: int | None, seed: int = 0
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``(cache, layer, shape)``: a one-layer cache of ``shape_name``'s attention holding ``context`` tokens."""
+    from hfkv import TriStateCache
+    from hfkv.evaluation.shapes import build_random_like, get_shape
+
+    shape = get_shape(shape_name)
+    model = build_random_like(shape_name, layers=1, device="meta")  # the cache reads the config only
+    overrides = {"backend": "torch"} | ({"budget": budget} if budget is not None else {})
+    cache = TriStateCache(model, preset, **overrides)
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16
+    k = torch.randn(batch, shape.kv_heads, context, shape.dim, generator=g).to(dt)
+    v = torch.randn(batch, shape.kv_heads, context, shape.dim, generator=g).to(dt)
+    q = torch.randn(batch, shape.heads, max(64, cache.config.obs_window), shape.dim, generator=g).to(dt)
+    layer = cache.layers[0]
+    layer.ingest_prefill(k, v, q, shape.dim**-0.5)
+    # The prefill's storage writes ran on the torch backend; decode steps take the Triton path from here.
+    layer.backend = layer.tiers.backend = "triton"
+    info = {
+        "name": shape_name,
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.dim,
+        "dtype": "bf16",
+    }
+    return cache, layer, info
+
+
+def decode_inputs(batch: int, info: dict[str, Any], n: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    kv = (batch, info["kv_heads"], 1, info["head_dim"])
+    q = (batch, info["heads"], 1, info["head_dim"])
+    return [tuple(torch.randn(*s, generator=g).to(torch.bfloat16) for s in (kv, kv, q)) for _ in range(n)]
+
+
+def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None) -> list[float]:
+    """Decode steps, the ring put back after every ``between`` steps (outside the timing); seconds per step.
+
+    ``watch`` (a context manager) is entered around each step alone, ``on_step`` called after it.
+    """
+    from contextlib import nullcontext
+
+    from hfkv.attention.interface import hfkv_attention
+
+    scaling = layer.window.k.shape[-1] ** -0.5
+    ring = layer.window
+    saved = [t.clone() for t in (ring.k, ring.v, ring.pos, ring.score)], ring.start, ring.count
+    counters = layer.length, layer.steps_since_policy
+
+    def restore() -> None:  # in place, so what the ring caches between steps stays cached, as in a real run
+        for t, s in zip((ring.k, ring.v, ring.pos, ring.score), saved[0], strict=True):
+            t.copy_(s)
+        ring.start, ring.count = saved[1], saved[2]
+        layer.length, layer.steps_since_policy = counters
+
+    times = []
+    for i, (k, v, q) in enumerate(inputs):
+        if i and i % between == 0:
+            restore()
+        with watch or nullcontext():
+            t0 = time.perf_counter()
+            cache.update(k, v, 0)
+            hfkv_attention(None, q, k, v, None, scaling=scaling)
+            times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step()
+    restore()
+    return times
+
+
+def measure(
+    context: int = 32768,
+    batch: int = 1,
+    shape_name: str = "llama-3.1-8b",
+    preset: str = "hfkv",
+    budget: int | None = 2048,
+    cycles: int = 40,
+    warmup_cycles: int = 2,
+) -> dict[str, Any]:
+    """Launches and host microseconds per compressed layer per decode step between policy runs (module docstring)."""
+    from hfkv.kernels.backend import interpreter_on
+
+    if not interpreter_on():
+        raise RuntimeError("host_overhead records Triton launches in the interpreter: set TRITON_INTERPRET=1 first")
+    t0 = time.perf_counter()
+    cache, layer, info = build_layer(context, batch, shape_name, preset, budget)
+    build_s = time.perf_counter() - t0
+    between = max(1, layer.cfg.interval - 1)  # the interval-th step after a policy run runs the next one
+    policy_runs = [0]
+    run_policy = layer.run_policy
+
+    def counted_policy(*args, **kwargs):
+        policy_runs[0] += 1
+        return run_policy(*args, **kwargs)
+
+    layer.run_policy = counted_policy
+    per_step: list[dict[str, Any]] = []
+    with recorded_triton_launches() as names:
+        run_steps(cache, layer, decode_inputs(batch, info, between * warmup_cycles), between)
+        # Counting pass: the Triton launches and torch's device ops of each step (counting slows it: not timed).
+        mode = DeviceOps()
+        start = [len(names)]
+
+        def close_step() -> None:
+            per_step.append({"triton": Counter(names[start[0] :]), "torch": Counter(mode.ops)})
+            start[0] = len(names)
+            mode.ops.clear()
+
+        run_steps(cache, layer, decode_inputs(batch, info, between, seed=2), between, mode, close_step)
+        policy_runs[0] = 0
+        times = run_steps(cache, layer, decode_inputs(batch, info, between * cycles, seed=3), between)
+    triton = sum((s["triton"] for s in per_step), Counter())
+    torch_ops = sum((s["torch"] for s in per_step), Counter())
+    n = len(per_step)
+    launches = (sum(triton.values()) + sum(torch_ops.values())) / n
+    host_us = 1e6 * statistics.median(times)
+    st = layer.layer_stats()
+    return {
+        "launches_per_layer": launches,
+        "host_us_per_layer": host_us,
+        "host_us_per_layer_mean": 1e6 * statistics.fmean(times),
+        "host_us_per_layer_p20_p80": [1e6 * _quantile(times, 0.2), 1e6 * _quantile(times, 0.8)],
+        "triton_launches_per_layer": sum(triton.values()) / n,
+        "torch_launches_per_layer": sum(torch_ops.values()) / n,
+        "launches_by_kernel": {k: v / n for k, v in sorted(triton.items())},
+        "torch_ops_per_step": {k: v / n for k, v in sorted(torch_ops.items())},
+        "targets": {
+            "launches_per_layer": {"target": f"<= {TARGET_LAUNCHES}", "met": launches <= TARGET_LAUNCHES},
+            "host_us_per_layer": {"target": f"<= {TARGET_HOST_US:g} us", "met": host_us <= TARGET_HOST_US},
+        },
+        "timed_steps": len(times),
+        "steps_between_restores": between,
+        "policy_runs_in_timed_steps": policy_runs[0],
+        "shape": info,
+        "context": context,
+        "batch": batch,
+        "method": f"{preset}@{budget}" if budget is not None else preset,
+        "tokens_held": _tier_tokens(st),  # summed over rows and KV heads
+        # A part (the ring, each tier holding tokens) costs a partial and a score launch, plus one combine.
+        "triton_launches_if_every_tier_held_tokens": 2 * (1 + layer.tiers.num_tiers) + 1,
+        "build_s": round(build_s, 1),
+    }
+
+
+def _tier_tokens(st) -> dict[str, int]:
+    totals = st.totals() if hasattr(st, "totals") else {}
+    return {k: int(v) for k, v in totals.items() if isinstance(v, (int, float))}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# -------------------------------------------------------------------------------------------- command
+def main(argv: list[str] | None = None) -> int:
+    from hfkv import cli_args as ca
+    from hfkv.evaluation.results import json_safe, machine_name, provenance
+
+    ap = ca.ArgumentParser(
+        prog="eval/host_overhead.py",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--context", type=ca.integer(64), default=32768, help="prompt tokens held (default 32768)")
+    ap.add_argument("--batch", type=ca.integer(1), default=1, help="rows (default 1)")
+    ap.add_argument("--budget", type=ca.integer(1), default=2048, help="hfkv budget, fp_tokens per KV head (2048)")
+    ap.add_argument("--cycles", type=ca.integer(1), default=40, help="timed runs of interval-1 steps (default 40)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
+    quiet.add_arguments(ap, default_threads="1")
+    try:
+        args = ap.parse_args(argv)
+        if len(args.threads) != 1:
+            raise ca.UsageError("--threads", f"{args.threads} must be one thread count: the host path is one thread")
+        record = quiet.start(args.threads, args.max_load, args.wait_quiet, args.force_busy)
+    except ca.UsageError as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if record["busy"]:
+        print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
+    torch.set_num_threads(args.threads[0])
+    result = measure(args.context, args.batch, budget=args.budget, cycles=args.cycles)
+    quiet.finish(record)
+    result |= {
+        "what": "host time and launches hfkv adds per compressed layer per decode step between policy runs; "
+        "Triton launches recorded instead of run, torch ops on CPU tensors (eval/host_overhead.py docstring)",
+        "threads": torch.get_num_threads(),
+        "quiet": record,
+        "busy": record["busy"],
+        "command": "python eval/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **provenance(machine=machine_name()),
+    }
+    write_atomic(args.out, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    t = result["targets"]
+    print(
+        f"{result['launches_per_layer']:.1f} launches per layer per step ({result['triton_launches_per_layer']:.0f} "
+        f"Triton + {result['torch_launches_per_layer']:.0f} torch; target <= {TARGET_LAUNCHES}: "
+        f"{'met' if t['launches_per_layer']['met'] else 'not met'}), host {result['host_us_per_layer']:.0f} us median "
+        f"(target <= {TARGET_HOST_US:g}: {'met' if t['host_us_per_layer']['met'] else 'not met'}); "
+        f"{quiet.describe(record)}{' BUSY' if record['busy'] else ''}\nwrote {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

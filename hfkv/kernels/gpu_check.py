@@ -1,0 +1,596 @@
+"""Is hfkv ready on this GPU? One command: compiled-kernel tests, decode-kernel bandwidth, end to end.
+
+    python -m hfkv.kernels.gpu_check --out DIR              # a CUDA machine: <= 9 minutes on one H100
+    python -m hfkv.kernels.gpu_check --out DIR --dry-run    # a CPU: every part, toy sizes, Triton's interpreter
+
+A GPU lease is short and starts bare, so everything worth knowing comes out of one call, in three
+parts, each with a deadline inside ``--budget-s``:
+
+1. **tests**: the kernel tests and the ``generate`` equality tests, run by pytest in a subprocess
+   without ``TRITON_INTERPRET``; the tests build CPU tensors, and ``hfkv.kernels.gpu_offload`` runs
+   every Triton launch on the GPU (compiled) with the tests' own comparisons. Then on-device checks
+   with the model itself on the GPU: ``generate`` with ``backend="triton"`` gives the tokens and
+   statistics of ``backend="torch"`` (Llama and Qwen3 tiny random models as the tests build them, a
+   left-padded batch of 2, every preset), and decode steps between policy runs make no host sync
+   (``torch.cuda.set_sync_debug_mode("error")``).
+2. **bandwidth**: ``eval/kernel_bench.py``'s functions: bytes the decode kernel must read over its
+   time against the measured copy bandwidth and flash SDPA over a dense cache, for ``full``,
+   ``quant`` and ``hfkv`` storage at 4k/16k/32k tokens x batch 1/8 (one layer of Llama-3.1-8B).
+3. **e2e**: :mod:`hfkv.kernels.gpu_check_e2e`: a random-weight Llama-3.1-8B in bf16, prefill and
+   decode steps of DynamicCache, hfkv at two budgets and QuantizedCache, peaks, largest batch.
+
+Writes ``DIR/gpu_check.json``, ``DIR/gpu_check.png`` and ``DIR/summary.txt`` (also printed); the
+fields are listed in docs/kernels.md, "Validating on a GPU: gpu_check". Items that would not fit in
+the time left are recorded as skipped with the reason (``skipped`` in the JSON and the summary);
+nothing is cut off half-way except the pytest run, whose finished tests are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PARTS = ("tests", "bandwidth", "e2e")
+# Cumulative deadlines as shares of the budget: a part that ends early leaves its time to the next.
+DEADLINES = {"tests": 0.38, "bandwidth": 0.60, "e2e": 0.97}
+DEFAULT_BUDGET_S = 510.0  # of the 600 s a lent H100 runs one command, installing the wheels included
+DRY_BUDGET_S = 150.0
+KERNEL_TESTS = ("tests/test_kernel_decode_attention.py", "tests/test_kernel_encode.py", "tests/test_backend_triton.py")
+# The kernel and generate tests; not the CPU kernel's, nor those about the interpreter or the CPU's backend choice.
+SELECTION = "(triton or encode) and not (cpu or host_sync or backend_selection or too_late or compiler)"
+DRY_SELECTION = "(single_token or masking_is_by_slot) and not cpu"
+PYTEST_SHARE = 0.7  # of the tests part's time; the on-device checks get the rest
+
+
+# --------------------------------------------------------------------------------------------- budget
+@dataclass
+class Budget:
+    """Seconds left before each part's deadline (:data:`DEADLINES` of ``total_s``), and what was skipped."""
+
+    total_s: float
+    clock: Callable[[], float] = time.monotonic
+    start: float = 0.0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self, part: str) -> float:
+        return self.start + self.total_s * DEADLINES[part] - self.clock()
+
+    def allows(self, part: str, item: str, need_s: float) -> bool:
+        """Whether ``item`` (about ``need_s`` seconds) fits before ``part``'s deadline; if not, it is recorded."""
+        left = self.left(part)
+        if need_s <= left:
+            return True
+        self.skip(part, item, f"time budget: needs about {need_s:.0f} s, {max(left, 0):.0f} s left of this part")
+        return False
+
+    def skip(self, part: str, item: str, reason: str) -> None:
+        self.skipped.append({"part": part, "item": item, "reason": reason})
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def repo_root() -> Path | None:
+    """The checkout holding ``tests/`` and ``eval/`` (the working directory, or the one hfkv was imported from)."""
+    import hfkv
+
+    for cand in (Path.cwd(), Path(hfkv.__file__).resolve().parents[1]):
+        if (cand / "tests" / "test_backend_triton.py").is_file() and (cand / "eval" / "kernel_bench.py").is_file():
+            return cand
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def pytest_outcomes(lines: Sequence[str]) -> dict[str, Any]:
+    """Counts and failures from ``hfkv.kernels.gpu_offload``'s report (one JSON line per test phase)."""
+    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    final: dict[str, tuple[str, str]] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # blank, or a line two processes wrote into each other
+            continue
+        outcome = row["outcome"]
+        if row["when"] != "call" and outcome == "failed":
+            outcome = "error"
+        prev = final.get(row["test"])
+        if prev is None or rank[outcome] > rank[prev[0]]:
+            final[row["test"]] = (outcome, row.get("message", ""))
+    counts = {k: sum(1 for o, _ in final.values() if o == k) for k in rank}
+    failures = [
+        {"test": t, "outcome": o, "message": m[-1500:]} for t, (o, m) in final.items() if o in ("failed", "error")
+    ]
+    return {**counts, "failures": failures}
+
+
+def pytest_workers(dry_run: bool) -> int:
+    """pytest-xdist workers for the compiled run: compiling ~100 kernel configurations is the slow part, and
+    it runs in parallel across processes (each its own CUDA context on the one GPU)."""
+    import importlib.util
+
+    cpus = os.cpu_count() or 1
+    if dry_run or cpus < 4 or importlib.util.find_spec("xdist") is None:
+        return 0
+    return min(8, cpus // 2)
+
+
+def run_pytest(
+    repo: Path, device: str, selection: str, timeout_s: float, interpret: bool, workers: int = 0
+) -> dict[str, Any]:
+    """The kernel tests in a subprocess, their Triton launches on ``device`` (``hfkv.kernels.gpu_offload``).
+
+    The run gets its own process group, so at its deadline the workers go with it; the tests that
+    finished by then are in the report file all the same.
+    """
+    import signal
+
+    from hfkv.kernels.gpu_offload import ENV_DEVICE, ENV_REPORT
+
+    fd, report = tempfile.mkstemp(prefix="hfkv_gpu_check_", suffix=".jsonl")
+    os.close(fd)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env.update({ENV_DEVICE: device, ENV_REPORT: report, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hfkv.kernels.gpu_offload"]
+    cmd += ["-n", str(workers)] if workers else []
+    cmd += ["-k", selection, *KERNEL_TESTS]
+    out: dict[str, Any] = {"command": shlex.join(cmd[1:]), "device": device, "interpreter": interpret}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        tail, _ = proc.communicate(timeout=max(1.0, timeout_s))
+        out["returncode"], out["timed_out"] = proc.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        tail, _ = proc.communicate()
+        out["returncode"], out["timed_out"] = None, True
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    out["output_tail"] = (tail or "")[-2500:]
+    try:
+        lines = Path(report).read_text(encoding="utf-8").splitlines()
+    finally:
+        os.unlink(report)
+    out.update(pytest_outcomes(lines))
+    return out
+
+
+def _generate_check(tb, models, family: str, preset: str, device: str, new_tokens: int) -> tuple[bool, str]:
+    """``generate`` on ``device`` with the Triton kernels against the torch backend, as test_backend_triton does."""
+    import torch
+
+    model = models.tiny_model(family, num_hidden_layers=1 if family == "qwen3" else 2).to(device)
+    if family == "llama":  # a left-padded batch of 2
+        ids, mask = models.left_padded_batch(lengths=(28, 19))
+    else:
+        ids = torch.randint(3, 128, (1, 26), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+    ids, mask = ids.to(device), mask.to(device)
+    ref, ref_cache = tb._generate(model, ids, mask, preset, "torch", new_tokens)
+    got, got_cache = tb._generate(model, ids, mask, preset, "triton", new_tokens)
+    if not torch.equal(got, ref):
+        first = int((got != ref).any(0).nonzero()[0])
+        return False, f"tokens from position {first}: triton {got[:, first:].tolist()}, torch {ref[:, first:].tolist()}"
+    if tb._stats_key(got_cache) != tb._stats_key(ref_cache):
+        return False, f"statistics differ: triton {tb._stats_key(got_cache)} torch {tb._stats_key(ref_cache)}"
+    backend = got_cache.stats().backend if preset != "full" else "n/a (full keeps DynamicLayers)"
+    return True, f"{got.shape[1] - ids.shape[1]} tokens equal, backend {backend}"
+
+
+def _no_sync_check(models, device: str) -> tuple[bool, str]:
+    """Decode steps between policy runs read no device value on the host (test_backend_triton's test, on ``device``).
+
+    On CUDA the driver says so (``set_sync_debug_mode("error")``); on a CPU (dry run) launches are
+    recorded instead of run and every tensor method that would wait for a device raises.
+    """
+    import contextlib
+
+    import torch
+
+    from hfkv import TriStateCache
+    from hfkv.attention.interface import set_pending
+
+    model = models.tiny_model("llama", num_hidden_layers=1).to(device)  # the steps below use layer 0 alone
+    cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
+    model(torch.randint(3, 128, (1, 30)).to(device), past_key_values=cache)
+    layer = cache.layers[0]
+    layer.steps_since_policy = -(10**6)  # keep the policy (which sizes its moves on the host) out of these steps
+    layer._tier_peak = 0
+    g = torch.Generator().manual_seed(0)
+    shapes = ((1, 2, 1, 32), (1, 2, 1, 32), (1, 4, 1, 32))  # k, v of 2 KV heads; q of 4 query heads
+    steps = [[torch.randn(*s, generator=g).to(device) for s in shapes] for _ in range(3)]
+    cuda = torch.device(device).type == "cuda"
+    with contextlib.ExitStack() as stack:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            stack.callback(torch.cuda.set_sync_debug_mode, 0)
+        else:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            def forbidden(*args, **kwargs):
+                raise AssertionError("host sync on the decode path")
+
+            saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "nonzero", "__bool__", "cpu", "numpy")}
+            run = InterpretedFunction.run
+            InterpretedFunction.run = lambda self, *a, grid, warmup, **k: None
+            stack.callback(setattr, InterpretedFunction, "run", run)
+            for name in saved:
+                setattr(torch.Tensor, name, forbidden)
+                stack.callback(setattr, torch.Tensor, name, saved[name])
+        for k, v, q in steps:
+            layer.update(k, v)
+            set_pending(None)  # what the hfkv attention function does before calling attend()
+            layer.attend(None, q, k, v, None, 32**-0.5)
+    how = "set_sync_debug_mode('error')" if cuda else "launches recorded, host reads forbidden"
+    return True, f"3 decode steps, no host sync ({how})"
+
+
+def run_tests(
+    repo: Path | None, device: str, budget: Budget, dry_run: bool, new_tokens: int, out: dict, save: Callable
+) -> dict[str, Any]:
+    """The tests part (module docstring), filling ``out`` as it goes; ``save()`` after each result."""
+    out["checks"] = []
+    if repo is None:
+        budget.skip("tests", "everything", "tests/ and eval/ not found: run from the repository root")
+        return out
+    pytest_s = budget.left("tests") * PYTEST_SHARE
+    if budget.allows("tests", "pytest", 30.0):
+        selection = DRY_SELECTION if dry_run else SELECTION
+        out["pytest"] = run_pytest(repo, device, selection, pytest_s, dry_run, pytest_workers(dry_run))
+        if out["pytest"]["timed_out"]:
+            budget.skip("tests", "pytest (the rest)", f"stopped at its share of the budget ({pytest_s:.0f} s)")
+        save()
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    try:
+        tb = importlib.import_module("tests.test_backend_triton")
+        models = importlib.import_module("tests.models")
+    except Exception as exc:  # noqa: BLE001 - the checks need the tests' helpers; say why they did not run
+        budget.skip("tests", "on-device checks", f"tests' helpers did not import: {_error(exc)}")
+        return out
+    plan: list[tuple[str, Callable[[], tuple[bool, str]]]] = []
+    families, presets = (["llama"], ["quant"]) if dry_run else (["llama", "qwen3"], list(tb.PRESETS))
+    for family in families:
+        for preset in presets:
+            name = f"generate {family} {preset}: triton == torch on {device}"
+            plan.append((name, lambda f=family, p=preset: _generate_check(tb, models, f, p, device, new_tokens)))
+    plan.append((f"decode step makes no host sync on {device}", lambda: _no_sync_check(models, device)))
+    est = 5.0
+    for name, check in plan:
+        if not budget.allows("tests", name, est):
+            continue
+        t0 = time.monotonic()
+        try:
+            ok, detail = check()
+        except Exception as exc:  # noqa: BLE001 - a failing check is a result
+            ok, detail = False, _error(exc)
+        dt = time.monotonic() - t0
+        est = max(est, 1.5 * dt)  # the next check is of the same kind: at most about as long
+        out["checks"].append({"name": name, "ok": ok, "detail": detail, "seconds": round(dt, 2)})
+        save()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ bandwidth
+def load_kernel_bench(repo: Path):
+    """``eval/kernel_bench.py`` as a module (a script folder: its directory goes on ``sys.path``)."""
+    folder = str(repo / "eval")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("kernel_bench")
+
+
+def _cpu_copy_bandwidth(kb, nbytes: int = 64 << 20) -> dict[str, Any]:
+    import torch
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = kb.time_fn(lambda: dst.copy_(src), "cpu", repeats=5, warmup=1, graph=False, flush_bytes=0)
+    gbps = 2 * nbytes / (t["ms_median"] / 1e3) / 1e9
+    return {"bytes": nbytes, "gbps": gbps, "timing": t, "convention": "2 * bytes / time (CPU, dry run)"}
+
+
+def _cpu_sdpa(context: int, batch: int, shape, repeats: int, kb) -> dict[str, Any]:
+    """The dry run's SDPA beside a kernel case: the math backend on the CPU (kernel_bench's is CUDA-only)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    d, dt = shape.head_dim, shape.dtype
+    q = torch.randn(batch, shape.heads, 1, d, generator=g).to(dt)
+    k = torch.randn(batch, shape.kv_heads, context, d, generator=g).to(dt)
+    v = torch.randn(batch, shape.kv_heads, context, d, generator=g).to(dt)
+    t = kb.time_fn(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "cpu", repeats, warmup=1)
+    b = kb.sdpa_bytes(context, batch, shape)
+    return {"layout": "gqa (cpu math)", "timing": t, "read_bytes": b["read_total"], "write_bytes": b["write_total"]}
+
+
+def run_bandwidth(repo: Path | None, args, budget: Budget, cuda: bool, out: dict, save: Callable) -> dict[str, Any]:
+    """Decode-kernel rows of eval/kernel_bench.py (its functions, this budget) and the targets read off them."""
+    import torch
+
+    out["rows"] = []
+    if repo is None:
+        budget.skip("bandwidth", "everything", "eval/kernel_bench.py not found: run from the repository root")
+        return out
+    kb = load_kernel_bench(repo)
+    shape = kb.AttnShape.like("llama-3.1-8b") if cuda else kb.AttnShape(4, 2, 32, torch.bfloat16)
+    out["shape"] = {"heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": "bf16"}
+    out["copy_bandwidth"] = kb.measure_copy_bandwidth() if cuda else _cpu_copy_bandwidth(kb)
+    copy_gbps = out["copy_bandwidth"]["gbps"]
+    if cuda:
+        kb._free_cuda()
+    free = torch.cuda.mem_get_info()[0] if cuda else 1 << 40
+    cases = kb.enumerate_cases(args.kinds, args.contexts, args.batches, shape, free)
+    sdpa: dict[tuple[int, int], dict[str, Any]] = {}
+    checked: set[str] = set()
+    # Seconds per case: a fixed part, a part per (row, head, token) record (a first guess, raised by what
+    # larger cases took), and a kind's first case compiles its kernels.
+    per_record, fixed, compile_s = (2e-6, 4.0, 20.0) if cuda else (2e-3, 2.0, 0.0)
+    kinds_seen: set[str] = set()
+    for case in cases:
+        plan = case.plan
+        records = plan.batch * shape.kv_heads * plan.context
+        item = f"{plan.kind} context {plan.context} batch {plan.batch}"
+        first = plan.kind not in kinds_seen
+        if not budget.allows("bandwidth", item, fixed + compile_s * first + per_record * records):
+            continue
+        t0 = time.monotonic()
+        key = (plan.context, plan.batch)
+        if key not in sdpa:
+            if case.sdpa_skip:
+                sdpa[key] = {"skipped": case.sdpa_skip}
+            else:
+                try:
+                    run = kb.bench_sdpa if cuda else lambda c, b, s, r, f: _cpu_sdpa(c, b, s, r, kb)
+                    sdpa[key] = run(plan.context, plan.batch, shape, args.repeats, free)
+                except Exception as exc:  # noqa: BLE001
+                    sdpa[key] = {"error": _error(exc)}
+        if case.skip:
+            res: dict[str, Any] = {"skipped": case.skip}
+        else:
+            check = plan.kind not in checked and records <= kb.CHECK_MAX_RECORDS
+            try:
+                dev = "cuda" if cuda else "cpu"
+                res = kb.bench_kernel_case(plan, dev, args.repeats, args.warmup, cuda, check)
+                if check:
+                    checked.add(plan.kind)
+            except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+                res = {"error": _error(exc)}
+            if cuda:
+                kb._free_cuda()
+        row = kb.kernel_row(plan, kb.kernel_bytes(plan), res, copy_gbps, sdpa[key])
+        row["memory_need_bytes"] = case.need
+        row["seconds"] = round(time.monotonic() - t0, 2)
+        out["rows"].append(row)
+        save()
+        if not first and records >= 1 << 17:  # a large case, no compilation in it: its time is mostly per record
+            per_record = max(per_record, 1.3 * row["seconds"] / records)
+        kinds_seen.add(plan.kind)
+    out["targets"] = kb.summarize_targets(out["rows"], None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- main
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 510)") from None
+    if not 30 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 30 and 3600 seconds")
+    return value
+
+
+def _ints(what: str, example: str):
+    from hfkv import cli_args as ca
+
+    return ca.integer_list(1, what=what, example=example)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hfkv import cli_args as ca
+
+    p = ca.ArgumentParser(
+        prog="python -m hfkv.kernels.gpu_check",
+        description=__doc__.splitlines()[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="gpu_check_out", help="folder of the three files (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="on the CPU, Triton's interpreter, toy sizes (1-2 min)")
+    p.add_argument(
+        "--budget-s",
+        type=_seconds,
+        default=None,
+        help=f"seconds for all parts (default {DEFAULT_BUDGET_S:g}; dry run {DRY_BUDGET_S:g})",
+    )
+    p.add_argument("--parts", type=ca.names(PARTS, "part"), default=",".join(PARTS), help="default: %(default)s")
+    g = p.add_argument_group("bandwidth (defaults for a GPU; the dry run's are toy sizes)")
+    g.add_argument(
+        "--contexts", type=_ints("token counts", "4096,32768"), help="tokens per row (default 4096,16384,32768)"
+    )
+    g.add_argument("--batches", type=_ints("batch sizes", "1,8"), help="batch sizes (default 1,8)")
+    g.add_argument(
+        "--kinds",
+        type=ca.names(("full", "quant", "hfkv"), "storage kind"),
+        default="full,quant,hfkv",
+        help="storage kinds (default: %(default)s)",
+    )
+    g.add_argument("--repeats", type=ca.integer(1), help="timed calls per case (default 30)")
+    g.add_argument("--warmup", type=ca.integer(0), help="untimed calls first (default 3)")
+    e = p.add_argument_group("end to end")
+    e.add_argument(
+        "--e2e-contexts", type=_ints("token counts", "8192,32768"), help="prompt lengths (default 8192,32768)"
+    )
+    e.add_argument("--e2e-batches", type=_ints("batch sizes", "1,8"), help="batch sizes (default 1,8)")
+    e.add_argument(
+        "--budgets", type=_ints("hfkv budgets", "1024,4096"), help="hfkv fp_tokens per KV head (default 1024,4096)"
+    )
+    e.add_argument("--e2e-steps", type=ca.integer(1), help="timed decode steps (default 24)")
+    e.add_argument("--e2e-warmup", type=ca.integer(0), help="untimed decode steps first (default 2)")
+    e.add_argument(
+        "--e2e-chunk",
+        type=ca.integer(1),
+        default=4096,
+        help="prefill chunk of DynamicCache / QuantizedCache where one forward runs out of memory (default 4096)",
+    )
+    e.add_argument(
+        "--quanto-cuda-extension",
+        action="store_true",
+        help="let optimum-quanto build its CUDA extension (minutes of nvcc); default: its Python unpack",
+    )
+    return p
+
+
+GPU_DEFAULTS = dict(
+    contexts=[4096, 16384, 32768], batches=[1, 8], repeats=30, warmup=3,
+    e2e_contexts=[8192, 32768], e2e_batches=[1, 8], budgets=[1024, 4096], e2e_steps=24, e2e_warmup=2,
+)  # fmt: skip
+# Toy sizes: above the hfkv ring (window 16 + interval 8), a budget room beyond it.
+DRY_DEFAULTS = dict(
+    contexts=[64], batches=[1, 2], repeats=1, warmup=0,
+    e2e_contexts=[40], e2e_batches=[1, 2], budgets=[48, 64], e2e_steps=2, e2e_warmup=0,
+)  # fmt: skip
+
+
+def check_args(args) -> None:
+    """Fill the defaults of the mode (GPU or dry run); refuse what cannot run, naming the option."""
+    from hfkv import cli_args as ca
+
+    for key, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.budget_s is None:
+        args.budget_s = DRY_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
+    if "hfkv" in args.kinds and min(args.contexts) <= 24:
+        raise ca.UsageError("--contexts", f"{min(args.contexts)} must exceed 24, the hfkv kind's window ring")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ca.UsageError("--out", f"{args.out!r} is a file; give a folder (it is created if missing)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hfkv.cli_args import UsageError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        check_args(args)
+    except UsageError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads it when a function is decorated, and `python -m` imported hfkv (and triton) already.
+        if argv is not None or "triton" not in sys.modules:
+            os.environ["TRITON_INTERPRET"] = "1"
+        else:
+            os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+                      {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    import torch
+
+    from hfkv.kernels import gpu_check_report as report
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not args.dry_run and os.environ.get("TRITON_INTERPRET") == "1":
+        print(
+            f"{parser.prog}: TRITON_INTERPRET=1 would run the kernels in Triton's interpreter, not compiled on the "
+            "GPU; unset it (or add --dry-run for the CPU rehearsal)",
+            file=sys.stderr,
+        )
+        return 2
+    if not cuda and not args.dry_run:
+        print(
+            f"{parser.prog}: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU, or "
+            "--dry-run for the CPU rehearsal in Triton's interpreter",
+            file=sys.stderr,
+        )
+        return 2
+    if args.dry_run and not _interpreted():
+        print(
+            f"{parser.prog}: --dry-run: triton was imported before TRITON_INTERPRET=1 was set; set it in the "
+            "environment (TRITON_INTERPRET=1 python -m hfkv.kernels.gpu_check --dry-run ...)",
+            file=sys.stderr,
+        )
+        return 2
+    device = "cuda" if cuda else "cpu"
+    budget = Budget(args.budget_s)
+    repo = repo_root()
+    result = report.header(args, device, budget)
+    out_dir = Path(args.out)
+
+    def save() -> None:
+        report.write(out_dir, result, budget, final=False)
+
+    for part in PARTS:
+        if part not in args.parts:
+            budget.skip(part, "everything", "not in --parts")
+            continue
+        t0 = time.monotonic()
+        print(f"gpu_check: {part} ({budget.left(part):.0f} s until its deadline)", flush=True)
+        body: dict[str, Any] = {"status": "running"}  # filled as the part goes, saved after each result
+        result["parts"][part] = body
+        try:
+            if part == "tests":
+                run_tests(repo, device, budget, args.dry_run, 3 if args.dry_run else 10, body, save)
+            elif part == "bandwidth":
+                run_bandwidth(repo, args, budget, cuda, body, save)
+            else:
+                from hfkv.kernels.gpu_check_e2e import run_e2e
+
+                run_e2e(args, budget, device, body, save)
+            body["status"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - one broken part must not cost the others
+            body.update(status="error", error=_error(exc))
+            budget.skip(part, "the rest", f"the part raised {_error(exc)}")
+        body["seconds"] = round(time.monotonic() - t0, 1)
+        save()
+        if cuda:
+            _release_cuda()
+    text = report.write(out_dir, result, budget, final=True)
+    print(text)
+    return 0
+
+
+def _interpreted() -> bool:
+    """Whether both hfkv's kernels and triton.language's own jitted helpers run in the interpreter."""
+    import triton.language as tl
+
+    from hfkv.kernels.decode_attention import _partial_kernel
+
+    return all(type(f).__name__ == "InterpretedFunction" for f in (_partial_kernel, tl.min))
+
+
+def _release_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

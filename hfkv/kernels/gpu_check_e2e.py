@@ -1,0 +1,277 @@
+"""gpu_check's end-to-end part: DynamicCache, hfkv at two budgets and QuantizedCache on a random Llama-3.1-8B.
+
+The model is built from Llama-3.1-8B's config with random weights in bf16 (no download; step times
+and bytes depend on shapes only). For each (context, batch) every cache runs alone, one after the
+other, on the same random prompt: one prefill forward (timed), then ``warmup + steps`` decode steps
+timed one by one with CUDA events, so the median is a step between policy runs and the mean
+includes them. Each cache's peak is its own: ``torch.cuda.max_memory_allocated`` above what was
+allocated before it (the weights), over its prefill and decode. A one-forward prefill that runs out
+of memory is retried in chunks for DynamicCache and QuantizedCache (recorded as ``prefill_chunk``);
+hfkv's chunk path serves short chunks only (docs/kernels.md), so its prefill is always one forward.
+
+The largest batch at the longest context is predicted from the two peaks measured there (peak is
+linear in the batch: weights and kernels' fixed costs, then cache and activations per row) and,
+where the time left allows, confirmed by one real prefill and two decode steps at that batch.
+On a CPU (``--dry-run``) the same code runs a one-layer toy model, peaks are the bytes the cache
+held, and there is no batch search.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
+HEADROOM = 0.95  # of the free memory a predicted batch may plan to use
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's ``unpack`` in torch ops (its own Python fallback, which its module does not export)."""
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * i)) & mask for i in range(8 // bits)]).to(torch.uint8)
+
+
+def quantized_backend(build_extensions: bool) -> tuple[bool, str]:
+    """Whether transformers' QuantizedCache (quanto backend) can run here, and how.
+
+    quanto compiles its CUDA extension (AWQ and Marlin GEMMs beside ``unpack``) on first use, which
+    takes minutes of nvcc; the KV cache only needs ``unpack``, so unless ``build_extensions`` the
+    extensions not loaded yet get quanto's Python unpack instead (slower than the compiled one, so
+    QuantizedCache's step times are an upper bound; the JSON says so).
+    """
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
+        return False, "optimum-quanto is not installed (QuantizedCache's quanto backend needs it; docs/kernels.md)"
+    try:
+        import optimum.quanto  # noqa: F401
+        from optimum.quanto.library.extensions import extension
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no QuantizedCache here
+        return False, f"optimum.quanto did not import: {_error(exc)}"
+    if build_extensions:
+        return True, "quanto's compiled extensions, built on first use"
+    stood_in = [name for name, ext in extension._extensions.items() if ext._lib is None]
+    for name in stood_in:
+        extension._extensions[name]._lib = SimpleNamespace(unpack=_unpack)
+    return True, (
+        f"quanto's Python unpack stands in for its compiled extensions ({', '.join(stood_in) or 'none'}): "
+        "QuantizedCache step times are an upper bound (--quanto-cuda-extension builds them)"
+    )
+
+
+def _free(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+
+
+def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: int) -> dict[str, Any]:
+    """One cache alone: prefill time, decode step times (median, mean, p20, p80), bytes, peak."""
+    from hfkv.evaluation.bench import Clock, decode_step, fill_cache
+    from hfkv.evaluation.methods import kv_and_dense_bytes
+    from hfkv.storage.memory import cache_bytes
+
+    batch, context = ids.shape
+    cuda = ids.device.type == "cuda"
+    row: dict[str, Any] = {"method": method.label, "kind": method.kind, "context": context, "batch": batch}
+    cache = None
+    try:
+        _free(cuda)
+        base = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        prefill_chunk, tok = 0, None
+        while tok is None:
+            cache = method.make_cache(model, max_cache_len=context + warmup + steps + 1)
+            try:
+                t0 = time.perf_counter()
+                tok = fill_cache(model, cache, ids, prefill_chunk)
+                if cuda:
+                    torch.cuda.synchronize()
+                row["prefill_s"] = time.perf_counter() - t0
+            except torch.OutOfMemoryError:
+                if prefill_chunk or method.kind == "tristate" or not 0 < chunk < context:
+                    raise
+                prefill_chunk = chunk
+                row["prefill_note"] = f"one forward ran out of memory; prefilled in chunks of {chunk}"
+            if tok is None:  # out of the handler, whose traceback held the failed forward's tensors
+                cache = None
+                _free(cuda)
+                torch.cuda.reset_peak_memory_stats()
+        row["prefill_chunk"] = prefill_chunk
+        held = [cache_bytes(cache)]
+        clock, times = Clock(ids.device), []
+        for i in range(warmup + steps):
+            t = clock.start()
+            tok = decode_step(model, cache, tok, context + i)
+            clock.stop(t, times)
+            if not cuda:
+                held.append(cache_bytes(cache))
+        clock.resolve()
+        times = times[warmup:]
+        med = statistics.median(times)
+        row |= {
+            "decode_ms_median": 1e3 * med,
+            "decode_ms_mean": 1e3 * statistics.fmean(times),
+            "decode_ms_p20": 1e3 * _quantile(times, 0.2),
+            "decode_ms_p80": 1e3 * _quantile(times, 0.8),
+            "decode_steps": steps,
+            "decode_tok_s": batch / med if med > 0 else None,
+        }
+        kv, dense = kv_and_dense_bytes(model, cache, batch)
+        row |= {"kv_bytes": kv, "dense_bytes": dense, "compression": dense / kv if kv else None}
+        row["peak_bytes"] = int(torch.cuda.max_memory_allocated() - base) if cuda else int(max(held))
+        row["peak_kind"] = "cuda_max_memory_allocated_above_weights" if cuda else "cache_bytes_held"
+        row["backend"] = getattr(cache, "backend", "transformers")
+        row["status"] = "ok"
+    except torch.OutOfMemoryError as exc:
+        row |= {"status": "oom", "reason": _error(exc)}
+    except Exception as exc:  # noqa: BLE001 - a cache that fails is a result
+        row |= {"status": "error", "reason": _error(exc)}
+    finally:
+        cache = None
+        _free(cuda)
+    return row
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's speed and memory against DynamicCache's row of the same (context, batch)."""
+    base = {(r["context"], r["batch"]): r for r in rows if r["method"] == "dynamic" and r.get("status") == "ok"}
+    for r in rows:
+        b = base.get((r["context"], r["batch"]))
+        if r.get("status") != "ok" or b is None:
+            continue
+        r["decode_speedup_median"] = b["decode_ms_median"] / r["decode_ms_median"]
+        r["decode_speedup_mean"] = b["decode_ms_mean"] / r["decode_ms_mean"]
+        r["prefill_speedup"] = b["prefill_s"] / r["prefill_s"] if r["prefill_s"] else None
+        r["peak_ratio"] = r["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
+        r["kv_ratio"] = r["kv_bytes"] / b["kv_bytes"] if b["kv_bytes"] else None
+
+
+def predict_max_batch(points: list[tuple[int, int]], free_bytes: int) -> dict[str, Any]:
+    """Largest batch whose peak fits ``HEADROOM`` of ``free_bytes``, linear through the (batch, peak) ends."""
+    (b1, p1), (b2, p2) = points[0], points[-1]
+    slope = (p2 - p1) / (b2 - b1)
+    fixed = p1 - slope * b1
+    out: dict[str, Any] = {"per_row_bytes": int(slope), "fixed_bytes": int(fixed), "free_bytes": int(free_bytes)}
+    out["basis"] = f"peaks at batch {b1} and {b2}, linear in the batch; {HEADROOM:.0%} of the free memory"
+    out["predicted"] = int((free_bytes * HEADROOM - fixed) // slope) if slope > 0 else None
+    return out
+
+
+def largest_batches(model, methods, rows, context: int, budget, cuda: bool) -> dict[str, Any]:
+    if not cuda:
+        budget.skip("e2e", "largest batch", "needs a CUDA device: a CPU has no memory limit to find")
+        return {}
+    from hfkv.evaluation.bench import cuda_fits
+
+    _free(True)
+    free = torch.cuda.mem_get_info()[0]
+    out: dict[str, Any] = {}
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m.label and r["context"] == context and r.get("status") == "ok"]
+        pts = sorted({(r["batch"], r["peak_bytes"]) for r in mine})
+        if len(pts) < 2:
+            out[m.label] = {"context": context, "predicted": None, "reason": "needs peaks at two batch sizes here"}
+            continue
+        entry = {"context": context, **predict_max_batch(pts, free), "confirmed": None}
+        pred, rate = entry["predicted"], max(r["context"] * r["batch"] / r["prefill_s"] for r in mine)
+        chunk = max(r.get("prefill_chunk", 0) for r in mine)
+        need = 15 + 1.5 * context * (pred or 0) / rate
+        if pred and pred >= 1 and budget.allows("e2e", f"largest batch of {m.label}: one trial", need):
+            try:
+                entry["confirmed"] = cuda_fits(model, m, context, 2, chunk)(pred)
+            except Exception as exc:  # noqa: BLE001
+                entry["confirm_error"] = _error(exc)
+        out[m.label] = entry
+    return out
+
+
+def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+    """The e2e part of gpu_check (module docstring), filling ``out``: rows per (context, batch, cache),
+    largest batches; ``save()`` after each row, so a run stopped from outside keeps them."""
+    from hfkv.evaluation.bench import random_prompt
+    from hfkv.evaluation.methods import parse_method
+    from hfkv.evaluation.shapes import build_random_like, get_shape
+
+    cuda = device == "cuda"
+    name = GPU_MODEL if cuda else CPU_MODEL
+    shape = get_shape(name)
+    layers = shape.layers if cuda else 1
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out |= {"rows": [], "max_batch": {}}
+    methods = [parse_method("dynamic")] + [parse_method(f"hfkv@{b}:backend=triton") for b in args.budgets]
+    ok, note = quantized_backend(args.quanto_cuda_extension)
+    out["quantized_cache"] = {"available": ok, "note": note}
+    if ok:
+        methods.append(parse_method("quanto-int4"))
+    else:
+        budget.skip("e2e", "QuantizedCache", note)
+    if not budget.allows("e2e", "model", 40.0 if cuda else 5.0):
+        return out
+    t0 = time.perf_counter()
+    max_pos = max(4096, max(args.e2e_contexts) + args.e2e_warmup + args.e2e_steps + 64)
+    model = build_random_like(name, layers, dtype, device, max_pos)
+    out["model"] = {
+        "shape": name,
+        "layers": layers,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.dim,
+        "dtype": str(dtype).replace("torch.", ""),
+        "weights_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
+        "build_s": round(time.perf_counter() - t0, 1),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+    rates: dict[str, float] = {}  # prefill tokens per second of each cache, measured
+    steps_s: dict[str, float] = {}  # decode step seconds per cache, measured
+    n_steps = args.e2e_warmup + args.e2e_steps
+    for context in args.e2e_contexts:
+        for batch in args.e2e_batches:
+            ids = random_prompt(model.config.vocab_size, batch, context).to(device)
+            for m in methods:
+                # this cache's rate so far, else the slowest so far, else a guess
+                rate = rates.get(m.label) or min(rates.values(), default=8000.0 if cuda else 300.0)
+                step = steps_s.get(m.label, 0.15 if cuda else 1.0)
+                need = 5 + 1.5 * context * batch / rate + n_steps * step * 1.5
+                if not budget.allows("e2e", f"{m.label} context {context} batch {batch}", need):
+                    continue
+                row = run_cache(model, m, ids, args.e2e_steps, args.e2e_warmup, args.e2e_chunk)
+                out["rows"].append(row)
+                save()
+                if row["status"] == "ok":
+                    rates[m.label] = min(rates.get(m.label, 1e12), context * batch / max(row["prefill_s"], 1e-6))
+                    steps_s[m.label] = max(row["decode_ms_mean"], row["decode_ms_p80"]) / 1e3
+                print(_line(row), flush=True)
+    add_ratios(out["rows"])
+    out["max_batch"] = largest_batches(model, methods, out["rows"], max(args.e2e_contexts), budget, cuda)
+    del model
+    _free(cuda)
+    return out
+
+
+def _line(r: dict[str, Any]) -> str:
+    head = f"e2e {r['method']:<24} T={r['context']:>6} B={r['batch']:>2}"
+    if r.get("status") != "ok":
+        return f"{head} {r.get('status')}: {r.get('reason')}"
+    return (
+        f"{head} prefill {r['prefill_s']:7.2f} s  step {r['decode_ms_median']:8.2f} ms (mean {r['decode_ms_mean']:.2f})"
+        f"  peak {r['peak_bytes'] / 2**30:6.2f} GiB  kv {r['kv_bytes'] / 2**30:6.2f} GiB"
+    )

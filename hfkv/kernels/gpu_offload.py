@@ -1,0 +1,162 @@
+"""A pytest plugin that runs the kernel tests' Triton launches on a GPU while the tests keep CPU tensors.
+
+The kernel tests (``tests/test_kernel_decode_attention.py``, ``test_kernel_encode.py``) and the
+``generate`` equality tests (``test_backend_triton.py``) build their storage on the CPU and compare
+with the torch twins there, so on a machine without a GPU they run the kernels in Triton's
+interpreter. To run the same tests against the *compiled* kernels, with the same comparisons, this
+plugin wraps the four Triton entry points (``paged_attention``, ``encode_write``, ``move_records``,
+``clear_tags``): a call copies the storage behind every tensor argument to the device once (views
+of one storage stay views of one copy, so parts that share a pool share it there too), runs the
+wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in
+the tests' tensors as if the kernel had run on them. Returned tensors come back to the CPU. The
+cache's backend check lets ``backend="triton"`` run on CPU tensors for the same reason.
+
+    HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
+
+``HFKV_TEST_REPORT=<file>`` appends one JSON line per finished test phase, so a run cut short by a
+time limit still says what it ran (``hfkv.kernels.gpu_check`` reads it). Without
+``HFKV_KERNEL_DEVICE`` the plugin changes nothing. ``HFKV_KERNEL_DEVICE=cpu`` copies too (each call
+works on fresh CPU storages), which checks the round trip itself in Triton's interpreter; set
+``TRITON_INTERPRET=1`` in the environment then, since loading this plugin imports hfkv (and with it
+triton) before ``tests/conftest.py`` could set it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hfkv.kernels.parts import DenseSlots, PagedSlots
+
+ENV_DEVICE = "HFKV_KERNEL_DEVICE"
+ENV_REPORT = "HFKV_TEST_REPORT"
+# Every Triton entry point the cache calls: one missing here would get CPU pointers on a GPU run and fail.
+WRAPPED = (
+    ("hfkv.kernels.decode_attention", "paged_attention"),
+    ("hfkv.kernels.encode", "encode_write"),
+    ("hfkv.kernels.move", "move_records"),
+    ("hfkv.kernels.move", "clear_tags"),
+)
+
+
+class _Mover:
+    """Device copies of the storages behind one call's tensors, and their way back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self._tensor(x)
+        if isinstance(x, (DenseSlots, PagedSlots)):
+            moved = {f.name: self(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return dataclasses.replace(x, **moved)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self(i) for i in x)
+        if isinstance(x, dict):
+            return {k: self(v) for k, v in x.items()}
+        return x
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device and t.device.type != "cpu":
+            return t  # a target of "cpu" copies anyway: it exercises the round trip without a GPU
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.storages:
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self.storages[key] = (host, host.to(self.device, copy=True))
+        dev = self.storages[key][1].untyped_storage()
+        return torch.empty(0, dtype=t.dtype, device=self.device).set_(dev, t.storage_offset(), t.shape, t.stride())
+
+    def write_back(self) -> None:
+        for host, dev in self.storages.values():
+            host.copy_(dev)
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, tuple):
+        return tuple(_to_cpu(i) for i in x)
+    return x
+
+
+def offloaded(fn: Callable, device: torch.device | str) -> Callable:
+    """``fn`` run on ``device`` for CPU tensor arguments, its in-place writes copied back (module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        mover = _Mover(device)
+        out = fn(*mover(args), **mover(kwargs))
+        mover.write_back()
+        return _to_cpu(out)
+
+    call.__wrapped_for_device__ = device  # type: ignore[attr-defined]
+    return call
+
+
+def install(device: torch.device | str) -> list[str]:
+    """Route the Triton entry points and the cache's backend check through ``device``; what was wrapped."""
+    import importlib
+
+    import hfkv.cache
+
+    done = []
+    for module_name, name in WRAPPED:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+        if not hasattr(fn, "__wrapped_for_device__"):
+            setattr(module, name, offloaded(fn, device))
+            done.append(f"{module_name}.{name}")
+    resolve = hfkv.cache.resolve_backend
+    if not hasattr(resolve, "__wrapped_for_device__"):
+
+        def resolve_on_cpu(requested: str, dev: torch.device | str) -> str:
+            if requested == "triton" and torch.device(dev).type == "cpu":
+                return "triton"  # the launches go to the device through the wrappers above
+            return resolve(requested, dev)
+
+        resolve_on_cpu.__wrapped_for_device__ = device  # type: ignore[attr-defined]
+        hfkv.cache.resolve_backend = resolve_on_cpu
+        done.append("hfkv.cache.resolve_backend")
+    return done
+
+
+# ---------------------------------------------------------------------------------------------- pytest
+_INSTALLED: list[str] = []
+
+
+def pytest_configure(config) -> None:
+    device = os.environ.get(ENV_DEVICE)
+    if device:
+        _INSTALLED[:] = install(device)
+
+
+def pytest_report_header(config) -> str | None:
+    device = os.environ.get(ENV_DEVICE)
+    if not device:
+        return None
+    return f"hfkv.kernels.gpu_offload: Triton launches run on {device} ({', '.join(_INSTALLED)})"
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = os.environ.get(ENV_REPORT)
+    if not path or (report.when != "call" and report.passed):
+        return
+    row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome, "seconds": round(report.duration, 3)}
+    if report.failed:
+        row["message"] = report.longreprtext[-3000:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        row["message"] = str(report.longrepr[2])[:300]
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")

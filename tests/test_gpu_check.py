@@ -1,0 +1,176 @@
+"""``python -m hfkv.kernels.gpu_check --dry-run``: every part of the GPU check runs on a CPU and writes its files.
+
+A lent GPU is a few minutes long and starts bare, so the command must work the first time there:
+the dry run builds and launches every part (the pytest run through the offload plugin, the
+on-device checks, the bandwidth cases, the end-to-end caches) in Triton's interpreter at toy sizes,
+and writes the same JSON, summary and figure. The bookkeeping that decides what a real run does
+(deadlines, test outcomes, argument errors) is checked on its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfkv.kernels import gpu_check
+from hfkv.kernels.backend import interpreter_on
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="the dry run is the CPU rehearsal (Triton's interpreter)")
+def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--budget-s", "900"]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "gpu_check.json").read_text())
+    summary = (out / "summary.txt").read_text()
+    assert (out / "gpu_check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary == result["summary"] and summary in printed
+    assert "DRY RUN" in summary
+    assert result["dry_run"] is True and result["device_kind"] == "cpu" and result["complete"] is True
+    assert 0 < result["elapsed_s"] < result["budget_s"] == 900
+    for key in ("torch", "triton", "transformers", "hfkv_version", "date", "args"):
+        assert key in result
+    parts = result["parts"]
+    assert set(parts) == {"tests", "bandwidth", "e2e"}
+    assert all(p["status"] == "ok" and p["seconds"] > 0 for p in parts.values())
+
+    tests = parts["tests"]
+    py = tests["pytest"]
+    assert py["passed"] >= 3 and py["failed"] == py["error"] == 0 and not py["timed_out"]
+    assert "gpu_offload" in py["command"] and py["interpreter"] is True
+    names = [c["name"] for c in tests["checks"]]
+    assert any(n.startswith("generate llama quant") for n in names) and any("host sync" in n for n in names)
+    assert all(c["ok"] for c in tests["checks"]), tests["checks"]
+
+    bw = parts["bandwidth"]
+    assert bw["copy_bandwidth"]["gbps"] > 0
+    assert {(r["kind"], r["batch"]) for r in bw["rows"]} == {(k, b) for k in ("full", "quant", "hfkv") for b in (1, 2)}
+    for r in bw["rows"]:
+        assert r["status"] == "ok", r
+        assert r["read_bytes"] > 0 and r["ms"] > 0 and r["read_fraction"] > 0 and r["sdpa"]["ms"] > 0
+    assert [r["check"]["ok"] for r in bw["rows"] if "check" in r] == [True] * 3  # the first case of each kind
+    assert set(bw["targets"]["kernel_bandwidth"]) >= {"full", "quant", "hfkv"}
+
+    e2e = parts["e2e"]
+    methods = {r["method"] for r in e2e["rows"]}
+    assert {"dynamic", "hfkv@48:backend=triton", "hfkv@64:backend=triton"} <= methods
+    assert ("quanto-int4" in methods) == e2e["quantized_cache"]["available"]
+    for r in e2e["rows"]:
+        assert r["status"] == "ok", r
+        for key in ("prefill_s", "decode_ms_median", "decode_ms_mean", "peak_bytes", "kv_bytes", "compression"):
+            assert r[key] > 0, (key, r)
+        assert r["backend"] == ("triton" if r["kind"] == "tristate" else "transformers")
+        assert r["decode_speedup_median"] > 0  # against the DynamicCache row of its group
+    assert e2e["max_batch"] == {}
+    assert {s["item"] for s in result["skipped"]} == {"largest batch"}  # a CPU has no memory limit to find
+
+
+def test_budget_deadlines_give_unused_time_to_later_parts():
+    now = [100.0]
+    budget = gpu_check.Budget(200.0, clock=lambda: now[0])
+    assert budget.left("tests") == pytest.approx(200 * gpu_check.DEADLINES["tests"])
+    now[0] += 10  # the tests part ended early: the next part's deadline did not move
+    assert budget.left("bandwidth") == pytest.approx(200 * gpu_check.DEADLINES["bandwidth"] - 10)
+    assert budget.allows("bandwidth", "small", 5.0)
+    assert not budget.allows("tests", "big", 1000.0)
+    assert budget.skipped == [{"part": "tests", "item": "big", "reason": budget.skipped[0]["reason"]}]
+    assert "needs about 1000 s" in budget.skipped[0]["reason"]
+
+
+def test_pytest_outcomes_count_each_test_once_by_its_worst_phase():
+    lines = [
+        json.dumps({"test": "a", "when": "call", "outcome": "passed"}),
+        json.dumps({"test": "b", "when": "call", "outcome": "failed", "message": "E   assert 1 == 2"}),
+        json.dumps({"test": "c", "when": "setup", "outcome": "skipped"}),
+        json.dumps({"test": "d", "when": "call", "outcome": "passed"}),
+        json.dumps({"test": "d", "when": "teardown", "outcome": "failed", "message": "boom"}),
+        "",
+    ]
+    got = gpu_check.pytest_outcomes(lines)
+    assert (got["passed"], got["failed"], got["skipped"], got["error"]) == (1, 1, 1, 1)
+    assert [(f["test"], f["outcome"]) for f in got["failures"]] == [("b", "failed"), ("d", "error")]
+
+
+@pytest.mark.parametrize(
+    "argv,option,words",
+    [
+        (["--contexts", "16"], "--contexts", "must exceed 24"),
+        (["--parts", "test"], "--parts", "did you mean 'tests'"),
+        (["--budget-s", "5"], "--budget-s", "between 30 and 3600"),
+        (["--kinds", "full,int4"], "--kinds", "'int4' is not a storage kind"),
+        (["--e2e-batches", "0"], "--e2e-batches", "positive integer"),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_runs(tmp_path, capsys, argv, option, words):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m hfkv.kernels.gpu_check: error: " + option) and words in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_real_run_needs_cuda_and_compiled_kernels(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path / "x")]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_check.main(["--out", str(tmp_path / "x")]) == 2
+    assert "TRITON_INTERPRET=1 would run the kernels in Triton's interpreter" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_largest_batch_is_predicted_from_two_peaks():
+    from hfkv.kernels.gpu_check_e2e import predict_max_batch
+
+    gib = 1 << 30
+    p = predict_max_batch([(1, 20 * gib), (8, 48 * gib)], free_bytes=80 * gib)  # 4 GiB per row over 16 GiB
+    assert p["per_row_bytes"] == 4 * gib and p["fixed_bytes"] == 16 * gib
+    assert p["predicted"] == int((80 * gib * 0.95 - 16 * gib) // (4 * gib)) == 15
+    assert predict_max_batch([(1, gib), (8, gib)], 80 * gib)["predicted"] is None  # no growth: nothing to find
+
+
+def test_ratios_are_taken_against_dynamic_cache_of_the_same_group():
+    from hfkv.kernels.gpu_check_e2e import add_ratios
+
+    def row(method, context, ms, peak, kv, status="ok"):
+        return dict(method=method, context=context, batch=1, status=status, decode_ms_median=ms, decode_ms_mean=ms,
+                    prefill_s=1.0, peak_bytes=peak, kv_bytes=kv)  # fmt: skip
+
+    rows = [row("dynamic", 8, 10.0, 100, 50), row("hfkv@1", 8, 5.0, 40, 10), row("hfkv@1", 32, 4.0, 1, 1)]
+    rows.append(row("quanto-int4", 8, 1.0, 1, 1, status="oom"))
+    add_ratios(rows)
+    assert rows[1]["decode_speedup_median"] == 2.0 and rows[1]["peak_ratio"] == 0.4 and rows[1]["kv_ratio"] == 0.2
+    assert "decode_speedup_median" not in rows[2]  # no DynamicCache row at 32 tokens
+    assert "decode_speedup_median" not in rows[3]  # a failed row has no figures
+
+
+def test_quanto_python_unpack_inverts_quantos_packing():
+    packed_mod = pytest.importorskip("optimum.quanto.tensor.packed")
+    import torch
+
+    from hfkv.kernels.gpu_check_e2e import _unpack
+
+    for bits in (2, 4):
+        codes = torch.randint(0, 1 << bits, (10, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+        assert torch.equal(_unpack(packed_mod.pack_weights(codes, bits), bits)[:10], codes)
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="the kernels run in Triton's interpreter here")
+def test_offload_copies_storages_once_and_writes_back_into_the_callers_tensors():
+    import torch
+
+    from hfkv.kernels.gpu_offload import _Mover, offloaded
+    from hfkv.kernels.move import move_records
+
+    pool = torch.arange(64, dtype=torch.uint8).view(2, 32).clone()
+    offloaded(move_records, "cpu")(pool, torch.tensor([0]), torch.tensor([32]), 8)
+    assert torch.equal(pool.view(-1)[32:40], torch.arange(8, dtype=torch.uint8))  # written on a copy, copied back
+    assert torch.equal(pool.view(-1)[40:], torch.arange(40, 64, dtype=torch.uint8))
+    mover = _Mover(torch.device("cpu"))
+    whole, row = mover(pool), mover(pool[1])  # two views of one storage: one copy, the same views of it
+    assert whole.data_ptr() != pool.data_ptr() and row.data_ptr() == whole.data_ptr() + 32
+    assert len(mover.storages) == 1
