@@ -12,7 +12,7 @@ summed over layers, averaged over the timed steps; policy runs included at their
   ``auto`` picks on a CPU; the four sections above are the torch backend's);
 - ``run_policy``: re-classification and moves (every ``interval`` steps).
 
-    python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
+    python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
         --out eval/results/cpu_step_sections.json
 """
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +36,7 @@ import hfkv.kernels.cpu.paged_decode
 import hfkv.storage.paged
 import hfkv.storage.record
 from hfkv.atomic import write_atomic
+from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt
 from hfkv.evaluation.methods import parse_method
 from hfkv.evaluation.shapes import build_random_like
@@ -93,21 +95,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the policy interval)")
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_step_sections.json"))
+    quiet.add_arguments(ap, default_threads="1")  # --threads, --max-load, --wait-quiet, --force-busy
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads = args.threads[0]
+    try:
+        record = quiet.start([threads], args.max_load, args.wait_quiet, args.force_busy)
+    except quiet.BusyMachine as exc:
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(threads)
     result: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} torch thread(s)",
         "torch": torch.__version__,
         "context": args.context,
         "steps": args.steps,
+        "quiet": record,
         "ms_per_step": {},
     }
     for spec in args.specs:
         ms = measure(spec, args.context, args.steps)
         result["ms_per_step"][spec] = ms
         print(spec, "  ".join(f"{k} {v:.2f}" for k, v in ms.items()), "(ms/step)", flush=True)
+    quiet.finish(record)
+    result["busy"] = record["busy"]
     write_atomic(args.out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -787,19 +787,28 @@ hfkv bench --wait-quiet 600 --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
     --dtype fp32 --name cpu_small_fp32 --force
-# CPU decode step at 8k and 512 tokens, one process (the last spec is the hfkv preset before memory budgets)
-python eval/cpu_cache_figures.py --wait-quiet 600 --timed \\
-    "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512;hfkv@1024:budget_unit=tokens,window=32,alpha_h=1.0,slack=0.75,interval=16,mid=none"
+# CPU decode step at 8k and 512 tokens, one process, 1 thread and all cores
+python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512"
+# prefill of 8k tokens in one forward and in 1,024-token chunks (with decode steps), 1 thread and all cores
+hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 --name cpu_small_fp32_prefill
+hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
+    --name cpu_small_fp32_chunked
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
 python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
-OMP_NUM_THREADS=1 python eval/cpu_step_sections.py --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
+python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
 python eval/format_fidelity.py --docs-only
 # RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
+# grown to 50 examples where methods are close (the methods off the front at 12 keep their 12)
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 50 --threads 1 --methods \\
+    "dynamic,quanto-int4,quant@none,evict@256,evict@512,streaming@512,arkv@1024,hfkv@128,hfkv@256,hfkv@512,\\
+hfkv@1024,hfkv@128:head_adaptive=True,hfkv@256:head_adaptive=True"
 python eval/sweep_ruler.py --methods dynamic --lengths 2048 --limit 8 \\
     --tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe
 python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12
