@@ -435,3 +435,24 @@ def test_an_unpadded_prompt_prefills_on_sdpas_causal_path(monkeypatch):
     ids, mask = left_padded_batch(lengths=(20, 13))
     _generate(model, hfkv.TriStateCache(model, cfg), ids, mask, new=2)
     assert masks[0] == (torch.bool, (2, 1, 20, 20))
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_model_runs_with_a_tristate_cache():
+    """torch.compile (dynamo; graph breaks allowed) over a model decoding into a TriStateCache gives the
+    eager tokens, so a caller who compiles the model keeps the cache (issue 21)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=32)
+    ref = _generate(model, hfkv.TriStateCache(model, cfg), ids, new=5)
+    counters.clear()
+    model.forward = torch.compile(model.forward, backend="eager")
+    try:
+        out = _generate(model, hfkv.TriStateCache(model, cfg), ids, new=5)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    assert counters["frames"]["ok"] > 0  # dynamo did trace frames
+    assert torch.equal(out, ref)
