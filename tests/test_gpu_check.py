@@ -63,6 +63,7 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
         assert r["backend"] == ("triton" if r["kind"] == "tristate" else "transformers")
         assert r["decode_speedup_median"] > 0  # against the DynamicCache row of its group
     assert e2e["max_batch"] == {}
+    assert e2e["graph_capture"]["status"] == "skipped" and "CUDA" in e2e["graph_capture"]["reason"]
     assert {s["item"] for s in result["skipped"]} == {"largest batch"}  # a CPU has no memory limit to find
 
 

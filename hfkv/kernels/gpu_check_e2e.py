@@ -205,6 +205,47 @@ def largest_batches(model, methods, rows, context: int, budget, cuda: bool) -> d
     return out
 
 
+def graph_capture(model, method, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Capture one decode step of ``method``'s cache in a CUDA graph, replay it, and compare with the same step
+    run eagerly on a twin cache (same prompt, same steps before it).
+
+    Between two policy runs the step's shapes, grids and pointers are fixed, so the capture records the
+    whole step; the host-side counters (window slot, length) advance once, during the capture, so one
+    replay is that step. (Replaying one graph across steps would need those counters on the device.)
+    """
+    from hfkv.evaluation.bench import decode_step, fill_cache
+
+    row: dict[str, Any] = {"method": method.label, "context": ids.shape[1], "batch": ids.shape[0]}
+    if ids.device.type != "cuda":
+        return row | {"status": "skipped", "reason": "CUDA graphs need a CUDA device"}
+    try:
+        caches, toks = [], []
+        for _ in range(2):
+            cache = method.make_cache(model)
+            tok = fill_cache(model, cache, ids)
+            pos = ids.shape[1]
+            for i in range(steps):  # to just after a policy run, so the captured step is between two
+                tok = decode_step(model, cache, tok, pos + i)
+                if getattr(cache.layers[0], "steps_since_policy", 0) == 0:
+                    break
+            caches.append(cache)
+            toks.append(tok)
+        pos_ids = torch.full((ids.shape[0], 1), pos + i + 1, dtype=torch.long, device=ids.device)
+        with torch.inference_mode():
+            eager = model(input_ids=toks[0], position_ids=pos_ids, past_key_values=caches[0]).logits
+            graph, static_tok = torch.cuda.CUDAGraph(), toks[1].clone()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                captured = model(input_ids=static_tok, position_ids=pos_ids, past_key_values=caches[1]).logits
+            graph.replay()
+            torch.cuda.synchronize()
+        diff = float((captured.float() - eager.float()).abs().max())
+        same = bool(torch.equal(captured.argmax(-1), eager.argmax(-1)))
+        return row | {"status": "ok" if same and diff < 1e-2 else "mismatch", "max_abs_diff": diff, "same_argmax": same}
+    except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is a result
+        return row | {"status": "error", "reason": _error(exc)}
+
+
 def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
     """The e2e part of gpu_check (module docstring), filling ``out``: rows per (context, batch, cache),
     largest batches; ``save()`` after each row, so a run stopped from outside keeps them."""
@@ -261,6 +302,12 @@ def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], N
                     steps_s[m.label] = max(row["decode_ms_mean"], row["decode_ms_p80"]) / 1e3
                 print(_line(row), flush=True)
     add_ratios(out["rows"])
+    if budget.allows("e2e", "CUDA graph capture of a decode step", 20.0 if cuda else 1.0):
+        context = min(args.e2e_contexts)
+        ids = random_prompt(model.config.vocab_size, 1, context).to(device)
+        out["graph_capture"] = graph_capture(model, methods[1], ids, 16)
+        print(f"e2e graph capture: {out['graph_capture']}", flush=True)
+        save()
     out["max_batch"] = largest_batches(model, methods, out["rows"], max(args.e2e_contexts), budget, cuda)
     del model
     _free(cuda)
