@@ -116,6 +116,7 @@ def cli_args(model_dir, tmp, *extra) -> list[str]:
         "--data-file", str(FIXTURE),
         "--n-problems", "3",
         "--max-solution-tokens", "24",
+        "--pruner", "none",  # these tests count complete trials; pruning has its own (tests/test_calibration_prune.py)
         "--studies-dir", str(Path(tmp) / "studies"),
         "--config-dir", str(Path(tmp) / "configs"),
         "--no-progress",
@@ -141,9 +142,11 @@ class FakeObjective:
     name = "fidelity"
     metrics = ("kl", "top1")
 
-    def __init__(self, seed: int, base=None, base_factor: float = 1.0, length: int = 200) -> None:
+    def __init__(self, seed: int, base=None, base_factor: float = 1.0, length: int = 200, n_problems: int = 3) -> None:
         self.seed, self.base, self.base_factor, self.length = seed, base, base_factor, length
+        self.n_problems = n_problems
         self.evaluated: dict = {}
+        self.steps: dict = {}  # config name -> problems evaluated (fewer than n_problems: stopped by a pruner)
 
     def _u(self, *parts: str) -> float:
         digest = hashlib.sha256(json.dumps([self.seed, *parts]).encode()).digest()
@@ -152,10 +155,21 @@ class FakeObjective:
     def longest(self) -> int:
         return self.length
 
-    def evaluate(self, cfg, progress: bool = False):
+    def evaluate(self, cfg, progress: bool = False, on_problem=None):
+        """``on_problem(i, running)`` after each of ``n_problems`` problems, as the real objectives do; the
+        running values are the final ones (every problem scores alike), so a pruner sees the trial's worth."""
+        self.evaluated[cfg.name] = cfg
+        ev = self._evaluate(cfg)
+        self.steps[cfg.name] = 0
+        for i in range(self.n_problems):
+            self.steps[cfg.name] = i + 1
+            if on_problem is not None:
+                on_problem(i, ev)
+        return ev
+
+    def _evaluate(self, cfg):
         from hfkv.calibration.objectives import Evaluation
 
-        self.evaluated[cfg.name] = cfg
         dense = 1_000_000
         if not cfg.compress:
             return Evaluation({"kl": 0.0, "top1": 1.0}, dense, dense, 1)

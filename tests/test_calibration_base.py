@@ -34,6 +34,8 @@ def _argv(tmp: Path, name: str, *extra) -> list[str]:
         "--model", "testbed",  # never loaded: the objective is fake
         "--data-file", str(FIXTURE),
         "--n-problems", "3",
+        "--max-solution-tokens", "24",  # the data's solutions: nothing to generate (no model here)
+        "--pruner", "none",  # counted trials below; the property test draws the pruner (a later option wins)
         "--storage", f"journal:{tmp}/{name}.log",
         "--study-name", name,
         "--studies-dir", str(tmp / "studies"),
@@ -92,15 +94,16 @@ RULES = hs.sampled_from(
     metric=hs.sampled_from(["kl", "top1"]),
     base_factor=hs.sampled_from([0.0, 0.3, 1.0, 3.0]),
     sampler=hs.sampled_from(["random", "tpe"]),
+    pruner=hs.sampled_from(["none", "median"]),
 )
 def test_the_shipped_config_is_never_worse_than_the_best_base_point_at_its_memory(
-    seed, base_name, budget, n_trials, base_points, rule, metric, base_factor, sampler
+    seed, base_name, budget, n_trials, base_points, rule, metric, base_factor, sampler, pruner
 ):
     kind, rule_args = rule
     if kind == "min" and metric == "top1":
         rule_args = ("--min-quality", 0.92)  # top1 = 1 - 4 kl in the fake: the same bar as kl <= 0.02
     extra = ["--base", base_name, "--n-trials", n_trials, "--base-points", base_points, "--seed", seed % 1000,
-             "--metric", metric, "--sampler", sampler, *rule_args,
+             "--metric", metric, "--sampler", sampler, "--pruner", pruner, *rule_args,
              *(["--search", "budget", "--range", "budget=24:400"] if budget else [])]  # fmt: skip
     base = TriStateConfig.from_preset(base_name)
     fake = FakeObjective(seed, base=base, base_factor=base_factor)
@@ -108,12 +111,14 @@ def test_the_shipped_config_is_never_worse_than_the_best_base_point_at_its_memor
         args = _args(Path(tmp), "p", *extra)
         study = _run_study(args, fake)
         trials = rp.finished(study)
+        pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
         reference = study.user_attrs["reference"]
 
-    # The base is in the study, first, as itself, at the budgets the search explores.
+    # The base is in the study, first, as itself, at the budgets the search explores (and never pruned).
     budgets = SearchSpace("global", ["budget"] if budget else [], args.range, base).base_budgets(base, base_points)
     expected = min(n_trials, len(budgets))
-    assert len(trials) == n_trials
+    assert len(trials) + len(pruned) == n_trials and (pruner == "median" or not pruned)
+    assert not any(rp.is_base_point(t) for t in pruned)
     assert [rp.is_base_point(t) for t in trials[:expected]] == [True] * expected
     assert sum(rp.is_base_point(t) for t in trials) == expected
     for t in trials[:expected]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hfkv.calibration.data import LEVELS, SUBJECTS
 
+PRUNER_CHOICES = ("none", "median", "hyperband")  # hfkv.calibration.worker.PRUNERS (not imported: cheap --help)
 EPILOG = """\
 --n-trials is the number of finished trials the STUDY should hold, not per run: re-running the same
 command resumes an interrupted study (finished trials are kept; trials of killed workers are re-run
@@ -132,7 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-solution-tokens",
         type=ca.integer(1),
         default=None,
-        help="fidelity: truncate each reference solution to this many tokens (default: no limit)",
+        help="fidelity, short studies: teacher-force the data's reference solutions, cut to this many tokens, "
+        "instead of the model's own generated ones (excludes --max-new-tokens) (default: generated solutions)",
     )
     g.add_argument(
         "--prompt",
@@ -145,7 +147,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--n-shots", type=ca.integer(0, 4), default=0, help="worked examples before the problem, 0-4 (default: 0)"
     )
     g.add_argument(
-        "--max-new-tokens", type=ca.integer(1), default=512, help="accuracy: generation length (default: 512)"
+        "--max-new-tokens",
+        type=ca.integer(1),
+        default=None,
+        help="fidelity: length bound of the model's own greedy solutions, generated once per study with the full "
+        "cache and teacher-forced by every trial (default: 1024); accuracy: generation length (default: 512)",
     )
     g.add_argument(
         "--batch-size", type=ca.integer(1), default=1, help="accuracy: problems per generate call (default: 1)"
@@ -189,6 +195,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=ca.integer(0),
         default=30,
         help="finished trials the study should hold (see below); 0 = only report (default: 30)",
+    )
+    g.add_argument(
+        "--pruner",
+        choices=PRUNER_CHOICES,
+        default="median",
+        help="stop a trial early when its running objective after each problem is worse than the median of "
+        "finished trials at that problem (median: after 5 finished trials and a quarter of the problems; "
+        "hyperband: single-objective studies only); pruned trials are recorded as pruned, never selected "
+        "(default: median)",
     )
     g.add_argument(
         "--base-points",
@@ -335,6 +350,19 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.tolerance is not None and args.tolerance < 0:
         raise ca.UsageError("--tolerance", f"{args.tolerance} must be >= 0")
+    if args.objective == "fidelity" and args.max_solution_tokens is not None and args.max_new_tokens is not None:
+        raise ca.UsageError(
+            "--max-solution-tokens",
+            f"{args.max_solution_tokens} with --max-new-tokens {args.max_new_tokens}: give one (allowed: "
+            "--max-solution-tokens N teacher-forces the data's reference solutions cut to N tokens; "
+            "--max-new-tokens N, default 1024, the model's own greedy solutions)",
+        )
+    if args.pruner == "hyperband" and args.max_memory_ratio is None and args.min_quality is None:
+        raise ca.UsageError(
+            "--pruner",
+            "'hyperband' ranks one objective and this study has two, quality and memory (allowed: median or "
+            "none, or hyperband with --max-memory-ratio or --min-quality)",
+        )
     if args.holdout_levels and not args.holdout:
         raise ca.UsageError(
             "--holdout-levels",
@@ -503,11 +531,13 @@ def run(args: argparse.Namespace) -> int:
         previous = out / "holdout.json"
         result = json.loads(previous.read_text()) if previous.is_file() else None
         if result is None or result.get("key") != key:
-            from hfkv.calibration.worker import make_objective
+            from hfkv.calibration.worker import ensure_solutions, make_objective
 
             model, tok = loaded()
-            objective = make_objective(ctx, model, tok, ctx.selection.holdout)
             progress = not args.no_progress
+            held = ctx.selection.holdout
+            solutions = ensure_solutions(ctx, study, model, tok, held, "holdout", progress)
+            objective = make_objective(ctx, model, tok, held, solutions)
             evaluate = cp.memoized(lambda c: objective.evaluate(c, progress))
             result = cp.compare(evaluate, cfg, metric, args.compare, objective.longest(), args.match_steps)
             result["levels"] = cp.compare_levels(

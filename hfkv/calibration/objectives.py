@@ -79,20 +79,68 @@ class Encoded:
     prompt_len: int
 
 
-def encode(tok, problems: Sequence[Problem], fmt: str, n_shots: int, max_solution_tokens: int | None) -> list[Encoded]:
+def encode(
+    tok,
+    problems: Sequence[Problem],
+    fmt: str,
+    n_shots: int,
+    max_solution_tokens: int | None,
+    solutions: Sequence[Sequence[int]] | None = None,
+) -> list[Encoded]:
     """Prompt and solution tokenised separately and concatenated: the ids ``generate`` would have
-    produced had the model written the reference solution (no merge across the boundary)."""
+    produced had the model written the reference solution (no merge across the boundary). With
+    ``solutions`` (token ids per problem, e.g. the model's own greedy ones: :func:`generate_solutions`)
+    those are the continuation instead of the data's reference solutions."""
+    if solutions is not None and len(solutions) != len(problems):
+        raise ValueError(f"{len(solutions)} solutions for {len(problems)} problems")
     out = []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tok(prompt_text(tok, p.problem, fmt, n_shots), add_special_tokens=False).input_ids
         if not prompt:
             raise ValueError("the prompt encodes to no tokens")
-        sol = tok(p.solution, add_special_tokens=False).input_ids
+        sol = list(solutions[i]) if solutions is not None else tok(p.solution, add_special_tokens=False).input_ids
         if max_solution_tokens:
             sol = sol[:max_solution_tokens]
         if not sol:
             raise ValueError(f"a solution encodes to no tokens: {p.solution[:60]!r}")
         out.append(Encoded(torch.tensor([prompt + sol]), len(prompt)))
+    return out
+
+
+@torch.inference_mode()
+def generate_solutions(
+    model,
+    tok,
+    problems: Sequence[Problem],
+    max_new_tokens: int,
+    fmt: str = "auto",
+    n_shots: int = 0,
+    progress: bool = False,
+) -> list[list[int]]:
+    """The model's own greedy solutions, one problem at a time with the full cache (``DynamicCache``):
+    at most ``max_new_tokens`` token ids each (the end-of-sequence token included when it stops there).
+    The prompt is the one :func:`encode` builds, so prompt + solution is what ``generate`` produced."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={max_new_tokens} must be >= 1")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out = []
+    for p in _progress(problems, "generating solutions", progress):
+        text = prompt_text(tok, p.problem, fmt, n_shots)
+        ids = torch.tensor([tok(text, add_special_tokens=False).input_ids], device=model.device)
+        plain = fmt == "plain" or (fmt == "auto" and not getattr(tok, "chat_template", None))
+        kwargs = {"stop_strings": ["\nProblem:"], "tokenizer": tok} if plain else {}
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            **kwargs,
+        )
+        sol = [int(t) for t in gen[0, ids.shape[1] :].tolist()]
+        while len(sol) > 1 and pad is not None and sol[-1] == pad and pad != tok.eos_token_id:
+            sol.pop()
+        out.append(sol[:max_new_tokens])
     return out
 
 
@@ -145,11 +193,12 @@ class FidelityObjective:
         max_solution_tokens: int | None = None,
         prompt: str = "auto",
         n_shots: int = 0,
+        solutions: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"--chunk={chunk} must be >= 1")
         self.model, self.chunk = model, chunk
-        self.items = encode(tok, problems, prompt, n_shots, max_solution_tokens)
+        self.items = encode(tok, problems, prompt, n_shots, max_solution_tokens, solutions)
         self._refs: list[torch.Tensor] | None = None
 
     def longest(self) -> int:
@@ -166,19 +215,27 @@ class FidelityObjective:
             ]
         return self._refs
 
-    def evaluate(self, cfg: TriStateConfig, progress: bool = False) -> Evaluation:
+    def evaluate(self, cfg: TriStateConfig, progress: bool = False, on_problem=None) -> Evaluation:
+        """``on_problem(index, running)``, if given, is called after each problem with the evaluation of
+        the problems so far (a pruner's intermediate value; it may raise to stop the evaluation)."""
         from hfkv import TriStateCache
         from hfkv.evaluation.fidelity import mean_fidelity, teacher_forced
 
         refs = self.references(progress)
         results = []
-        for it, ref in zip(_progress(self.items, f"{cfg.name}", progress), refs, strict=False):
+
+        def running() -> Evaluation:
+            m = mean_fidelity(results)
+            return Evaluation({"kl": m.kl, "top1": m.top1}, m.kv_bytes, m.dense_bytes, len(results))
+
+        for i, (it, ref) in enumerate(zip(_progress(self.items, f"{cfg.name}", progress), refs, strict=False)):
             fid, _ = teacher_forced(
                 self.model, it.ids, it.prompt_len, lambda: TriStateCache(self.model, cfg), ref, self.chunk
             )
             results.append(fid)
-        m = mean_fidelity(results)
-        return Evaluation({"kl": m.kl, "top1": m.top1}, m.kv_bytes, m.dense_bytes, len(results))
+            if on_problem is not None:
+                on_problem(i, running())
+        return running()
 
 
 class AccuracyObjective:
@@ -213,7 +270,9 @@ class AccuracyObjective:
         return max(len(self.tok(p, add_special_tokens=False).input_ids) for p in self.prompts) + self.max_new_tokens
 
     @torch.inference_mode()
-    def evaluate(self, cfg: TriStateConfig, progress: bool = False) -> Evaluation:
+    def evaluate(self, cfg: TriStateConfig, progress: bool = False, on_problem=None) -> Evaluation:
+        """``on_problem(index, running)`` as for :meth:`FidelityObjective.evaluate`, after each batch (the
+        index of its last problem)."""
         from hfkv import TriStateCache
         from hfkv.storage import cache_bytes
 
@@ -241,5 +300,7 @@ class AccuracyObjective:
                 text = self.tok.decode(out[row, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 outputs.append(text)
                 correct += answers_match(last_boxed(text), self.gold[i])
+            if on_problem is not None:
+                on_problem(idx[-1], Evaluation({"accuracy": correct / len(outputs)}, kv, dense, len(outputs)))
         self.last_outputs = outputs
         return Evaluation({"accuracy": correct / len(self.prompts)}, kv, dense, len(self.prompts))

@@ -246,6 +246,13 @@ class Counts:
     running: int
     waiting: int
     failed: int
+    pruned: int = 0
+
+    @property
+    def finished(self) -> int:
+        """What ``--n-trials`` counts: trials that ran to their end, complete or pruned (a pruned trial is
+        finished: it is never re-run, and never selected)."""
+        return self.complete + self.pruned
 
 
 def counts(study: optuna.Study) -> Counts:
@@ -255,4 +262,5 @@ def counts(study: optuna.Study) -> Counts:
         states.count(TrialState.RUNNING),
         states.count(TrialState.WAITING),
         states.count(TrialState.FAIL),
+        states.count(TrialState.PRUNED),
     )

@@ -32,6 +32,7 @@ from hfkv.calibration.objectives import (
     AccuracyObjective,
     FidelityObjective,
     encode,
+    generate_solutions,
 )
 from hfkv.calibration.search import (
     BASE_POINT,
@@ -102,8 +103,10 @@ def prepare(args: argparse.Namespace) -> Context:
     evaluation = {"prompt": args.prompt, "n_shots": args.n_shots}
     if args.objective == "fidelity":
         evaluation |= {"chunk": args.chunk, "max_solution_tokens": args.max_solution_tokens}
+        if solution_source(args) == "generated":  # a reference-solution study keeps its spec (and resumes)
+            evaluation |= {"solutions": "generated", "max_new_tokens": max_new_tokens(args)}
     else:
-        evaluation |= {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+        evaluation |= {"max_new_tokens": max_new_tokens(args), "batch_size": args.batch_size}
     spec = {
         "version": SPEC_VERSION,
         "model": args.model,
@@ -130,6 +133,22 @@ def prepare(args: argparse.Namespace) -> Context:
     name = args.study_name or default_study_name(args, metric)
     storage = st.open_storage(args.storage, name, args.studies_dir)
     return Context(args, selection, base, space, metric, dirs, spec, name, storage)
+
+
+DEFAULT_MAX_NEW_TOKENS = {"fidelity": 1024, "accuracy": 512}
+
+
+def solution_source(args: argparse.Namespace) -> str | None:
+    """What the fidelity objective teacher-forces: ``"reference"`` (the data's solutions, cut to
+    ``--max-solution-tokens``: short studies) when that option is given, else ``"generated"`` (the model's
+    own greedy solutions of up to ``--max-new-tokens``, generated once per study). None for accuracy."""
+    if args.objective != "fidelity":
+        return None
+    return "reference" if args.max_solution_tokens is not None else "generated"
+
+
+def max_new_tokens(args: argparse.Namespace) -> int:
+    return args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS[args.objective]
 
 
 def open_study(ctx: Context, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
@@ -183,11 +202,80 @@ def load(ctx: Context, index: int = 0):
     return load_model(ctx.args.model, gguf_file=ctx.args.gguf_file, dtype=ctx.args.dtype, device=device)
 
 
-def make_objective(ctx: Context, model, tok, problems):
+def make_objective(ctx: Context, model, tok, problems, solutions=None):
     a = ctx.args
     if a.objective == "fidelity":
-        return FidelityObjective(model, tok, problems, a.chunk, a.max_solution_tokens, a.prompt, a.n_shots)
-    return AccuracyObjective(model, tok, problems, a.max_new_tokens, a.batch_size, a.prompt, a.n_shots)
+        return FidelityObjective(
+            model, tok, problems, a.chunk, a.max_solution_tokens, a.prompt, a.n_shots, solutions=solutions
+        )
+    return AccuracyObjective(model, tok, problems, max_new_tokens(a), a.batch_size, a.prompt, a.n_shots)
+
+
+SOLUTIONS = "generated_solutions"  # user attribute prefix of the stored solutions
+
+
+def ensure_solutions(
+    ctx: Context, study: optuna.Study, model, tok, problems, which: str = "calibration", progress: bool = False
+) -> list[list[int]] | None:
+    """The model's own greedy solutions of ``problems`` (``which``: "calibration" or "holdout"), generated
+    once per study with the full cache and stored in the study's user attributes, so every trial, every
+    worker (on any machine sharing the storage) and every resume teacher-forces the same tokens. None when
+    the study teacher-forces the data's reference solutions (``--max-solution-tokens``) or measures accuracy.
+
+    Generated under the study lock by the first worker that needs them; the others wait on the lock and
+    then read them. Stored as one attribute per problem (small rows, whatever the storage) and a manifest
+    written last, with the sha256 of the token ids: a worker killed half-way leaves no manifest, so the
+    solutions are regenerated (greedy: the same tokens) instead of read incomplete."""
+    if solution_source(ctx.args) != "generated":
+        return None
+    from hfkv.calibration.data import data_hash
+
+    a = ctx.args
+    want = {
+        "problems_sha256": data_hash(problems),
+        "n": len(problems),
+        "max_new_tokens": max_new_tokens(a),
+        "prompt": a.prompt,
+        "n_shots": a.n_shots,
+    }
+    key = f"{SOLUTIONS}:{which}"
+
+    def stored() -> list[list[int]] | None:
+        attrs = study.user_attrs
+        manifest = attrs.get(key)
+        if not manifest or {k: manifest.get(k) for k in want} != want:
+            return None
+        sols = [attrs.get(f"{key}:{i}") for i in range(len(problems))]
+        if any(x is None for x in sols) or _ids_hash(sols) != manifest["sha256"]:
+            return None
+        return sols
+
+    sols = stored()
+    if sols is not None:
+        return sols
+    with ctx.storage.lock():
+        sols = stored()  # another worker may have generated them while we waited
+        if sols is not None:
+            return sols
+        started = time.time()
+        sols = generate_solutions(model, tok, problems, max_new_tokens(a), a.prompt, a.n_shots, progress)
+        for i, ids in enumerate(sols):
+            study.set_user_attr(f"{key}:{i}", [int(t) for t in ids])
+        lengths = [len(x) for x in sols]
+        study.set_user_attr(key, {**want, "sha256": _ids_hash(sols), "lengths": lengths})
+        print(
+            f"generated {len(sols)} {which} solutions with the full cache in {time.time() - started:.0f}s "
+            f"(tokens: min {min(lengths)}, mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)}; "
+            f"--max-new-tokens {max_new_tokens(a)}); stored with the study",
+            file=sys.stderr,
+        )
+        return sols
+
+
+def _ids_hash(sols) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([[int(t) for t in x] for x in sols]).encode()).hexdigest()
 
 
 def ensure_references(ctx: Context, study: optuna.Study, objective, model, tok, progress: bool) -> None:
@@ -231,21 +319,23 @@ def run_worker(
     ctx = ctx or prepare(args)
     study = open_study(ctx)
     c = st.counts(study)
-    if args.n_trials == 0 or (c.complete >= args.n_trials and not c.running):
+    if args.n_trials == 0 or (c.finished >= args.n_trials and not c.running):
         return 0  # finished: no model needed
     model, tok = loaded() if callable(loaded) else (loaded or load(ctx, index))
-    objective = make_objective(ctx, model, tok, ctx.selection.calibration)
+    solutions = ensure_solutions(ctx, study, model, tok, ctx.selection.calibration, "calibration", progress)
+    objective = make_objective(ctx, model, tok, ctx.selection.calibration, solutions)
     ensure_references(ctx, study, objective, model, tok, progress)
     stats = study.user_attrs.get("head_stats")
     n_existing = len(study.get_trials(deepcopy=False))
     sampler = make_sampler(args.sampler, args.seed + 7919 * index + n_existing, ctx.constrained, len(ctx.space.params))
-    study = optuna.load_study(study_name=ctx.study_name, storage=ctx.storage.storage, sampler=sampler)
+    pruner = make_pruner(args.pruner, len(ctx.selection.calibration), len(ctx.directions))
+    study = optuna.load_study(study_name=ctx.study_name, storage=ctx.storage.storage, sampler=sampler, pruner=pruner)
 
     done_here, failures = 0, 0
     c = st.counts(study)
     bar = tqdm(
         total=args.n_trials,
-        initial=min(c.complete, args.n_trials),
+        initial=min(c.finished, args.n_trials),
         desc=f"trials [{ctx.study_name}]",
         unit="trial",
         position=index,
@@ -259,12 +349,12 @@ def run_worker(
                 c = st.counts(study)
                 # Queued trials (base points, retries) are taken first, but never past --n-trials: base points
                 # left over when the study is small stay queued and run when it is extended.
-                if c.complete + c.running < args.n_trials:
+                if c.finished + c.running < args.n_trials:
                     trial = study.ask()
                     st.mark_started(study, trial._trial_id)
-                elif c.complete >= args.n_trials:
+                elif c.finished >= args.n_trials:
                     break
-            bar.n = min(c.complete, args.n_trials)
+            bar.n = min(c.finished, args.n_trials)
             bar.refresh()
             if trial is None:  # only other workers' trials are left: wait for them (or for them to go stale)
                 time.sleep(min(args.heartbeat_interval, 5))
@@ -276,6 +366,15 @@ def run_worker(
             except (KeyboardInterrupt, _Terminated):
                 _finish(study, trial, None, "interrupted")
                 raise
+            except optuna.TrialPruned as exc:
+                failures = 0
+                if _finish(study, trial, None, None, pruned=True):
+                    done_here += 1
+                    bar.write(
+                        f"trial {trial.number} [{ctx.study_name}]: pruned ({exc}) in {time.time() - started:.0f}s",
+                        file=sys.stderr,
+                    )
+                continue
             except Exception as exc:  # a config the model cannot run, out of memory, ...
                 failures += 1
                 trial.set_user_attr("error", f"{type(exc).__name__}: {exc}")
@@ -312,13 +411,18 @@ def _short(metrics: dict, metric: str) -> str:
 
 def _evaluate(ctx: Context, trial: optuna.Trial, objective, stats, progress: bool) -> list[float]:
     point = ctx.space.sample(trial)
-    if trial.user_attrs.get(BASE_POINT):  # the base itself (its point only approximates it, e.g. alpha tables)
+    base_point = bool(trial.user_attrs.get(BASE_POINT))
+    if base_point:  # the base itself (its point only approximates it, e.g. alpha tables)
         overrides = ctx.space.base_overrides(point, ctx.base)
     else:
         overrides = ctx.space.overrides(point, ctx.base, stats)
     trial.set_user_attr("config", overrides)
     cfg = dataclasses.replace(ctx.base, name=f"trial{trial.number}", provenance={}, **overrides)
-    ev = objective.evaluate(cfg, progress)
+    # Base points are never pruned (they are the verdict's evidence) but record their running values: they
+    # are the first yardstick of the pruner.
+    pruning = getattr(ctx.args, "pruner", "none") != "none"
+    on_problem = _Pruning(ctx, trial, may_prune=not base_point) if pruning else None
+    ev = objective.evaluate(cfg, progress, on_problem=on_problem) if on_problem else objective.evaluate(cfg, progress)
     metrics = ev.to_dict()
     trial.set_user_attr("metrics", metrics)
     values, constraint = objective_values(ctx.metric, metrics, ctx.args.max_memory_ratio, ctx.args.min_quality)
@@ -327,10 +431,87 @@ def _evaluate(ctx: Context, trial: optuna.Trial, objective, stats, progress: boo
     return values
 
 
-def _finish(study: optuna.Study, trial: optuna.Trial, values, reason: str | None) -> bool:
+RUNNING = "running"  # user attribute: {step: [quality, memory_ratio]} of the problems seen so far
+
+
+class _Pruning:
+    """``on_problem`` of an objective: after problem ``i``, report the running objective and stop the trial
+    (``optuna.TrialPruned``) if the pruner says so.
+
+    Single-objective studies (``--max-memory-ratio`` / ``--min-quality``) use Optuna's own machinery:
+    ``trial.report(value, step=i)`` and ``trial.should_prune()`` with the study's pruner. Optuna refuses
+    both for a multi-objective study (the default: quality and memory), so there the median rule is applied
+    here, to the running quality, with a guard for the Pareto front: a trial is pruned only if its running
+    quality is worse than the median of the finished trials' at the same step AND its running memory is not
+    below their median memory (a trial that is worse because it holds less memory may be on the front)."""
+
+    def __init__(self, ctx: Context, trial: optuna.Trial, may_prune: bool = True) -> None:
+        self.ctx, self.trial, self.may_prune = ctx, trial, may_prune
+        self.running: dict[str, list[float]] = {}
+
+    def __call__(self, step: int, ev) -> None:
+        ctx, trial = self.ctx, self.trial
+        metrics = ev.to_dict()
+        q, m = float(metrics[ctx.metric]), float(metrics["memory_ratio"])
+        self.running[str(step)] = [q, m]
+        trial.set_user_attr(RUNNING, self.running)
+        last = step >= len(ctx.selection.calibration) - 1  # finished anyway: nothing left to save
+        if len(ctx.directions) == 1:
+            values, _ = objective_values(ctx.metric, metrics, ctx.args.max_memory_ratio, ctx.args.min_quality)
+            trial.report(values[0], step=step)
+            if self.may_prune and not last and trial.should_prune():
+                raise optuna.TrialPruned(f"at problem {step + 1}: {ctx.metric}={q:.4g} memory={m:.3f}")
+            return
+        if self.may_prune and not last and self._median_says_prune(step, q, m):
+            raise optuna.TrialPruned(
+                f"at problem {step + 1}: {ctx.metric}={q:.4g} worse than the median at memory {m:.3f} >= the median"
+            )
+
+    def _median_says_prune(self, step: int, q: float, m: float) -> bool:
+        n_problems = len(self.ctx.selection.calibration)
+        startup, warmup = pruner_settings(n_problems)
+        if step < warmup:
+            return False
+        done = self.trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        seen = [t.user_attrs[RUNNING][str(step)] for t in done if str(step) in t.user_attrs.get(RUNNING, {})]
+        if len(done) < startup or not seen:
+            return False
+        import statistics
+
+        q_med = statistics.median(s[0] for s in seen)
+        m_med = statistics.median(s[1] for s in seen)
+        worse = q > q_med if METRICS[self.ctx.metric][1] == "minimize" else q < q_med
+        return worse and m >= m_med
+
+
+def pruner_settings(n_problems: int) -> tuple[int, int]:
+    """``(n_startup_trials, n_warmup_steps)`` of the median pruner: 5 finished trials (the base points count)
+    before anything is pruned, and at least a quarter of the problems (at least 1 step) seen by a trial."""
+    return 5, max(1, n_problems // 4)
+
+
+def make_pruner(kind: str, n_problems: int, n_objectives: int = 1) -> optuna.pruners.BasePruner:
+    """Optuna's pruner of ``--pruner`` (steps = problems); for a multi-objective study only NopPruner, since
+    there :class:`_Pruning` applies its own median rule."""
+    if kind == "none" or n_objectives > 1:
+        return optuna.pruners.NopPruner()
+    if kind == "median":
+        startup, warmup = pruner_settings(n_problems)
+        return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=warmup)
+    if kind == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(1, n_problems), reduction_factor=3)
+    raise ValueError(f"--pruner={kind!r} must be one of {list(PRUNERS)}")
+
+
+PRUNERS = ("none", "median", "hyperband")
+
+
+def _finish(study: optuna.Study, trial: optuna.Trial, values, reason: str | None, pruned: bool = False) -> bool:
     """Tell the storage; False if the trial was already finished elsewhere (failed as stale by another worker)."""
     try:
-        if values is None:
+        if pruned:
+            study.tell(trial, state=TrialState.PRUNED)
+        elif values is None:
             trial.set_user_attr("failed_reason", reason)
             study.tell(trial, state=TrialState.FAIL)
         else:
