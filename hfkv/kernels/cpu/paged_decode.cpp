@@ -2,11 +2,12 @@
 //
 // The torch backend reads a quantized tier in a dozen tensor passes (copy the codes out of the records,
 // shift, mask, convert, scale, matmul, softmax, gather the mask, scatter the scores), each a trip through
-// memory. Here one (row, KV head) is one loop over its slots: each record is read where it lies in the
-// page, unpacked into a buffer that stays in L1, and used at once, so a step reads every record's key
-// field once and its value field once. Two passes over the slots (logits, then values) instead of an
-// online softmax, because the probabilities are needed anyway: they are the decode-time significance
-// scores, added in place to the records' score fields in the second pass.
+// memory. Here one (row, KV head) is one loop over its slots in blocks of eight: each record is read where
+// it lies in the page, unpacked into a buffer that stays in L1 (integer codes shifted and masked eight at a
+// time in a 64-bit word, widened and scaled in registers), and the block meets every query row at once, so
+// a step reads every record's key field once and its value field once. Two passes over the slots (logits,
+// then values) instead of an online softmax, because the probabilities are needed anyway: they are the
+// decode-time significance scores, added in place to the records' score fields in the second pass.
 //
 // The (row, KV head) pairs, and for a step with fewer pairs than threads ranges of their slots (split-K,
 // combined through each range's max and sum), run on torch's own OpenMP threads, as many as
@@ -20,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__SSE4_1__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -110,30 +111,16 @@ inline Vec load_vec(const float* p) {
 inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
 typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-typedef uint8_t Bytes16 __attribute__((vector_size(16)));
-typedef uint16_t Halves16 __attribute__((vector_size(32)));
-typedef uint32_t Words16 __attribute__((vector_size(64)));
+typedef Vec8 V8;  // the blocked loops' 8 lanes: one AVX register
 
-// 16 bytes zero-extended to 32-bit lanes: one instruction with AVX-512 or AVX2 (compilers lower the generic
-// conversion to byte-by-byte inserts), the generic conversion elsewhere.
-inline Words16 widen_bytes(const uint8_t* p) {
-    Words16 w;
-#if defined(__AVX512F__)
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    std::memcpy(&w, &x, sizeof w);
-#elif defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    std::memcpy(&w, &lo, sizeof lo);
-    std::memcpy(reinterpret_cast<char*>(&w) + sizeof lo, &hi, sizeof hi);
-#else
-    Bytes16 b;
-    std::memcpy(&b, p, sizeof b);
-    w = __builtin_convertvector(b, Words16);
-#endif
-    return w;
+inline V8 load8(const float* p) {
+    V8 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
 }
+
+inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof v); }
+typedef float Vec4 __attribute__((vector_size(16)));
 
 // A pairwise tree: a chain of 15 dependent adds would cost more than the dot product itself.
 inline float lane_sum(Vec v) {
@@ -154,64 +141,85 @@ inline float lane_sum(Vec v) {
 #endif
 }
 
-// N query rows at once: each vector of x is loaded once for N products (decode has g rows per KV head).
-template <int D, int N>
-inline void dotn(const float* q, int dim, const float* x, float* lg, int64_t stride) {
-    const int d = D ? D : dim;
-    const int whole = d / kLanes * kLanes;
-    Vec acc[N] = {};
-    for (int e = 0; e < whole; e += kLanes) {
-        const Vec v = load_vec(x + e);
-        for (int r = 0; r < N; ++r) acc[r] += load_vec(q + r * d + e) * v;
+// Slots are read in blocks of kBlock: a block's fields are decoded into L1 once, then every query row meets
+// the whole block. Logits: per row, kBlock accumulators over the head dimension, reduced to one vector of
+// kBlock logits by a tree of horizontal adds (one reduction per row and block, not one per slot, which would
+// cost as much as the dot products). Values: per row, the block's kBlock probabilities broadcast once and an
+// 8-wide chunk of the output kept in a register while every slot of the block is added into it.
+constexpr int kBlock = 8;
+
+// {sum(a[0]), ..., sum(a[7])}.
+inline V8 reduce8(const V8* a) {
+#if defined(__AVX__)
+    __m256 x[8];
+    std::memcpy(x, a, sizeof x);
+    const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+    const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    V8 out;
+    std::memcpy(&out, &r, sizeof out);
+    return out;
+#else
+    V8 out;
+    for (int s = 0; s < 8; ++s) {
+        const V8 v = a[s];
+        out[s] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
     }
-    for (int r = 0; r < N; ++r) {
-        float s = lane_sum(acc[r]);
-        for (int e = whole; e < d; ++e) s += q[r * d + e] * x[e];
-        lg[r * stride] = s;
-    }
+    return out;
+#endif
 }
 
-// o[r] += w[r * stride] * x for N rows.
-template <int D, int N>
-inline void axpyn(float* o, int dim, const float* w, int64_t stride, const float* x) {
-    const int d = D ? D : dim;
-    const int whole = d / kLanes * kLanes;
-    float wr[N];
-    for (int r = 0; r < N; ++r) wr[r] = w[r * stride];
-    for (int e = 0; e < whole; e += kLanes) {
-        const Vec v = load_vec(x + e);
-        for (int r = 0; r < N; ++r) store_vec(o + r * d + e, load_vec(o + r * d + e) + wr[r] * v);
-    }
-    for (int e = whole; e < d; ++e)
-        for (int r = 0; r < N; ++r) o[r * d + e] += wr[r] * x[e];
-}
-
-// Every one of `rows` query rows against one key: blocks of four, then the rest in one block.
+// lg[r * stride + s] = q_r . x[s] for every row r and the first n slots of a block (x[s] of the others: zeros).
 template <int D>
-inline void dot_rows(const float* q, int rows, int dim, const float* x, float* lg, int64_t stride) {
+inline void dot_block(const float* q, int rows, int dim, const float* const* x, int n, float* lg, int64_t stride) {
     const int d = D ? D : dim;
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) dotn<D, 4>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride);
-    switch (rows - r) {
-        case 3: dotn<D, 3>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
-        case 2: dotn<D, 2>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
-        case 1: dotn<D, 1>(q + static_cast<int64_t>(r) * d, d, x, lg + r * stride, stride); break;
-        default: break;
+    const int whole = d / 8 * 8;
+    for (int r = 0; r < rows; ++r) {
+        const float* qr = q + static_cast<int64_t>(r) * d;
+        V8 acc[kBlock] = {};
+        for (int e = 0; e < whole; e += 8) {
+            const V8 qv = load8(qr + e);
+            for (int s = 0; s < kBlock; ++s) acc[s] += qv * load8(x[s] + e);
+        }
+        V8 sums = reduce8(acc);
+        for (int e = whole; e < d; ++e)
+            for (int s = 0; s < kBlock; ++s) sums[s] += qr[e] * x[s][e];
+        float* out = lg + r * stride;
+        if (n == kBlock) {
+            store8(out, sums);
+        } else {
+            for (int s = 0; s < n; ++s) out[s] = sums[s];
+        }
     }
 }
 
+// o[r] += sum over the first n slots of p[r * stride + s] * x[s], for every row r.
 template <int D>
-inline void axpy_rows(float* o, int rows, int dim, const float* w, int64_t stride, const float* x) {
+inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stride, const float* const* x, int n) {
     const int d = D ? D : dim;
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) axpyn<D, 4>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x);
-    switch (rows - r) {
-        case 3: axpyn<D, 3>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
-        case 2: axpyn<D, 2>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
-        case 1: axpyn<D, 1>(o + static_cast<int64_t>(r) * d, d, w + r * stride, stride, x); break;
-        default: break;
+    const int whole = d / 8 * 8;
+    for (int r = 0; r < rows; ++r) {
+        float* orow = o + static_cast<int64_t>(r) * d;
+        const float* pr = p + r * stride;
+        float w[kBlock];
+        for (int s = 0; s < kBlock; ++s) w[s] = s < n ? pr[s] : 0.0f;
+        V8 wb[kBlock];
+        for (int s = 0; s < kBlock; ++s) wb[s] = V8{} + w[s];
+        for (int e = 0; e < whole; e += 8) {
+            V8 acc = load8(orow + e);
+            for (int s = 0; s < kBlock; ++s) acc += wb[s] * load8(x[s] + e);
+            store8(orow + e, acc);
+        }
+        for (int e = whole; e < d; ++e) {
+            float acc = orow[e];
+            for (int s = 0; s < kBlock; ++s) acc += w[s] * x[s][e];
+            orow[e] = acc;
+        }
     }
 }
+
+alignas(64) const float kZeros[512] = {};
 
 struct Fp8Table {
     float value[256];
@@ -254,46 +262,92 @@ inline Vec exp_nonpositive(Vec x) {
     return masked ? zero : p * scale;
 }
 
+// 8 byte codes -> 8 floats: two widenings and one conversion with SSE4.1 + AVX, one of each with AVX2.
+inline V8 bytes8_to_floats(uint64_t codes) {
+#if defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes))));
+#elif defined(__AVX__)
+    const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(codes));
+    const __m256i w = _mm256_insertf128_si256(_mm256_castsi128_si256(_mm_cvtepu8_epi32(b)),
+                                              _mm_cvtepu8_epi32(_mm_srli_si128(b, 4)), 1);
+    const __m256 f = _mm256_cvtepi32_ps(w);
+#endif
+#if defined(__AVX__)
+    V8 out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+#else
+    typedef uint8_t Bytes8 __attribute__((vector_size(8)));
+    Bytes8 b;
+    std::memcpy(&b, &codes, sizeof b);
+    return __builtin_convertvector(b, V8);
+#endif
+}
+
 // Integer codes in planes: byte j holds elements j, j + P, ... (bits p*b .. p*b + b of byte j), then
-// fp16 scales and zeros, one per group. Bit width and head dim are constants here, so the unpacking
-// compiles to a few vector shifts and conversions per plane.
+// fp16 scales and zeros, one per group. Eight codes of a plane are one 64-bit shift and mask, widened to
+// floats and scaled in registers, so a record is decoded without a trip through memory.
 template <int D, int BITS>
 inline void unpack_int(const uint8_t* src, int group, int dim, float* out) {
     const int d = D ? D : dim;
     constexpr int kPer = 8 / BITS;
-    constexpr uint32_t kMask = (1u << BITS) - 1u;
+    constexpr uint64_t kMask = 0x0101010101010101ull * ((1u << BITS) - 1u);
     const int plane = d / kPer, groups = d / group;
-    const int whole = plane / kLanes * kLanes;
-    for (int j = 0; j < whole; j += kLanes) {  // 16 bytes -> 16 codes of every plane
-        const Words16 w = widen_bytes(src + j);
-        for (int p = 0; p < kPer; ++p)
-            store_vec(out + p * plane + j, __builtin_convertvector((w >> (p * BITS)) & kMask, Vec));
-    }
-    for (int j = whole; j < plane; ++j)
-        for (int p = 0; p < kPer; ++p)
-            out[p * plane + j] = static_cast<float>((static_cast<uint32_t>(src[j]) >> (p * BITS)) & kMask);
     const uint8_t* meta = src + plane;
+    float scale[64], zero[64];
+    const bool fused = plane % 8 == 0 && group % 8 == 0 && groups <= 64;
+    for (int g = 0; g < (fused ? groups : 0); ++g) {
+        uint16_t sz[2];
+        std::memcpy(&sz[0], meta + 2 * g, 2);
+        std::memcpy(&sz[1], meta + 2 * (groups + g), 2);
+        scale[g] = half_to_float(sz[0]);
+        zero[g] = half_to_float(sz[1]);
+    }
+    if (fused) {
+        for (int j = 0; j < plane; j += 8) {
+            uint64_t bytes;
+            std::memcpy(&bytes, src + j, 8);
+            for (int p = 0; p < kPer; ++p) {
+                const int e = p * plane + j, g = e / group;
+                store8(out + e, bytes8_to_floats((bytes >> (p * BITS)) & kMask) * scale[g] + zero[g]);
+            }
+        }
+        return;
+    }
+    for (int j = 0; j < plane; ++j)
+        for (int p = 0; p < kPer; ++p)
+            out[p * plane + j] = static_cast<float>((static_cast<uint32_t>(src[j]) >> (p * BITS)) & ((1u << BITS) - 1u));
     for (int g = 0; g < groups; ++g) {
         uint16_t sz[2];
         std::memcpy(&sz[0], meta + 2 * g, 2);
         std::memcpy(&sz[1], meta + 2 * (groups + g), 2);
-        const float scale = half_to_float(sz[0]), zero = half_to_float(sz[1]);
-        float* o = out + g * group;
-        int e = 0;
-        for (; e + kLanes <= group; e += kLanes) store_vec(o + e, load_vec(o + e) * scale + zero);
-        for (; e < group; ++e) o[e] = o[e] * scale + zero;
+        const float sc = half_to_float(sz[0]), zr = half_to_float(sz[1]);
+        for (int e = g * group; e < (g + 1) * group; ++e) out[e] = out[e] * sc + zr;
     }
 }
 
-// bf16 -> fp32 is a 16-bit shift; whole vectors, then the tail.
+// bf16 -> fp32 is a 16-bit shift: each half becomes the high half of a 32-bit lane (interleaved with zeros),
+// eight at a time, then the tail.
 inline void bf16_row(const uint16_t* h, int d, float* out) {
     int e = 0;
-    for (; e + kLanes <= d; e += kLanes) {
-        Halves16 x;
+#if defined(__AVX__)
+    const __m128i zero = _mm_setzero_si128();
+    for (; e + 8 <= d; e += 8) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + e));
+        const __m256i w = _mm256_insertf128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(zero, x)),
+                                                  _mm_unpackhi_epi16(zero, x), 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), w);
+    }
+#else
+    typedef uint16_t Halves8 __attribute__((vector_size(16)));
+    typedef uint32_t Words8 __attribute__((vector_size(32)));
+    for (; e + 8 <= d; e += 8) {
+        Halves8 x;
         std::memcpy(&x, h + e, sizeof x);
-        const Words16 w = __builtin_convertvector(x, Words16) << 16;
+        const Words8 w = __builtin_convertvector(x, Words8) << 16;
         std::memcpy(out + e, &w, sizeof w);
     }
+#endif
     for (; e < d; ++e) out[e] = bf16_to_float(h[e]);
 }
 
@@ -421,11 +475,13 @@ struct Work {
     int64_t end(int sp) const { return sp + 1 == nsplit ? stride : (sp + 1) * split_len; }
 };
 
-// Calls fn(part, ref, col) for every slot of columns [c0, min(c1, s_total)) of one (row, head), in column
-// order, prefetching the tag and the keys (or, with `values`, the values) of the records kAhead slots on.
+// Calls fn(part, refs, n, col0) for the slots of columns [c0, min(c1, s_total)) of one (row, head), in
+// column order, in blocks of up to kBlock consecutive slots of one part (refs[i] is column col0 + i),
+// prefetching the tag and the keys (or, with `values`, the values) of the records kAhead slots on.
 template <class F>
-inline void for_columns(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool values, F&& fn) {
+inline void for_blocks(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool values, F&& fn) {
     c1 = c1 < w.s_total ? c1 : w.s_total;
+    SlotRef blk[kBlock];
     for (int pi = 0; pi < w.nparts; ++pi) {
         const HfkvPart& part = w.parts[pi];
         const int64_t first = w.part_start[pi], last = first + part.slots;
@@ -438,13 +494,21 @@ inline void for_columns(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool 
         if (part.paged) {
             for (int i = 0; i < kAhead && ahead.s < end; ++i, ahead.next()) ahead.prefetch(f.offset, bytes);
         }
+        int n = 0;
+        int64_t col0 = lo;
         for (int64_t col = lo; col < hi; ++col, cur.next()) {
             if (part.paged && ahead.s < end) {
                 ahead.prefetch(f.offset, bytes);
                 ahead.next();
             }
-            fn(part, cur.ref(), col);
+            blk[n++] = cur.ref();
+            if (n == kBlock) {
+                fn(part, blk, n, col0);
+                col0 += n;
+                n = 0;
+            }
         }
+        if (n) fn(part, blk, n, col0);
     }
 }
 
@@ -457,23 +521,30 @@ void split_logits(const Work& w, int64_t bh, int sp) {
     const int64_t c0 = w.begin(sp), c1 = w.end(sp), pad_end = w.pad_end[bh / w.H];
     const float* q = w.q + bh * rows * d;
     float* lg = w.logits + bh * rows * w.stride;
-    alignas(64) float buf[D ? D : 512];
-    for_columns(w, bh, c0, c1, false, [&](const HfkvPart& part, const SlotRef& ref, int64_t col) {
-        const int64_t pos = static_cast<int64_t>(ref.tag) - 1;
-        const bool live = ref.tag > 0 && pos >= pad_end;
-        const float* key = buf;
-        if (live) {
-            key = part.paged ? decode_field<D>(ref.record, part.key, d, buf)
-                             : decode_dense<D>(part.k, part.dense_dtype, ref.dense_index, d, buf);
+    alignas(64) float buf[kBlock][D ? D : 512];
+    for_blocks(w, bh, c0, c1, false, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
+        const float* x[kBlock];
+        bool masked = false;  // some slot of the block is hidden from some query row
+        for (int i = 0; i < kBlock; ++i) {
+            x[i] = kZeros;
+            if (i >= n) continue;
+            const int64_t pos = static_cast<int64_t>(blk[i].tag) - 1;
+            if (blk[i].tag <= 0 || pos < pad_end) {
+                masked = true;
+                continue;
+            }
+            masked |= pos > w.q_start;  // a chunk's causal mask (never when decoding)
+            x[i] = part.paged ? decode_field<D>(blk[i].record, part.key, d, buf[i])
+                              : decode_dense<D>(part.k, part.dense_dtype, blk[i].dense_index, d, buf[i]);
         }
-        if (live && pos <= w.q_start) {  // visible to every query row (always, when decoding)
-            dot_rows<D>(q, rows, d, key, lg + col, w.stride);
-            return;
-        }
-        for (int r = 0; r < rows; ++r) {  // a chunk's causal mask: row r is query r % qlen
-            const bool seen = live && pos <= w.q_start + r % w.qlen;
-            if (seen) dot_rows<D>(q + static_cast<int64_t>(r) * d, 1, d, key, lg + r * w.stride + col, w.stride);
-            else lg[r * w.stride + col] = -INFINITY;
+        dot_block<D>(q, rows, d, x, n, lg + col0, w.stride);
+        if (!masked) return;
+        for (int i = 0; i < n; ++i) {
+            const int64_t pos = static_cast<int64_t>(blk[i].tag) - 1;
+            const bool live = blk[i].tag > 0 && pos >= pad_end;
+            if (live && pos <= w.q_start) continue;
+            for (int r = 0; r < rows; ++r)  // row r is query r % qlen
+                if (!live || pos > w.q_start + r % w.qlen) lg[r * w.stride + col0 + i] = -INFINITY;
         }
     });
     float* st = w.stats + (bh * w.nsplit + sp) * rows * 2;
@@ -555,22 +626,26 @@ void split_values(const Work& w, int64_t bh, int sp) {
         std::memcpy(w.delta + bh * w.s_total + c0, red_row + c0, sizeof(float) * (hi - c0));
     }
     float* out = w.nsplit == 1 ? w.out + bh * rows * d : w.partial + (bh * w.nsplit + sp) * rows * d;
-    alignas(64) float buf[D ? D : 512];
-    // Masked and empty slots received exact zeros and are not touched.
-    for_columns(w, bh, c0, c1, true, [&](const HfkvPart& part, const SlotRef& ref, int64_t col) {
-        if (ref.tag <= 0 || static_cast<int64_t>(ref.tag) - 1 < pad_end) return;
-        const float* value;
-        if (part.paged) {
-            value = decode_field<D>(ref.record, part.value, d, buf);
-            if (part.add_scores) {
-                float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(ref.record) + part.score_offset);
-                *sc += red_row[col];
+    alignas(64) float buf[kBlock][D ? D : 512];
+    // Masked and empty slots received exact zeros: nothing is decoded for them and their scores are untouched.
+    for_blocks(w, bh, c0, c1, true, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
+        const float* x[kBlock];
+        for (int i = 0; i < kBlock; ++i) {
+            x[i] = kZeros;
+            if (i >= n || blk[i].tag <= 0 || static_cast<int64_t>(blk[i].tag) - 1 < pad_end) continue;
+            const int64_t col = col0 + i;
+            if (part.paged) {
+                x[i] = decode_field<D>(blk[i].record, part.value, d, buf[i]);
+                if (part.add_scores) {
+                    float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].record) + part.score_offset);
+                    *sc += red_row[col];
+                }
+            } else {
+                x[i] = decode_dense<D>(part.v, part.dense_dtype, blk[i].dense_index, d, buf[i]);
+                if (part.add_scores && part.score) part.score[blk[i].dense_index] += red_row[col];
             }
-        } else {
-            value = decode_dense<D>(part.v, part.dense_dtype, ref.dense_index, d, buf);
-            if (part.add_scores && part.score) part.score[ref.dense_index] += red_row[col];
         }
-        axpy_rows<D>(out, rows, d, lg + col, w.stride, value);
+        axpy_block<D>(out, rows, d, lg + col0, w.stride, x, n);
     });
 }
 
