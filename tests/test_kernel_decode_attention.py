@@ -167,6 +167,26 @@ def test_cpu_kernel_splits_one_long_head_over_threads():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_cpu_kernel_reuses_its_scratch_whatever_it_holds():
+    """The logits scratch outlives calls: a call after one that left NaN (or a larger case's values) in it
+    still equals the twin, so the kernel writes every scratch value it reads."""
+    from hfkv.kernels.cpu import paged_decode
+
+    key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts = CASES[1]
+    layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
+    tiers = _storage(layouts, 2, 2, dim, 120, counts, page_bytes, seed=11)
+    win = _window(2, 2, dim, dtype, 120, cap=13, filled=8, seed=3)
+    query = torch.randn(2, 2 * ratio, qlen, dim, generator=torch.Generator().manual_seed(5))
+    pad_end = torch.tensor([0, 5])
+    ref = _run(paged_attention_reference, query, tiers, layouts, win, 119, pad_end, reduction)
+    paged_decode._scratch(1 << 16).fill_(float("nan"))
+    for _ in range(2):
+        got = _run(paged_attention_cpu, query, tiers, layouts, win, 119, pad_end, reduction)
+        torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
+    assert paged_decode._scratch(1 << 16).data_ptr() == paged_decode._scratch(8).data_ptr()
+
+
 def test_cpu_kernel_names_a_bad_thread_count():
     win = DenseSlots(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), torch.arange(4), None)
     with pytest.raises(ValueError, match="threads=0"):

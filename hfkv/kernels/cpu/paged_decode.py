@@ -9,6 +9,7 @@ the cache sends long chunks to the torch path, where batched matmuls pay.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from functools import cache
 
@@ -50,6 +51,28 @@ class _Part(ctypes.Structure):
         ("key", _Field),
         ("value", _Field),
     ]
+
+
+_SCRATCH = threading.local()
+_SCRATCH_KEEP = 1 << 24  # 64 MiB
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """``numel`` fp32 of this thread's logits scratch, grown geometrically and reused across calls.
+
+    A fresh buffer of a decode step's logits (hundreds of KB per layer) comes from the OS as new pages, and
+    zeroing them on first touch costs as much as a few thousand slots of attention; with several kernel
+    threads the page faults also serialise on the process's memory map. Beyond ``_SCRATCH_KEEP`` floats (a
+    long chunk's rows) the buffer is not kept.
+    """
+    if numel > _SCRATCH_KEEP:
+        return torch.empty(numel, dtype=torch.float32)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        grown = max(numel, 2 * (buf.numel() if buf is not None else 0))
+        buf = torch.empty(min(grown, _SCRATCH_KEEP), dtype=torch.float32)
+        _SCRATCH.buf = buf
+    return buf[:numel]
 
 
 @cache
@@ -157,7 +180,7 @@ def paged_attention_cpu(
     if threads < 1 or min_split < 1:
         raise ValueError(f"paged_attention_cpu: threads={threads} and min_split={min_split} must be >= 1")
     # Per (row, head): its query rows' logits and a row of significances, padded to whole vectors.
-    logits = torch.empty(bsz * heads * (g * qlen + 1) * (-(-s_total // 16) * 16), dtype=torch.float32)
+    logits = _scratch(bsz * heads * (g * qlen + 1) * (-(-s_total // 16) * 16))
     status = _kernel()(
         qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(parts), described,
         REDUCTIONS[reduction], out.data_ptr(), delta.data_ptr() if delta is not None else None, logits.data_ptr(),
