@@ -23,10 +23,10 @@ from transformers.cache_utils import (
 )
 
 from hfkv.attention.interface import NAME, enable, pending, request_logical_mask, set_pending
-from hfkv.attention.slots import slot_attention
+from hfkv.attention.slots import slot_attention_received
 from hfkv.config import TriStateConfig
 from hfkv.kernels.backend import resolve_backend
-from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, reduce_gqa, token_scores
+from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, token_scores
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat
@@ -440,9 +440,7 @@ class TriStateLayer(CacheLayerMixin):
             qpos = torch.arange(self.length - q, self.length, device=self.device)
             mask = (torch.arange(self.length, device=self.device).view(1, -1) <= qpos.view(-1, 1))[None, None]
             mask = mask.expand(bsz, 1, q, self.length)
-        out, probs = slot_attention(query, parts, slot_index, mask, scaling)
-        received = reduce_gqa(probs.flatten(1, 2), heads, self.cfg.score_reduction)
-        received = received.squeeze(2) if q == 1 else received.sum(2)
+        out, received = slot_attention_received(query, parts, slot_index, mask, scaling, self.cfg.score_reduction)
         w_delta, *rest = torch.split(received, sizes, dim=-1)
         win.add_scores(w_delta)
         if exits is not None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import hfkv
-from hfkv.attention.slots import factored_pays, slot_attention
+from hfkv.attention.slots import factored_pays, slot_attention, slot_attention_received
+from hfkv.policy import reduce_gqa
 from hfkv.quant.formats import ChunkCodes, QuantFormat, chunks_to_natural
 from hfkv.storage.record import RecordLayout
 from tests.models import tiny_model
@@ -207,6 +208,32 @@ def test_many_query_rows_dequantize_first_exactly():
     out, probs = slot_attention(query, parts, slot_index, mask, 0.125)
     ref_out, ref_probs = slot_attention(query, natural, slot_index, mask, 0.125)
     assert torch.equal(out, ref_out) and torch.equal(probs, ref_probs)
+
+
+@pytest.mark.parametrize("reduction", ["max", "mean", "l2"])
+@pytest.mark.parametrize("tile_bytes", [1, 4 * 2 * 2 * 4 * 61 * 5, 1 << 30])
+def test_chunk_in_query_tiles_equals_the_whole_chunk(reduction, tile_bytes):
+    """A chunk taken in tiles of queries (one query, five, all 23) gives the whole chunk's output and its
+    probabilities reduced over each group and summed over the queries, over factored tiers, a bf16 window,
+    a left-padded row and a padding query that sees nothing."""
+    gen = torch.Generator().manual_seed(3)
+    bsz, hq, hkv, d, q, length = 2, 8, 2, 32, 23, 90
+    specs = [(("int4", 32), ("int2", 16)), (("int8", 16), ("int4", 32))]
+    window = tuple(torch.randn(bsz, hkv, 4, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    parts, _, pos = _factored_parts(gen, bsz, hkv, (40, 17), d, specs)
+    wpos = torch.arange(length - q - 4, length - q).expand(bsz, hkv, 4)
+    slot_index = torch.cat([wpos, pos], -1) + 1
+    query = torch.randn(bsz, hq, q, d, generator=gen)
+    qpos = torch.arange(length - q, length)
+    mask = (torch.arange(length).view(1, -1) <= qpos.view(-1, 1)).expand(bsz, 1, q, length).clone()
+    mask[1, :, :, :6] = False  # row 1 left-padded
+    mask[1, :, 0] = False  # ... and its first query sees nothing
+    ref_out, probs = slot_attention(query, [window, *parts], slot_index, mask, 0.2)
+    ref = reduce_gqa(probs.flatten(1, 2), hkv, reduction).sum(2)
+    out, received = slot_attention_received(query, [window, *parts], slot_index, mask, 0.2, reduction, tile_bytes)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(received, ref, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(out).all() and (out[1, 0] == 0).all()
 
 
 def test_torch_decode_step_equals_attention_over_dequantized_tiers(monkeypatch):

@@ -28,6 +28,13 @@ chunk (``rows x slots x chunks`` products) where dequantizing costs a few passes
 length, and there the factored path would multiply a chunk of 1,024 queries' probabilities by every
 chunk's scale (up to 3x slower chunked prefill at 8k). So a part is dequantized first (exactly as ``decode`` does)
 when ``rows x chunks`` exceeds the head dimension (:func:`factored_pays`).
+
+A long chunk's queries are taken in tiles (:func:`slot_attention_received`): its logits are ``rows x
+slots`` fp32 per KV head (200 MB for 1,024 queries of a 4-way group over 6,000 slots), and a tensor that
+large comes from the OS as fresh pages at every allocation (the allocator returns it on free), so the
+few full-size intermediates of one softmax cost more in page faults than the matmuls themselves. Tiles
+of at most ``TILE_BYTES`` of logits are reused from the heap. The scores only need each slot's
+probability reduced over the group and summed over the queries, so no tile's probabilities outlive it.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from hfkv.policy.scores import reduce_gqa
 from hfkv.quant.formats import ChunkCodes, chunks_to_natural
 
 KVPart = tuple[torch.Tensor | ChunkCodes, torch.Tensor | ChunkCodes]  # keys, values [B, Hkv, S_i, D]
+TILE_BYTES = 4 << 20  # fp32 logits of one query tile (module doc; 2-4 MiB were fastest, 4k prompt, 1k chunks)
 
 
 def _dense(t: torch.Tensor | ChunkCodes) -> torch.Tensor:
@@ -88,6 +97,7 @@ def slot_attention(
     slot_index: torch.Tensor,
     mask: torch.Tensor,
     scaling: float,
+    blind_queries: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over per-head slot sets split in parts (window, tiers).
 
@@ -95,7 +105,8 @@ def slot_attention(
     factored (module doc); ``slot_index [B, Hkv, sum S_i]``
     int64 is each slot's logical position + 1, with 0 for an empty slot (whose keys and values must
     be finite); mask ``[B, 1, q, L]`` bool in logical coordinates. Returns
-    ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``.
+    ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``. ``blind_queries``: whether
+    a query may see no slot at all (a chunk's padding query; default: ``q > 1``), which gives zeros, not NaN.
     """
     bsz, hq, q, d = query.shape
     hkv = _dense(parts[0][0]).shape[-3]
@@ -109,7 +120,7 @@ def slot_attention(
     allowed = torch.gather(m.unsqueeze(1).expand(bsz, hkv, q, -1), 3, slot_index.unsqueeze(2).expand(bsz, hkv, q, s))
     logits = torch.where(allowed.unsqueeze(2), logits.view(bsz, hkv, g, q, s), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if q > 1:  # a padding query of a chunk may see no slot at all: zeros, not NaN
+    if q > 1 if blind_queries is None else blind_queries:  # a chunk's padding query: zeros, not NaN
         probs = probs.nan_to_num_(0.0)
     flat = probs.view(bsz, hkv, g * q, s)
     out, start = None, 0
@@ -119,3 +130,37 @@ def slot_attention(
         out = o if out is None else out.add_(o)
         start += n
     return out.view(bsz, hq, q, d).transpose(1, 2).to(query.dtype), probs
+
+
+def slot_attention_received(
+    query: torch.Tensor,
+    parts: Sequence[KVPart],
+    slot_index: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    reduction: str,
+    tile_bytes: int = TILE_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`slot_attention` with the scores instead of the probabilities, in tiles of queries (module doc).
+
+    Returns ``(out [B, q, Hq, D], received [B, Hkv, sum S_i])``: each slot's probability reduced over its
+    GQA group (``reduction``, :func:`hfkv.policy.scores.reduce_gqa`) and summed over the queries.
+    """
+    bsz, hq, q, _ = query.shape
+    hkv = _dense(parts[0][0]).shape[-3]
+    g, s = hq // hkv, slot_index.shape[-1]
+    tile = max(1, min(q, tile_bytes // max(1, 4 * bsz * hkv * g * s)))
+    if tile < q:  # dequantize once for every tile, as the tiles' rows would
+        parts = [(_for_rows(keys, g * tile), _for_rows(values, g * tile)) for keys, values in parts]
+        if not any(isinstance(x, ChunkCodes) for part in parts for x in part):
+            # One part: fp32 keys and values of every slot are small beside a tile's logits, and one matmul
+            # per tile replaces a matmul per part, the concatenated logits and strided probability slices.
+            parts = [tuple(torch.cat([x.float() for x in xs], -2) for xs in zip(*parts, strict=True))]
+    outs, received = [], None
+    for t0 in range(0, q, tile):
+        rows = slice(t0, t0 + tile)
+        out, probs = slot_attention(query[:, :, rows], parts, slot_index, mask[:, :, rows], scaling, q > 1)
+        got = reduce_gqa(probs.flatten(1, 2), hkv, reduction).sum(2)
+        received = got if received is None else received.add_(got)
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), received
