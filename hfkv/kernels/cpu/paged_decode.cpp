@@ -431,15 +431,16 @@ struct Cursor {
             rec += part.record;
         }
     }
-    SlotRef ref() const {
-        SlotRef r{rec, 0, 0};
+    // Field by field into the block's entry: a whole SlotRef built on the stack and copied in 8-byte words
+    // made every tag load wait for a failed store-to-load forward.
+    void fill(SlotRef& r) const {
+        r.record = rec;
         if (part.paged) {
             std::memcpy(&r.tag, rec + part.tag_offset, 4);
         } else {
             r.dense_index = bh * part.slots + s;
             r.tag = static_cast<int32_t>(part.pos[s] + 1);
         }
-        return r;
     }
     // The cache lines of [offset, offset + bytes) of the current record, and of its tag (and score).
     void prefetch(int32_t offset, int32_t bytes) const {
@@ -501,7 +502,7 @@ inline void for_blocks(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool v
                 ahead.prefetch(f.offset, bytes);
                 ahead.next();
             }
-            blk[n++] = cur.ref();
+            cur.fill(blk[n++]);
             if (n == kBlock) {
                 fn(part, blk, n, col0);
                 col0 += n;
