@@ -21,7 +21,9 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.cpp", "allocate.cpp", "encode.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_decode.cpp", "allocate.cpp", "encode.cpp", "meta.cpp")
+)
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fPIC", "-shared", "-fno-math-errno")
 ARCH_FLAGS = ("-march=native",)
 # Threads through the OpenMP runtime torch loaded: both name libgomp.so.1, so the library binds to torch's
