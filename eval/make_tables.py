@@ -814,6 +814,14 @@ python eval/sweep_ruler.py --methods dynamic --lengths 2048 --limit 8 \\
 python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 12 --methods dynamic quanto-int4 \\
     quant@none evict@512 evict@1024 streaming@1024 arkv@2048 diffkv@none hfkv@256 hfkv@512 hfkv@1024 hfkv@2048
+# 2k and 8k grown to 50 examples for the methods near the front (those off it keep their first examples)
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 2048 --limit 50 --threads 1 --methods dynamic \\
+    quanto-int4 quant@none evict@256 evict@512 arkv@1024 hfkv@128 hfkv@256 hfkv@512 hfkv@1024
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 50 --threads 1 --methods dynamic \\
+    hfkv@256 hfkv@512 hfkv@1024 evict@512 evict@1024 quant@none quanto-int4 arkv@2048
+# the full cache on the other offline tasks at 8k (a screen: which tasks it solves there)
+for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
+    python eval/sweep_ruler.py --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic; done
 # then
 python eval/make_tables.py
 ```
