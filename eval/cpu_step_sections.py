@@ -6,7 +6,7 @@ summed over layers, averaged over the timed steps; policy runs included at their
 
 - ``read_slots``: the page gather of each tier (``PagedTiers.read_slots``);
 - ``decode_kv_for_attention``: reading keys and values out of the records (integer fields unpacked);
-- ``slot_attention``: logits, joint softmax and output over every part;
+- ``slot_attention_received``: logits, joint softmax, output and the scores' GQA reduction over every part;
 - ``add_scores``: the received attention written back into the records;
 - ``paged_attention_cpu``: the CPU kernel, which does all four above in one call (``backend='cpu'``, what
   ``auto`` picks on a CPU; the four sections above are the torch backend's);
@@ -44,7 +44,7 @@ from hfkv.evaluation.shapes import build_random_like
 SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.paged.PagedTiers, "read_slots"),
     (hfkv.storage.record.RecordLayout, "decode_kv_for_attention"),
-    (hfkv.cache, "slot_attention"),
+    (hfkv.cache, "slot_attention_received"),
     (hfkv.storage.paged.PagedTiers, "add_scores"),
     (hfkv.kernels.cpu.paged_decode, "paged_attention_cpu"),
     (hfkv.cache.TriStateLayer, "run_policy"),
