@@ -819,7 +819,9 @@ python eval/sweep_ruler.py --tasks niah_single_1 --lengths 2048 --limit 50 --thr
     quanto-int4 quant@none evict@256 evict@512 arkv@1024 hfkv@128 hfkv@256 hfkv@512 hfkv@1024
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 50 --threads 1 --methods dynamic \\
     hfkv@256 hfkv@512 hfkv@1024 evict@512 evict@1024 quant@none quanto-int4 arkv@2048
-# the full cache on the other offline tasks at 8k (a screen: which tasks it solves there)
+# the full cache on the other offline tasks at 4k and 8k (a screen: which tasks it solves there)
+for t in niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
+    python eval/sweep_ruler.py --tasks $t --lengths 4096 --limit 4 --threads 1 --methods dynamic; done
 for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
     python eval/sweep_ruler.py --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic; done
 # then
