@@ -21,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__SSE4_1__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -102,24 +102,20 @@ inline float bf16_to_float(uint16_t h) {
 typedef float Vec __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
-inline Vec load_vec(const float* p) {
-    Vec v;
+// Unaligned loads and stores of any of the vector types (16 lanes, or the blocked loops' 8: one AVX register).
+template <class V = Vec>
+inline V load_vec(const float* p) {
+    V v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
-inline void store_vec(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+template <class V>
+inline void store_vec(float* p, V v) {
+    std::memcpy(p, &v, sizeof v);
+}
 
 typedef float Vec8 __attribute__((vector_size(32)));
-typedef Vec8 V8;  // the blocked loops' 8 lanes: one AVX register
-
-inline V8 load8(const float* p) {
-    V8 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof v); }
 typedef float Vec4 __attribute__((vector_size(16)));
 
 // A pairwise tree: a chain of 15 dependent adds would cost more than the dot product itself.
@@ -149,7 +145,7 @@ inline float lane_sum(Vec v) {
 constexpr int kBlock = 8;
 
 // {sum(a[0]), ..., sum(a[7])}.
-inline V8 reduce8(const V8* a) {
+inline Vec8 reduce8(const Vec8* a) {
 #if defined(__AVX__)
     __m256 x[8];
     std::memcpy(x, a, sizeof x);
@@ -157,13 +153,13 @@ inline V8 reduce8(const V8* a) {
     const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-    V8 out;
+    Vec8 out;
     std::memcpy(&out, &r, sizeof out);
     return out;
 #else
-    V8 out;
+    Vec8 out;
     for (int s = 0; s < 8; ++s) {
-        const V8 v = a[s];
+        const Vec8 v = a[s];
         out[s] = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
     }
     return out;
@@ -177,17 +173,17 @@ inline void dot_block(const float* q, int rows, int dim, const float* const* x, 
     const int whole = d / 8 * 8;
     for (int r = 0; r < rows; ++r) {
         const float* qr = q + static_cast<int64_t>(r) * d;
-        V8 acc[kBlock] = {};
+        Vec8 acc[kBlock] = {};
         for (int e = 0; e < whole; e += 8) {
-            const V8 qv = load8(qr + e);
-            for (int s = 0; s < kBlock; ++s) acc[s] += qv * load8(x[s] + e);
+            const Vec8 qv = load_vec<Vec8>(qr + e);
+            for (int s = 0; s < kBlock; ++s) acc[s] += qv * load_vec<Vec8>(x[s] + e);
         }
-        V8 sums = reduce8(acc);
+        Vec8 sums = reduce8(acc);
         for (int e = whole; e < d; ++e)
             for (int s = 0; s < kBlock; ++s) sums[s] += qr[e] * x[s][e];
         float* out = lg + r * stride;
         if (n == kBlock) {
-            store8(out, sums);
+            store_vec(out, sums);
         } else {
             for (int s = 0; s < n; ++s) out[s] = sums[s];
         }
@@ -204,12 +200,12 @@ inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stri
         const float* pr = p + r * stride;
         float w[kBlock];
         for (int s = 0; s < kBlock; ++s) w[s] = s < n ? pr[s] : 0.0f;
-        V8 wb[kBlock];
-        for (int s = 0; s < kBlock; ++s) wb[s] = V8{} + w[s];
+        Vec8 wb[kBlock];
+        for (int s = 0; s < kBlock; ++s) wb[s] = Vec8{} + w[s];
         for (int e = 0; e < whole; e += 8) {
-            V8 acc = load8(orow + e);
-            for (int s = 0; s < kBlock; ++s) acc += wb[s] * load8(x[s] + e);
-            store8(orow + e, acc);
+            Vec8 acc = load_vec<Vec8>(orow + e);
+            for (int s = 0; s < kBlock; ++s) acc += wb[s] * load_vec<Vec8>(x[s] + e);
+            store_vec(orow + e, acc);
         }
         for (int e = whole; e < d; ++e) {
             float acc = orow[e];
@@ -263,7 +259,7 @@ inline Vec exp_nonpositive(Vec x) {
 }
 
 // 8 byte codes -> 8 floats: two widenings and one conversion with SSE4.1 + AVX, one of each with AVX2.
-inline V8 bytes8_to_floats(uint64_t codes) {
+inline Vec8 bytes8_to_floats(uint64_t codes) {
 #if defined(__AVX2__)
     const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes))));
 #elif defined(__AVX__)
@@ -273,14 +269,14 @@ inline V8 bytes8_to_floats(uint64_t codes) {
     const __m256 f = _mm256_cvtepi32_ps(w);
 #endif
 #if defined(__AVX__)
-    V8 out;
+    Vec8 out;
     std::memcpy(&out, &f, sizeof out);
     return out;
 #else
     typedef uint8_t Bytes8 __attribute__((vector_size(8)));
     Bytes8 b;
     std::memcpy(&b, &codes, sizeof b);
-    return __builtin_convertvector(b, V8);
+    return __builtin_convertvector(b, Vec8);
 #endif
 }
 
@@ -309,7 +305,7 @@ inline void unpack_int(const uint8_t* src, int group, int dim, float* out) {
             std::memcpy(&bytes, src + j, 8);
             for (int p = 0; p < kPer; ++p) {
                 const int e = p * plane + j, g = e / group;
-                store8(out + e, bytes8_to_floats((bytes >> (p * BITS)) & kMask) * scale[g] + zero[g]);
+                store_vec(out + e, bytes8_to_floats((bytes >> (p * BITS)) & kMask) * scale[g] + zero[g]);
             }
         }
         return;
