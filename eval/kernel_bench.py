@@ -507,19 +507,28 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_kernel_case(
-    plan: Plan, device: torch.device | str, repeats: int, warmup: int = 5, graph: bool = True, check: bool = False
+    plan: Plan,
+    device: torch.device | str,
+    repeats: int,
+    warmup: int = 5,
+    graph: bool = True,
+    check: bool = False,
+    launch: dict[str, int] | None = None,
+    storage: Storage | None = None,
 ) -> dict[str, Any]:
-    """Build the plan's storage, (optionally) check the kernel against its torch twin, time one decode call."""
+    """Build the plan's storage (or take ``storage``), (optionally) check the kernel against its torch twin,
+    time one decode call; ``launch`` passes ``block_n`` / ``num_warps`` / ``num_stages`` to the kernel."""
     from hfkv.kernels.decode_attention import paged_attention, paged_attention_reference
 
-    st = build_storage(plan, device)
+    st = storage if storage is not None else build_storage(plan, device)
     parts = st.parts(plan)
+    launch = launch or {}
     pad_end = torch.zeros(plan.batch, dtype=torch.int64, device=st.query.device)
     scaling = plan.shape.head_dim**-0.5
     result: dict[str, Any] = {}
     if check:  # the twin decodes every record to fp32: callers keep it to small cases (CHECK_MAX_RECORDS)
         try:
-            out = paged_attention(st.query, parts, plan.context, pad_end, scaling, "max", add_scores=False)[0]
+            out = paged_attention(st.query, parts, plan.context, pad_end, scaling, "max", add_scores=False, **launch)[0]
             ref = paged_attention_reference(st.query, parts, plan.context, pad_end, scaling, "max", False)[0]
             finite = bool(torch.isfinite(out).all())
             err = _rel_err(out, ref) if finite else float("nan")
@@ -530,7 +539,7 @@ def bench_kernel_case(
 
     def call():
         return paged_attention(
-            st.query, parts, plan.context, pad_end, scaling, "max", add_scores=True, return_delta=False
+            st.query, parts, plan.context, pad_end, scaling, "max", add_scores=True, return_delta=False, **launch
         )
 
     result["timing"] = time_fn(call, device, repeats, warmup, graph)

@@ -14,6 +14,7 @@ import torch
 from hfkv import TriStateCache
 from hfkv.attention.interface import set_pending
 from hfkv.kernels.backend import resolve_backend
+from hfkv.kernels.host_scalars import NoHostScalars
 from tests.models import left_padded_batch, tiny_model
 
 PRESETS = {
@@ -157,10 +158,11 @@ def test_triton_decode_step_makes_no_host_sync(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
-        k, v = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g)
-        layer.update(k, v)
-        set_pending(None)  # what the hfkv attention function does before calling attend()
-        out = layer.attend(None, torch.randn(1, 4, 1, 32, generator=g), k, v, None, 32**-0.5)
+        k, v, q = (torch.randn(1, h, 1, 32, generator=g) for h in (2, 2, 4))
+        with NoHostScalars():  # e.g. `pos[slot] = int`: a CPU scalar copied to the device
+            layer.update(k, v)
+            set_pending(None)  # what the hfkv attention function does before calling attend()
+            out = layer.attend(None, q, k, v, None, 32**-0.5)
         assert out.shape == (1, 1, 4, 32)
     names = {fn.fn.__name__ if hasattr(fn, "fn") else str(fn) for fn in launches}
     assert {"_partial_kernel", "_combine_kernel", "_score_kernel"} <= names

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfkv.kernels.backend import interpreter_on
 from hfkv.kernels.cpu.paged_decode import paged_attention_cpu
 from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention, paged_attention_reference
 from hfkv.quant.formats import QuantFormat
@@ -108,11 +109,14 @@ def test_decode_kernel_matches_torch_twin(kernel, key, value, dtype, dim, ratio,
     ref = _run(paged_attention_reference, query, tiers, layouts, win, q_start, pad_end, reduction)
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got[0], ref[0], **tol)
-    # Probabilities (GQA-reduced, summed over the queries) agree to fp32 tolerance in every dtype.
-    torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got[3], ref[3], atol=1e-6, rtol=1e-5)  # the ring's score sums
+    # Probabilities (GQA-reduced, summed over the queries) agree to fp32 tolerance where the logits are
+    # fp32 products; Triton's bf16 / fp16 products round q and k to the model dtype first (tensor cores).
+    rounded = kernel == "triton" and (dtype == torch.float16 or dtype == torch.bfloat16 and not interpreter_on())
+    ptol = dict(atol=1e-3, rtol=1e-2) if rounded else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], **ptol)
+    torch.testing.assert_close(got[3], ref[3], **ptol)  # the ring's score sums
     for a, b in zip(_tier_scores(tiers, layouts, got[2]), _tier_scores(tiers, layouts, ref[2]), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, **ptol)
     # Nothing but score fields changed: records, tags and the null page are untouched.
     changed = (got[2] != tiers.pool.data).view(-1).nonzero().squeeze(-1)
     assert changed.numel() > 0

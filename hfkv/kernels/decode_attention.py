@@ -95,6 +95,7 @@ def _partial_kernel(
     V_BITS: tl.constexpr,
     V_GROUP: tl.constexpr,
     V_DTYPE: tl.constexpr,
+    DOT_T: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -137,7 +138,10 @@ def _partial_kernel(
             v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         pos = tag - 1
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
-        logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
+        if DOT_T == tl.float32:
+            logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
+        else:  # tensor cores, fp32 accumulation: the operands rounded to the model dtype, as SDPA's are
+            logits = tl.dot(qf.to(DOT_T), tl.trans(k.to(DOT_T)))
         logits = tl.where(allowed, logits, float("-inf"))
         lg_rows = (blk * (G * QB) + r).to(tl.int64) * s_total + col0  # valid rows only: r < G * QB
         tl.store(logits_ptr + lg_rows[:, None] + s[None, :], logits, mask=row_ok[:, None] & in_range[None, :])
@@ -146,7 +150,10 @@ def _partial_kernel(
         p = tl.exp(logits - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if DOT_T == tl.float32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T))
         m_i = m_new
     out = (blk * ns_total + split0 + sp).to(tl.int64) * BLOCK_R + r
     tl.store(m_ptr + out, m_i)
@@ -318,6 +325,8 @@ def paged_attention(
     split_slots: int | None = None,
     block_n: int = 32,
     return_delta: bool = True,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -325,6 +334,13 @@ def paged_attention(
     GQA-reduced probabilities each slot received, summed over the queries, in part order)``. With
     ``add_scores`` the deltas are also added to the parts' score sums in place; the cache needs
     only that, so it asks for no ``delta`` (None: 4 bytes per slot not written).
+
+    The two products of the partial pass take their operands in the query's dtype: fp32 queries keep
+    IEEE fp32 products (the tests' exact comparisons); bf16 / fp16 ones round the dequantized keys,
+    values and probabilities to it and run on tensor cores with fp32 accumulation, as flash attention
+    does (the IEEE fp32 form ran at 2% of copy bandwidth on the first H200 run). Under the interpreter,
+    whose tl.dot misreads bf16 operands, bf16 queries keep the fp32 products.
+    ``num_warps`` / ``num_stages`` override Triton's defaults for the partial pass (kernel_bench sweeps).
     """
     heads, g = check_call(query, parts, pad_end, reduction)
     bsz, hq, qlen, dim = query.shape
@@ -353,6 +369,10 @@ def paged_attention(
     lf = torch.empty_like(mf)
     delta = torch.empty(bsz, heads, s_total, **f32) if return_delta else None
     shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
+    dot_t = tl_dtype(query.dtype)
+    if dot_t == tl.bfloat16 and interpreter_on():  # the interpreter's tl.dot reads bf16 operands as integers
+        dot_t = tl.float32
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
 
     col0 = split0 = 0
     for part, n, sp, nsp in zip(parts, sizes, splits, n_splits, strict=True):
@@ -375,7 +395,8 @@ def paged_attention(
         _partial_kernel[(bsz * heads, nsp, nqb)](
             query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
             m, l_, acc, ns_total, split0, heads, hq,
-            PAGED=isinstance(part, PagedSlots), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, **shape, **fmt,
+            PAGED=isinstance(part, PagedSlots), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t,
+            **shape, **fmt, **launch,
         )  # fmt: skip
         col0 += n
         split0 += nsp

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfkv.kernels.gpu_check_report import error_text
+
 PARTS = ("tests", "bandwidth", "e2e")
 # Cumulative deadlines as shares of the budget: a part that ends early leaves its time to the next.
 DEADLINES = {"tests": 0.38, "bandwidth": 0.60, "e2e": 0.97}
@@ -82,11 +84,6 @@ class Budget:
 
     def skip(self, part: str, item: str, reason: str) -> None:
         self.skipped.append({"part": part, "item": item, "reason": reason})
-
-
-def _error(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
 def repo_root() -> Path | None:
@@ -239,6 +236,9 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
             for name in saved:
                 setattr(torch.Tensor, name, forbidden)
                 stack.callback(setattr, torch.Tensor, name, saved[name])
+            from hfkv.kernels.host_scalars import NoHostScalars
+
+            stack.enter_context(NoHostScalars())
         for k, v, q in steps:
             layer.update(k, v)
             set_pending(None)  # what the hfkv attention function does before calling attend()
@@ -268,7 +268,7 @@ def run_tests(
         tb = importlib.import_module("tests.test_backend_triton")
         models = importlib.import_module("tests.models")
     except Exception as exc:  # noqa: BLE001 - the checks need the tests' helpers; say why they did not run
-        budget.skip("tests", "on-device checks", f"tests' helpers did not import: {_error(exc)}")
+        budget.skip("tests", "on-device checks", f"tests' helpers did not import: {error_text(exc)}")
         return out
     plan: list[tuple[str, Callable[[], tuple[bool, str]]]] = []
     families, presets = (["llama"], ["quant"]) if dry_run else (["llama", "qwen3"], list(tb.PRESETS))
@@ -285,7 +285,7 @@ def run_tests(
         try:
             ok, detail = check()
         except Exception as exc:  # noqa: BLE001 - a failing check is a result
-            ok, detail = False, _error(exc)
+            ok, detail = False, error_text(exc)
         dt = time.monotonic() - t0
         est = max(est, 1.5 * dt)  # the next check is of the same kind: at most about as long
         out["checks"].append({"name": name, "ok": ok, "detail": detail, "seconds": round(dt, 2)})
@@ -367,7 +367,7 @@ def run_bandwidth(repo: Path | None, args, budget: Budget, cuda: bool, out: dict
                     run = kb.bench_sdpa if cuda else lambda c, b, s, r, f: _cpu_sdpa(c, b, s, r, kb)
                     sdpa[key] = run(plan.context, plan.batch, shape, args.repeats, free)
                 except Exception as exc:  # noqa: BLE001
-                    sdpa[key] = {"error": _error(exc)}
+                    sdpa[key] = {"error": error_text(exc)}
         if case.skip:
             res: dict[str, Any] = {"skipped": case.skip}
         else:
@@ -378,7 +378,7 @@ def run_bandwidth(repo: Path | None, args, budget: Budget, cuda: bool, out: dict
                 if check:
                     checked.add(plan.kind)
             except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
-                res = {"error": _error(exc)}
+                res = {"error": error_text(exc)}
             if cuda:
                 kb._free_cuda()
         row = kb.kernel_row(plan, kb.kernel_bytes(plan), res, copy_gbps, sdpa[key])
@@ -563,8 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_e2e(args, budget, device, body, save)
             body["status"] = "ok"
         except Exception as exc:  # noqa: BLE001 - one broken part must not cost the others
-            body.update(status="error", error=_error(exc))
-            budget.skip(part, "the rest", f"the part raised {_error(exc)}")
+            body.update(status="error", error=error_text(exc))
+            budget.skip(part, "the rest", f"the part raised {error_text(exc)}")
         body["seconds"] = round(time.monotonic() - t0, 1)
         save()
         if cuda:

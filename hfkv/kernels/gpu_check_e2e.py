@@ -2,7 +2,8 @@
 
 The model is built from Llama-3.1-8B's config with random weights in bf16 (no download; step times
 and bytes depend on shapes only). For each (context, batch) every cache runs alone, one after the
-other, on the same random prompt: one prefill forward (timed), then ``warmup + steps`` decode steps
+other, on the same random prompt: one prefill forward (timed), ``warmup`` untimed decode steps (and
+more, up to 64, until hfkv's first policy run: it compiles kernels once), then ``steps`` decode steps
 timed one by one with CUDA events, so the median is a step between policy runs and the mean
 includes them. Each cache's peak is its own: ``torch.cuda.max_memory_allocated`` above what was
 allocated before it (the weights), over its prefill and decode. A one-forward prefill that runs out
@@ -28,13 +29,11 @@ from typing import Any
 
 import torch
 
+from hfkv.kernels.gpu_check_report import error_text
+
 GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
+WARMUP_POLICY_STEPS = 64  # at most this many more warm-up steps, waiting for the first policy run
 HEADROOM = 0.95  # of the free memory a predicted batch may plan to use
-
-
-def _error(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -57,7 +56,7 @@ def quantized_backend(build_extensions: bool) -> tuple[bool, str]:
         import optimum.quanto  # noqa: F401
         from optimum.quanto.library.extensions import extension
     except Exception as exc:  # noqa: BLE001 - any import failure means: no QuantizedCache here
-        return False, f"optimum.quanto did not import: {_error(exc)}"
+        return False, f"optimum.quanto did not import: {error_text(exc)}"
     if build_extensions:
         return True, "quanto's compiled extensions, built on first use"
     stood_in = [name for name, ext in extension._extensions.items() if ext._lib is None]
@@ -93,7 +92,7 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
             torch.cuda.reset_peak_memory_stats()
         prefill_chunk, tok = 0, None
         while tok is None:
-            cache = method.make_cache(model, max_cache_len=context + warmup + steps + 1)
+            cache = method.make_cache(model, max_cache_len=context + warmup + WARMUP_POLICY_STEPS + steps + 1)
             try:
                 t0 = time.perf_counter()
                 tok = fill_cache(model, cache, ids, prefill_chunk)
@@ -111,15 +110,24 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
                 torch.cuda.reset_peak_memory_stats()
         row["prefill_chunk"] = prefill_chunk
         held = [cache_bytes(cache)]
-        clock, times = Clock(ids.device), []
-        for i in range(warmup + steps):
-            t = clock.start()
+        # Warm-up lasts until a policy run has happened too: its first run compiles the encode and move
+        # kernels (seconds, once per process and shape), which is no step's cost.
+        layer0 = getattr(cache, "layers", [None])[0]
+        policy_seen = not hasattr(layer0, "steps_since_policy")
+        i = 0
+        while i < warmup or (not policy_seen and i < warmup + WARMUP_POLICY_STEPS):
             tok = decode_step(model, cache, tok, context + i)
+            policy_seen = policy_seen or layer0.steps_since_policy == 0
+            i += 1
+        row["warmup_steps"] = i
+        clock, times = Clock(ids.device), []
+        for j in range(i, i + steps):
+            t = clock.start()
+            tok = decode_step(model, cache, tok, context + j)
             clock.stop(t, times)
             if not cuda:
                 held.append(cache_bytes(cache))
         clock.resolve()
-        times = times[warmup:]
         med = statistics.median(times)
         row |= {
             "decode_ms_median": 1e3 * med,
@@ -136,9 +144,9 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
         row["backend"] = getattr(cache, "backend", "transformers")
         row["status"] = "ok"
     except torch.OutOfMemoryError as exc:
-        row |= {"status": "oom", "reason": _error(exc)}
+        row |= {"status": "oom", "reason": error_text(exc)}
     except Exception as exc:  # noqa: BLE001 - a cache that fails is a result
-        row |= {"status": "error", "reason": _error(exc)}
+        row |= {"status": "error", "reason": error_text(exc)}
     finally:
         cache = None
         _free(cuda)
@@ -200,7 +208,7 @@ def largest_batches(model, methods, rows, context: int, budget, cuda: bool) -> d
             try:
                 entry["confirmed"] = cuda_fits(model, m, context, 2, chunk)(pred)
             except Exception as exc:  # noqa: BLE001
-                entry["confirm_error"] = _error(exc)
+                entry["confirm_error"] = error_text(exc)
         out[m.label] = entry
     return out
 
@@ -243,7 +251,7 @@ def graph_capture(model, method, ids: torch.Tensor, steps: int) -> dict[str, Any
         same = bool(torch.equal(captured.argmax(-1), eager.argmax(-1)))
         return row | {"status": "ok" if same and diff < 1e-2 else "mismatch", "max_abs_diff": diff, "same_argmax": same}
     except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is a result
-        return row | {"status": "error", "reason": _error(exc)}
+        return row | {"status": "error", "reason": error_text(exc)}
 
 
 def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
@@ -269,7 +277,7 @@ def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], N
     if not budget.allows("e2e", "model", 40.0 if cuda else 5.0):
         return out
     t0 = time.perf_counter()
-    max_pos = max(4096, max(args.e2e_contexts) + args.e2e_warmup + args.e2e_steps + 64)
+    max_pos = max(4096, max(args.e2e_contexts) + args.e2e_warmup + WARMUP_POLICY_STEPS + args.e2e_steps + 64)
     model = build_random_like(name, layers, dtype, device, max_pos)
     out["model"] = {
         "shape": name,

@@ -13,6 +13,20 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+
+def error_text(exc: BaseException) -> str:
+    """The exception's first line and where it was raised: the innermost frame of hfkv and the innermost
+    of all, so a failure on a lent GPU (minutes, once) can be fixed from its JSON alone."""
+    import traceback
+
+    text = str(exc).strip().splitlines()
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/hfkv/" in f.filename.replace("\\", "/")]
+    where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in (ours[-1:] + frames[-1:]) if f]
+    at = f" [at {' <- '.join(dict.fromkeys(reversed(where)))}]" if where else ""
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}{at}"
+
+
 GIB = 1 << 30
 JSON_NAME, PNG_NAME, SUMMARY_NAME = "gpu_check.json", "gpu_check.png", "summary.txt"
 MAX_LISTED = 6  # failures and skipped items named in the summary; the JSON has them all

@@ -76,8 +76,13 @@ class WindowRing:
             slot = (self.start + self.count) % self.capacity
             self.k[:, :, slot] = k[:, :, 0]
             self.v[:, :, slot] = v[:, :, 0]
-            self.pos[slot] = pos if isinstance(pos, int) else pos[0]
-            self.score[:, :, slot] = 0.0
+            # fill_ with a host number is a launch argument; `pos[slot] = int` would copy a CPU
+            # scalar to the device (a sync, and no CUDA graph can capture it).
+            if isinstance(pos, int):
+                self.pos[slot : slot + 1].fill_(pos)
+            else:
+                self.pos[slot : slot + 1].copy_(pos[:1])
+            self.score[:, :, slot].zero_()
             self.count += 1
             return out
         if isinstance(pos, int):
