@@ -41,6 +41,9 @@ CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 DEMO = "eval/results/demo.json"
 CPU_SCALING = "eval/results/cpu_kernel_scaling.json"
 KERNELS_DOC = "docs/kernels.md"
+GPU_RUNS = "eval/results/gpu/gpu_check_*.json"
+GPU_VARIANTS = "eval/results/gpu/kernel_variants_*.json"
+GPU_START, GPU_END = "<!-- results:gpu-runs:start -->", "<!-- results:gpu-runs:end -->"
 SCALING_START, SCALING_END = "<!-- results:cpu-kernel-scaling:start -->", "<!-- results:cpu-kernel-scaling:end -->"
 PLOTS = "eval/results/plots"
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
@@ -720,6 +723,63 @@ def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     return "\n".join([*lines, md_table(header, rows, "lllrrrrr")])
 
 
+def gpu_runs_block(runs: list[tuple[str, dict[str, Any]]], variants: list[tuple[str, dict[str, Any]]]) -> str:
+    """docs/kernels.md's record of every committed ``gpu_check`` run and launch-shape sweep on a lent GPU."""
+    if not runs:
+        return "No run on a GPU yet."
+    lines = [
+        "Every `gpu_check` run committed under `eval/results/gpu/` (`code` is the commit whose code ran). "
+        "Kernel: one decode call of one layer (32 query / 8 KV heads x 128, bf16), bytes read / time as a "
+        "fraction of the measured copy bandwidth, at 32k tokens x batch 8. End to end: random-weight "
+        "Llama-3.1-8B, bf16, 32k x 8, decode step against DynamicCache's (median: between policy runs; "
+        "mean: policy runs included).",
+        "",
+    ]
+    rows = []
+    for name, run in runs:
+        tests = run["parts"].get("tests", {})
+        py, checks = tests.get("pytest", {}), tests.get("checks", [])
+        bw = {(r["kind"], r["context"], r["batch"]): r for r in run["parts"].get("bandwidth", {}).get("rows", [])}
+        at = {k: bw[(k, 32768, 8)] for k in ("full", "quant", "hfkv") if (k, 32768, 8) in bw}
+        frac = [f"{k} {pct(r.get('read_fraction'))}" for k, r in at.items()]
+        e2e = run["parts"].get("e2e", {})
+        big = [r for r in e2e.get("rows", []) if (r["context"], r["batch"]) == (32768, 8) and r["kind"] == "tristate"]
+        speed = [
+            f"{r['method'].split(':')[0]} {fmt(r.get('decode_speedup_median'), '.2f', 'x')} / "
+            f"{fmt(r.get('decode_speedup_mean'), '.2f', 'x')}"
+            for r in big
+            if r["status"] == "ok"
+        ]
+        graph = e2e.get("graph_capture", {})
+        rows.append(
+            [
+                f"`{name}`",
+                run["device"],
+                run.get("code_commit", run.get("git_commit") or "?"),
+                f"{py.get('passed', 0)} passed, {py.get('failed', 0)} failed",
+                f"{sum(c['ok'] for c in checks)} / {len(checks)}",
+                graph.get("status", "-"),
+                ", ".join(frac) or "-",
+                ", ".join(speed) or "-",
+            ]
+        )
+    header = ["run", "device", "code", "compiled tests", "on-device checks", "graph capture", "kernel", "e2e 32k x 8"]
+    lines.append(md_table(header, rows, "llllllll"))
+    for name, res in variants:
+        best: dict[str, dict[str, Any]] = {}
+        for r in res["rows"]:
+            case = f"{r['kind']} {r['context']:,} x {r['batch']}"
+            if "ms" in r and (case not in best or r["ms"] < best[case]["ms"]):
+                best[case] = r
+        cells = [
+            f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages, "
+            f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
+            for case, r in best.items()
+        ]
+        lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ main
 def render(root: Path, plots: bool = True) -> tuple[str, str]:
     """``(eval/README.md text, README demo block)`` from the result files under ``root``."""
@@ -852,7 +912,9 @@ def main(argv: list[str] | None = None) -> int:
     if kernels.exists():
         scaling = root / CPU_SCALING
         block = cpu_scaling_table(json.loads(scaling.read_text(encoding="utf-8")) if scaling.exists() else None)
-        targets[kernels] = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
+        text = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
+        load = lambda pattern: [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(pattern))]  # noqa: E731
+        targets[kernels] = replace_block(text, gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS)), GPU_START, GPU_END)
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:

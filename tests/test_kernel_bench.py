@@ -226,3 +226,20 @@ def test_main_writes_rows_skips_and_plot_with_the_gpu_parts_faked(monkeypatch, t
     assert result["device"] == "Fake GPU 80GB" and result["copy_bandwidth"]["gbps"] == 3000.0
     assert (tmp_path / "kernel_bench_fake-gpu-80gb.png").exists()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_kernel_variants_dry_run_times_every_launch_shape_with_the_default_result(tmp_path):
+    """eval/kernel_variants.py (the launch-shape sweep a lent GPU runs) at toy sizes: every variant runs
+    and gives the default launch's output."""
+    import subprocess
+
+    out = tmp_path / "v.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(REPO / "eval" / "kernel_variants.py"), "--dry-run", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["block_n"] for r in rows} == {16, 32}
+    for r in rows:
+        assert "error" not in r and r["ms"] > 0
+        assert r["rel_diff_vs_default"] < 1e-5  # fp32 toy shape: IEEE products, any block size

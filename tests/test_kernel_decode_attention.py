@@ -17,7 +17,7 @@ from hfkv.quant.formats import QuantFormat
 from hfkv.storage import PagedTiers, RecordLayout
 
 KERNELS = {
-    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, **kw),
+    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, **kw),  # several splits and blocks
     "cpu": paged_attention_cpu,
 }
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))

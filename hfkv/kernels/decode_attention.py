@@ -43,6 +43,11 @@ from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_refer
 __all__ = ["DenseSlots", "PagedSlots", "Part", "paged_attention", "paged_attention_reference"]
 
 
+# Slots a program reads per loop iteration. On an H200 (bf16, Llama-3.1-8B's shape) 64 beat 32 in every
+# case measured and 128 was slower with 8 warps: eval/results/gpu/kernel_variants_h200.json.
+BLOCK_N = 64
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -323,7 +328,7 @@ def paged_attention(
     reduction: str = "max",
     add_scores: bool = True,
     split_slots: int | None = None,
-    block_n: int = 32,
+    block_n: int = BLOCK_N,
     return_delta: bool = True,
     num_warps: int | None = None,
     num_stages: int | None = None,
