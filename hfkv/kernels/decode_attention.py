@@ -29,6 +29,7 @@ backend's own reading and attention code; the tests compare the two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,19 @@ BLOCK_N = 64
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT function: a host call goes through its launcher
+
+
+@functools.lru_cache(maxsize=256)
+def _paged_constants(lay) -> dict:
+    """The partial kernel's constexpr arguments for a paged part of layout ``lay`` (once per layout)."""
+    kc, vc = format_constants(lay.key), format_constants(lay.value)
+    fmt = dict(REC=lay.nbytes, V_OFF=lay.key.nbytes, TAG_OFF=lay.pos_offset)
+    fmt |= dict(K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"])
+    return fmt | dict(V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"])
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -313,10 +327,10 @@ def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None) -
     if split_slots is not None:
         return max(block_n, -(-split_slots // block_n) * block_n)
     if interpreter_on():  # programs run one after another there: fewest programs is fastest
-        return max(block_n, triton.cdiv(n, block_n) * block_n)
+        return max(block_n, _cdiv(n, block_n) * block_n)
     target = 256  # programs worth launching across all (row, head) pairs: ~2 waves on a large GPU
     per_head = -(-target // max(1, programs))
-    return max(block_n, triton.cdiv(triton.cdiv(n, per_head), block_n) * block_n)
+    return max(block_n, _cdiv(_cdiv(n, per_head), block_n) * block_n)
 
 
 def paged_attention(
@@ -352,7 +366,7 @@ def paged_attention(
     # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
     # are tiled over query blocks so a program's rows stay few.
     qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))
-    nqb = triton.cdiv(qlen, qb)
+    nqb = _cdiv(qlen, qb)
     block_r = max(16, _next_pow2(g) * qb)
     block_d = max(16, _next_pow2(dim))
     device = query.device
@@ -361,7 +375,7 @@ def paged_attention(
     sizes = [p.slots for p in parts]
     s_total = sum(sizes)
     splits = [_split_slots(n, bsz * heads, block_n, split_slots) for n in sizes]
-    n_splits = [triton.cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
+    n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
     ns_total = sum(n_splits)
     f32 = dict(dtype=torch.float32, device=device)
     blocks = bsz * heads * nqb
@@ -390,13 +404,9 @@ def paged_attention(
             fmt = dict(REC=4, V_OFF=0, TAG_OFF=0, K_FAM=0, K_BITS=8 * part.k.element_size(), K_GROUP=dim)
             fmt |= dict(K_DTYPE=dt, V_FAM=0, V_BITS=8 * part.k.element_size(), V_GROUP=dim, V_DTYPE=dt)
         else:
-            lay = part.layout
-            kc, vc = format_constants(lay.key), format_constants(lay.value)
             k = v = pos = None
             paged = _table_args(part)
-            fmt = dict(REC=lay.nbytes, V_OFF=lay.key.nbytes, TAG_OFF=lay.pos_offset)
-            fmt |= dict(K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"])
-            fmt |= dict(V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"])
+            fmt = _paged_constants(part.layout)
         _partial_kernel[(bsz * heads, nsp, nqb)](
             query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
             m, l_, acc, ns_total, split0, heads, hq,
@@ -423,7 +433,7 @@ def paged_attention(
                 raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
         add = add_scores and (paged_part or score is not None)
         pool, table, t_sb, t_sh, tpp, page_bytes = paged
-        _score_kernel[(bsz * heads, triton.cdiv(n, block_s))](
+        _score_kernel[(bsz * heads, _cdiv(n, block_s))](
             logits, s_total, col0, mf, lf, delta, score, pool, table, t_sb, t_sh, heads, tpp, page_bytes, n,
             PAGED=paged_part, ADD=add, WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s,
             **shape, **offs,

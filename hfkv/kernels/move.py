@@ -63,7 +63,7 @@ def move_records(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, recor
         return
     n_words = record_bytes // 4
     block = min(triton.next_power_of_2(n_words), _MAX_BLOCK)
-    _move_kernel[(n, triton.cdiv(n_words, block))](pool.view(torch.int32), src, dst, n_words, BLOCK=block)
+    _move_kernel[(n, -(-n_words // block))](pool.view(torch.int32), src, dst, n_words, BLOCK=block)
 
 
 def move_records_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, record_bytes: int) -> None:
@@ -82,7 +82,7 @@ def clear_tags(pool: torch.Tensor, at: torch.Tensor) -> None:
     if m == 0:
         return
     block = min(triton.next_power_of_2(m), _MAX_BLOCK)
-    _clear_kernel[(triton.cdiv(m, block),)](pool.view(torch.int32), at, m, BLOCK=block)
+    _clear_kernel[(-(-m // block),)](pool.view(torch.int32), at, m, BLOCK=block)
 
 
 def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
