@@ -2,7 +2,7 @@
 
 A lease on a GPU is minutes, so one command answers both questions for a few of kernel_bench's cases
 (kind, context, batch; Llama-3.1-8B's attention shape, bf16): every variant of the grid ``block_n x
-num_warps x num_stages`` is timed on the same storage (CUDA-graph replays, as kernel_bench), its
+num_warps x num_stages x int_tile`` is timed on the same storage (CUDA-graph replays, as kernel_bench), its
 output compared with the default launch's, and one call of the default launch is split by kernel
 with ``torch.profiler`` (partial, combine, score: which one to work on). Rows are appended to the
 JSON after each case, so a run stopped from outside keeps what it measured.
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
     }
     deadline = time.monotonic() + args.budget_s
-    grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages))
+    grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages, args.int_tile))
     for kind, context, batch in args.cases:
         plan = kb.make_plan(kind, context, batch, shape)
         st = kb.build_storage(plan, device)
@@ -98,11 +98,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ref = call({})
         split = kernel_split(lambda call=call: call({}), device)
-        for block_n, warps, stages in grid:
+        for block_n, warps, stages, tile in grid:
             if time.monotonic() > deadline:
-                result.setdefault("skipped", []).append(f"{kind}:{context}:{batch} bn={block_n} w={warps} s={stages}")
+                result.setdefault("skipped", []).append(f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}")
                 continue
-            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
             try:
                 out = call(launch)
@@ -130,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-n", type=_ints, default=[32, 64, 128])
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
+    p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120.0, help="variants past this are skipped (default 120)")
     args = p.parse_args(argv)
     if args.cases is None:
         args.cases = [("hfkv", 64, 1)] if args.dry_run else [("full", 32768, 8), ("hfkv", 32768, 8), ("hfkv", 16384, 1)]
     if args.dry_run:
-        args.block_n, args.num_warps, args.num_stages, args.repeats = [16, 32], [4], [2], 1
+        args.block_n, args.num_warps, args.num_stages, args.int_tile, args.repeats = [16, 32], [4], [2], [0, 1], 1
     run(args)
     return 0
 

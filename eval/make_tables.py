@@ -772,7 +772,8 @@ def gpu_runs_block(runs: list[tuple[str, dict[str, Any]]], variants: list[tuple[
             if "ms" in r and (case not in best or r["ms"] < best[case]["ms"]):
                 best[case] = r
         cells = [
-            f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages, "
+            f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
+            f"{', integer rows' if r.get('int_tile') else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]

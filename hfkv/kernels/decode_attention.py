@@ -115,6 +115,7 @@ def _partial_kernel(
     V_GROUP: tl.constexpr,
     V_DTYPE: tl.constexpr,
     DOT_T: tl.constexpr,
+    INT_TILE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -147,8 +148,10 @@ def _partial_kernel(
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
-            k = load_field(pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D)
-            v = load_field(pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D)
+            k = load_field(pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE)
+            v = load_field(
+                pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE
+            )
         else:
             tag = tl.load(pos_ptr + s, mask=in_range, other=-1).to(tl.int32) + 1
             rows = (bh.to(tl.int64) * n_slots + s) * D
@@ -346,6 +349,7 @@ def paged_attention(
     return_delta: bool = True,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    int_tile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -359,7 +363,9 @@ def paged_attention(
     values and probabilities to it and run on tensor cores with fp32 accumulation, as flash attention
     does (the IEEE fp32 form ran at 2% of copy bandwidth on the first H200 run). Under the interpreter,
     whose tl.dot misreads bf16 operands, bf16 queries keep the fp32 products.
-    ``num_warps`` / ``num_stages`` override Triton's defaults for the partial pass (kernel_bench sweeps).
+    ``num_warps`` / ``num_stages`` override Triton's defaults for the partial pass, ``int_tile`` reads
+    integer codes as rows instead of per element (``load_field``; a power-of-two ``head_dim`` only):
+    ``eval/kernel_variants.py`` sweeps them.
     """
     heads, g = check_call(query, parts, pad_end, reduction)
     bsz, hq, qlen, dim = query.shape
@@ -391,6 +397,7 @@ def paged_attention(
     dot_t = tl_dtype(query.dtype)
     if dot_t == tl.bfloat16 and interpreter_on():  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
+    tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
 
     col0 = split0 = 0
@@ -411,7 +418,7 @@ def paged_attention(
             query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
             m, l_, acc, ns_total, split0, heads, hq,
             PAGED=isinstance(part, PagedSlots), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t,
-            **shape, **fmt, **launch,
+            INT_TILE=tile, **shape, **fmt, **launch,
         )  # fmt: skip
         col0 += n
         split0 += nsp

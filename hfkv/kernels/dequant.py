@@ -51,11 +51,36 @@ def load_field(
     DTYPE: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    N: tl.constexpr = 0,  # rows of the tile (``rec``'s length); needed by INT_TILE only
+    INT_TILE: tl.constexpr = False,
 ):
-    """``[N, BLOCK_D]`` fp32 values of the field (columns past ``D`` are 0)."""
+    """``[N, BLOCK_D]`` fp32 values of the field (columns past ``D`` are 0).
+
+    Integer codes are read one of two ways. The gather (default) loads, per element, its code byte and
+    its group's scale and zero: ``3 D`` loads per record. ``INT_TILE`` (``D`` a power of two) loads the
+    record's ``D * BITS / 8`` code bytes and ``2 D / GROUP`` halves as contiguous rows and spreads them
+    over the ``D`` elements in registers (planes by shifts, groups by broadcast): ``PER`` times fewer
+    code loads and ``GROUP`` times fewer scale loads, paid in register shuffles. Which is faster is the
+    GPU's to say (``eval/kernel_variants.py`` sweeps both); both give the same values.
+    """
     d = tl.arange(0, BLOCK_D)
     m = live[:, None] & (d < D)[None, :]
-    if FAM == 0:  # full precision in the model dtype; bf16 is upcast right after the load
+    if FAM == 1 and INT_TILE:
+        PER_T: tl.constexpr = 8 // BITS
+        P_T: tl.constexpr = D // PER_T
+        G_T: tl.constexpr = D // GROUP
+        j = tl.arange(0, P_T)
+        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + j[None, :], mask=live[:, None], other=0).to(tl.int32)
+        shifts = tl.arange(0, PER_T) * BITS  # element d is plane d // P of byte d % P
+        codes = tl.reshape((byte[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [N, D])
+        half = pool_ptr.to(tl.pointer_type(tl.float16))
+        meta = ((rec + OFF + P_T) // 2)[:, None] + tl.arange(0, G_T)[None, :]
+        scale = tl.load(half + meta, mask=live[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(half + meta + G_T, mask=live[:, None], other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [N, G_T, GROUP]), [N, D])
+        zero = tl.reshape(tl.broadcast_to(zero[:, :, None], [N, G_T, GROUP]), [N, D])
+        x = codes.to(tl.float32) * scale + zero
+    elif FAM == 0:  # full precision in the model dtype; bf16 is upcast right after the load
         ESIZE: tl.constexpr = BITS // 8
         ptr = pool_ptr.to(tl.pointer_type(DTYPE))
         x = tl.load(ptr + ((rec + OFF) // ESIZE)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
