@@ -191,8 +191,15 @@ class TriStateLayer(CacheLayerMixin):
         q = key_states.shape[2]
         self._chunk = (key_states, value_states, self.length)
         if self.length > 0:
-            exits = self.window.push(key_states, value_states, self.length)
-            self._exits = exits if exits[2].numel() else None
+            # Triton writes a decode step's token into the ring in its attention launch (push_deferred).
+            slot = None
+            if self.backend == "triton" and q == 1:
+                slot = self.window.push_deferred(key_states, value_states, self.length)
+            if slot is not None:
+                self._exits = None
+            else:
+                exits = self.window.push(key_states, value_states, self.length)
+                self._exits = exits if exits[2].numel() else None
         self.length += q
         if self.length > q and self._exits is None:
             self._maybe_run_policy()
@@ -203,9 +210,7 @@ class TriStateLayer(CacheLayerMixin):
     def _not_padding(self, pos: torch.Tensor) -> torch.Tensor:
         """``[B, H, m]``: which of the window tokens at ``pos [m]`` are real (left padding is never kept)."""
         m = pos.numel()
-        return (pos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(
-            self.window.k.shape[0], self.window.k.shape[1], m
-        )
+        return (pos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(self.window.shape[0], self.window.shape[1], m)
 
     def _admit(self, k, v, pos: torch.Tensor, score: torch.Tensor, new: torch.Tensor, check_finite: bool) -> None:
         """Write already-classified tokens straight into their tiers (``k, v [B, H, m, D]``, ``pos [m]``).
@@ -234,7 +239,7 @@ class TriStateLayer(CacheLayerMixin):
         due = self.steps_since_policy >= cfg.interval or self.window.count == self.window.capacity
         if not due and cfg.budget is not None:
             # Between policy runs only the window grows, by the same count in every head.
-            heads = self.window.k.shape[1] if cfg.head_adaptive else 1
+            heads = self.window.shape[1] if cfg.head_adaptive else 1
             if self.memory_budget:
                 due = self._tier_peak + heads * self.window.count * self.window_cost > heads * self.cap
             else:
@@ -466,16 +471,22 @@ class TriStateLayer(CacheLayerMixin):
 
         self._chunk = None
         win, tiers = self.window, self.tiers
-        parts = [DenseSlots(win.k, win.v, win.pos, win.score)]
+        write = win.pending if self.backend == "triton" else None
+        if write is None:
+            win.flush()
+        parts = [DenseSlots(*win.raw())]
         exits, self._exits = self._exits, None
         if exits is not None:
             exits = (*exits[:3], exits[3].contiguous().float())
             parts.append(DenseSlots(*exits))
         parts += [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)]
         q = query.shape[2]
+        extra = {"window_write": write} if write is not None else {}
         out, _ = paged_attention(
-            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False
+            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False, **extra
         )
+        if write is not None:
+            win.pending = None  # the kernel wrote it
         if exits is not None:
             self.run_policy(exits)
         return out
@@ -499,7 +510,7 @@ class TriStateLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select_rows(torch.arange(self.window.k.shape[0]).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self.window.shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select_rows(indices)
@@ -507,7 +518,7 @@ class TriStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.is_initialized:
             self.tiers.reset()
-            bsz, heads, _, dim = self.window.k.shape
+            bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
         self._tier_peak = 0
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfkv import TriStateCache
 from hfkv.attention.interface import set_pending
@@ -134,6 +135,18 @@ def test_interpreter_switched_on_too_late_is_named(monkeypatch):
         resolve_backend("triton", "cpu")
 
 
+class _TorchOps(TorchDispatchMode):
+    """Names of the aten ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_triton_decode_step_makes_no_host_sync(monkeypatch):
     """Between policy runs, a layer's decode step (window write, kernel launches) never reads a device value.
 
@@ -159,10 +172,12 @@ def test_triton_decode_step_makes_no_host_sync(monkeypatch):
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         k, v, q = (torch.randn(1, h, 1, 32, generator=g) for h in (2, 2, 4))
-        with NoHostScalars():  # e.g. `pos[slot] = int`: a CPU scalar copied to the device
+        with NoHostScalars(), _TorchOps() as ops:  # e.g. `pos[slot] = int`: a CPU scalar copied to the device
             layer.update(k, v)
             set_pending(None)  # what the hfkv attention function does before calling attend()
             out = layer.attend(None, q, k, v, None, 32**-0.5)
         assert out.shape == (1, 1, 4, 32)
+        # The window write happens in the partial launch: the step's only torch ops are allocations.
+        assert {n for n in ops.names if not n.startswith(("aten.empty", "aten.view", "aten.expand"))} == set()
     names = {fn.fn.__name__ if hasattr(fn, "fn") else str(fn) for fn in launches}
     assert {"_partial_kernel", "_combine_kernel", "_score_kernel"} <= names

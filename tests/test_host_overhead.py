@@ -32,7 +32,7 @@ def test_measure_counts_launches_and_host_time_at_a_toy_size():
     assert set(by_kernel) == {"_partial_kernel", "_combine_kernel", "_score_kernel"}
     assert by_kernel["_combine_kernel"] == 1 and by_kernel["_partial_kernel"] == by_kernel["_score_kernel"] >= 2
     assert r["triton_launches_per_layer"] == sum(by_kernel.values())
-    assert r["torch_launches_per_layer"] >= 2  # at least the window's key and value writes
+    assert r["torch_launches_per_layer"] == 0  # the window write is in the partial launch (push_deferred)
     assert r["launches_per_layer"] == r["triton_launches_per_layer"] + r["torch_launches_per_layer"]
     assert 0 < r["host_us_per_layer"] and r["host_us_per_layer_p20_p80"][0] <= r["host_us_per_layer_p20_p80"][1]
     assert set(r["targets"]) == {"launches_per_layer", "host_us_per_layer"}

@@ -270,3 +270,42 @@ def test_single_tokens_and_heads_of_very_different_sizes(kernel):
     # Head 1 attends only its window token: probability 1 there, nothing anywhere else.
     torch.testing.assert_close(got[1][0, 1].sum(), torch.tensor(1.0))
     assert got[1][0, 1, 0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
+    """A decode step's token handed to the kernel (``window_write``) is stored in the ring (keys, values,
+    position) and attended to exactly as if the ring had been written before the call."""
+    from hfkv.storage.window import PendingWrite
+
+    bsz, heads, dim, ratio, length, cap, filled = 2, 2, 64, 2, 80, 12, 7
+    layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    tiers = _storage(layouts, bsz, heads, dim, length, (24, 40), None, seed=5)
+    k, v, pos, score = _window(bsz, heads, dim, dtype, length, cap, filled, seed=9)
+    score[..., filled:] = 0  # empty slots hold no score (the ring's invariant)
+    g = torch.Generator().manual_seed(3)
+    new_k = torch.randn(bsz, 1, heads, dim, generator=g).to(dtype).transpose(1, 2)  # strided, as projections give
+    new_v = torch.randn(bsz, 1, heads, dim, generator=g).to(dtype).transpose(1, 2)
+    query = torch.randn(bsz, heads * ratio, 1, dim, generator=g).to(dtype)
+    pad_end = torch.tensor([0, 5])
+
+    def call(ring, write):
+        pool = tiers.pool.data.clone()
+        parts = [DenseSlots(*ring)]
+        parts += [PagedSlots(pool, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+        out, delta = paged_attention(
+            query, parts, length, pad_end, dim**-0.5, "max", split_slots=32, block_n=16, window_write=write
+        )
+        return out, delta, pool
+
+    written = [t.clone() for t in (k, v, pos, score)]
+    written[0][:, :, filled], written[1][:, :, filled], written[2][filled] = new_k[:, :, 0], new_v[:, :, 0], length
+    ref = call(written, None)
+    ring = [t.clone() for t in (k, v, pos, score)]
+    got = call(ring, PendingWrite(new_k, new_v, filled, length))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(ring, written[:3] + [written[3]], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # ring contents, scores included
+    with pytest.raises(ValueError, match="window_write slot 12 is outside"):
+        call([t.clone() for t in (k, v, pos, score)], PendingWrite(new_k, new_v, cap, length))

@@ -94,7 +94,16 @@ def _partial_kernel(
     split0,
     H,
     HQ,
+    wk_ptr,
+    wv_ptr,
+    wk_sb,
+    wk_sh,
+    wv_sb,
+    wv_sh,
+    w_slot,
+    w_pos,
     PAGED: tl.constexpr,
+    WRITE: tl.constexpr,
     G: tl.constexpr,
     QLEN: tl.constexpr,
     QB: tl.constexpr,
@@ -140,6 +149,18 @@ def _partial_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     lo = sp * split_slots
     hi = tl.minimum(lo + split_slots, n_slots)
+    if WRITE:  # the ring's new token: stored by the program whose range holds its slot, read from registers
+        d_ok = d < D
+        wk = tl.load(wk_ptr + b.to(tl.int64) * wk_sb + h.to(tl.int64) * wk_sh + d, mask=d_ok, other=0.0)
+        wv = tl.load(wv_ptr + b.to(tl.int64) * wv_sb + h.to(tl.int64) * wv_sh + d, mask=d_ok, other=0.0)
+        # Every operand of the masks below is a vector: the interpreter rejects a mask made with a scalar.
+        slot_v = d * 0 + w_slot
+        mine = (slot_v >= lo) & (slot_v < hi) & (d * 0 + qb == 0)
+        w_row = (bh.to(tl.int64) * n_slots + w_slot) * D
+        tl.store(k_ptr + w_row + d, wk, mask=d_ok & mine)
+        tl.store(v_ptr + w_row + d, wv, mask=d_ok & mine)
+        first = (d == 0) & mine & (d * 0 + bh == 0)  # positions are one row for all: one lane of one program
+        tl.store(pos_ptr + slot_v, (w_pos + d * 0).to(tl.int64), mask=first)
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         in_range = s < hi
@@ -158,6 +179,11 @@ def _partial_kernel(
             kv_mask = in_range[:, None] & (d < D)[None, :]
             k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if WRITE:  # whatever this launch's store left there, the new slot's values are these
+                is_new = s == w_slot
+                k = tl.where(is_new[:, None], wk.to(tl.float32)[None, :], k)
+                v = tl.where(is_new[:, None], wv.to(tl.float32)[None, :], v)
+                tag = tl.where(is_new, w_pos + 1, tag)
         pos = tag - 1
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
         if DOT_T == tl.float32:
@@ -325,6 +351,25 @@ def _table_args(part: PagedSlots) -> tuple:
     return part.pool, table, table.stride(0), table.stride(1), part.tpp, part.pool.shape[1]
 
 
+_NO_WRITE = (None, None, 0, 0, 0, 0, 0, 0)
+
+
+def _write_args(write, part: Part, bsz: int, heads: int, dim: int) -> tuple:
+    """The partial kernel's ``wk_ptr .. w_pos`` for a pending ring write into ``part`` (or none)."""
+    if write is None:
+        return _NO_WRITE
+    if not (isinstance(part, DenseSlots) and all(t.is_contiguous() for t in (part.k, part.v, part.pos))):
+        raise ValueError("paged_attention: window_write needs the first part to be a contiguous dense ring")
+    k, v = write.k, write.v
+    if k.shape != (bsz, heads, 1, dim) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"paged_attention: window_write k/v must be [{bsz}, {heads}, 1, {dim}] with unit-stride rows")
+    if k.dtype != part.k.dtype or v.dtype != part.v.dtype:
+        raise ValueError(f"paged_attention: window_write dtype {k.dtype} differs from the ring's {part.k.dtype}")
+    if not 0 <= write.slot < part.slots:
+        raise ValueError(f"paged_attention: window_write slot {write.slot} is outside the ring's {part.slots} slots")
+    return k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), write.slot, write.pos
+
+
 def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None) -> int:
     """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding)."""
     if split_slots is not None:
@@ -350,6 +395,7 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     int_tile: bool = False,
+    window_write=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -366,6 +412,11 @@ def paged_attention(
     ``num_warps`` / ``num_stages`` override Triton's defaults for the partial pass, ``int_tile`` reads
     integer codes as rows instead of per element (``load_field``; a power-of-two ``head_dim`` only):
     ``eval/kernel_variants.py`` sweeps them.
+
+    ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
+    position) is a decode step's token that the first part, the ring, holds but has not stored: the
+    partial pass stores it (keys, values, position; an empty slot's score is already 0) and attends to
+    it, so the step needs no separate writes.
     """
     heads, g = check_call(query, parts, pad_end, reduction)
     bsz, hq, qlen, dim = query.shape
@@ -401,7 +452,7 @@ def paged_attention(
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
 
     col0 = split0 = 0
-    for part, n, sp, nsp in zip(parts, sizes, splits, n_splits, strict=True):
+    for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
         if nsp == 0:
             continue
         if isinstance(part, DenseSlots):
@@ -414,11 +465,13 @@ def paged_attention(
             k = v = pos = None
             paged = _table_args(part)
             fmt = _paged_constants(part.layout)
+        write = window_write if idx == 0 else None
+        wargs = _write_args(write, part, bsz, heads, dim)
         _partial_kernel[(bsz * heads, nsp, nqb)](
             query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
-            m, l_, acc, ns_total, split0, heads, hq,
-            PAGED=isinstance(part, PagedSlots), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t,
-            INT_TILE=tile, **shape, **fmt, **launch,
+            m, l_, acc, ns_total, split0, heads, hq, *wargs,
+            PAGED=isinstance(part, PagedSlots), WRITE=write is not None, D=dim, BLOCK_D=block_d, BLOCK_N=block_n,
+            DOT_T=dot_t, INT_TILE=tile, **shape, **fmt, **launch,
         )  # fmt: skip
         col0 += n
         split0 += nsp

@@ -11,7 +11,18 @@ are one ``[capacity]`` vector (``-1`` = empty slot); scores are per (row, head).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class PendingWrite(NamedTuple):
+    """A decode step's token taken into ring slot ``slot`` but not yet written (``k, v [B, H, 1, D]``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot: int
+    pos: int
 
 
 class WindowRing:
@@ -30,13 +41,74 @@ class WindowRing:
         self.window = window
         self.capacity = window + max(0, int(extra))
         cap = self.capacity
-        self.k = torch.zeros(batch, heads, cap, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((cap,), -1, dtype=torch.int64, device=device)
-        self.score = torch.zeros(batch, heads, cap, dtype=torch.float32, device=device)
+        self._k = torch.zeros(batch, heads, cap, head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros_like(self._k)
+        self._pos = torch.full((cap,), -1, dtype=torch.int64, device=device)
+        self._score = torch.zeros(batch, heads, cap, dtype=torch.float32, device=device)
         self.start = 0  # ring slot of the oldest token
         self.count = 0  # tokens held
         self._empty: tuple[torch.Tensor, ...] | None = None  # what a push that displaces nothing returns
+        self.pending: PendingWrite | None = None
+
+    # A decode step's token can be written by the attention kernel that reads the ring (one launch instead
+    # of four small ones, push_deferred): until then it is `pending`, and every read of the ring's tensors
+    # below writes it first, so no reader sees a ring without it.
+    @property
+    def k(self) -> torch.Tensor:
+        self.flush()
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        self.flush()
+        return self._v
+
+    @property
+    def pos(self) -> torch.Tensor:
+        self.flush()
+        return self._pos
+
+    @property
+    def score(self) -> torch.Tensor:
+        self.flush()
+        return self._score
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, heads, capacity, head_dim)``, read without writing a pending token."""
+        return tuple(self._k.shape)
+
+    def raw(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k, v, pos, score)`` as stored, a pending token not yet in them (its writer's view)."""
+        return self._k, self._v, self._pos, self._score
+
+    def flush(self) -> None:
+        """Write the pending token with tensor ops (a reader needs it and no kernel wrote it)."""
+        w, self.pending = self.pending, None
+        if w is not None:
+            self._write(w.k, w.v, w.slot, w.pos)
+
+    def push_deferred(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> int | None:
+        """Take one token (``k, v [B, H, 1, D]``) into a free slot without writing it: it becomes ``pending``
+        for a kernel to write; returns the slot. None (nothing taken) when the ring is full."""
+        self.flush()
+        if self.count == self.capacity or k.shape[2] != 1:
+            return None
+        slot = (self.start + self.count) % self.capacity
+        self.pending = PendingWrite(k, v, slot, int(pos))
+        self.count += 1
+        return slot
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, slot: int, pos: int | torch.Tensor) -> None:
+        self._k[:, :, slot] = k[:, :, 0]
+        self._v[:, :, slot] = v[:, :, 0]
+        # fill_ with a host number is a launch argument; `pos[slot] = int` would copy a CPU scalar to the
+        # device (a sync, and no CUDA graph can capture it). An empty slot's score is already 0: vacating
+        # a slot zeroes it, and attention adds exact zeros to empty slots.
+        if isinstance(pos, int):
+            self._pos[slot : slot + 1].fill_(pos)
+        else:
+            self._pos[slot : slot + 1].copy_(pos[:1])
 
     def order(self) -> torch.Tensor:
         """Ring slots from oldest to newest."""
@@ -50,8 +122,8 @@ class WindowRing:
         n = max(0, min(n, self.count))
         slots = (self.start + torch.arange(n, device=self.pos.device)) % self.capacity
         out = self._take(slots)
-        self.pos[slots] = -1
-        self.score[:, :, slots] = 0.0
+        self._pos.index_fill_(0, slots, -1)  # index_fill_: the value is a launch argument, not a copied tensor
+        self._score.index_fill_(2, slots, 0.0)
         self.start = (self.start + n) % self.capacity
         self.count -= n
         return out
@@ -70,19 +142,11 @@ class WindowRing:
         One token only pushes out the oldest when the ring is at capacity; several tokens (a
         prompt or chunk) leave the newest ``W`` in the ring and return everything older.
         """
+        self.flush()
         n = k.shape[2]
         if n == 1:  # the decode step: a handful of small writes, nothing else
             out = self.pop_oldest(1) if self.count == self.capacity else self._nothing()
-            slot = (self.start + self.count) % self.capacity
-            self.k[:, :, slot] = k[:, :, 0]
-            self.v[:, :, slot] = v[:, :, 0]
-            # fill_ with a host number is a launch argument; `pos[slot] = int` would copy a CPU
-            # scalar to the device (a sync, and no CUDA graph can capture it).
-            if isinstance(pos, int):
-                self.pos[slot : slot + 1].fill_(pos)
-            else:
-                self.pos[slot : slot + 1].copy_(pos[:1])
-            self.score[:, :, slot].zero_()
+            self._write(k, v, (self.start + self.count) % self.capacity, pos)
             self.count += 1
             return out
         if isinstance(pos, int):
@@ -108,10 +172,11 @@ class WindowRing:
 
     def add_scores(self, delta: torch.Tensor) -> None:
         """``delta [B, H, capacity]`` aligned with ring slots (empty slots receive zeros)."""
-        self.score += delta
+        self.score.add_(delta)
 
     def select_rows(self, index: torch.Tensor) -> None:
-        self.k, self.v, self.score = self.k[index], self.v[index], self.score[index]
+        self.flush()
+        self._k, self._v, self._score = self._k[index], self._v[index], self._score[index]
         self._empty = None
 
     def held_tensors(self) -> list[torch.Tensor]:
