@@ -64,6 +64,8 @@ TARGET_LAUNCHES, TARGET_HOST_US = 3, 40.0
 DEFAULT_OUT = REPO / "eval" / "results" / "host_overhead.json"
 ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "set_"}
 METADATA = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "_local_scalar_dense"}
+# Ops whose result the host must wait for on a GPU: a value read back, or an output sized by the data.
+HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave", "unique", "_unique2"}
 
 
 # ------------------------------------------------------------------------------------------ recording
@@ -91,11 +93,14 @@ class DeviceOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not (func.is_view or name in ALLOCATIONS or name in METADATA):
             self.ops[name] += 1
+        if name in HOST_SYNCS:
+            self.syncs[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -190,12 +195,20 @@ def measure(
     cache, layer, info = build_layer(context, batch, shape_name, preset, budget)
     build_s = time.perf_counter() - t0
     between = max(1, layer.cfg.interval - 1)  # the interval-th step after a policy run runs the next one
-    policy_runs = [0]
+    policy_runs, watched = [0], []
     run_policy = layer.run_policy
 
     def counted_policy(*args, **kwargs):
         policy_runs[0] += 1
-        return run_policy(*args, **kwargs)
+        if not watching[0]:
+            return run_policy(*args, **kwargs)
+        mode, start = DeviceOps(), len(names)
+        with mode:
+            out = run_policy(*args, **kwargs)
+        watched.append({"torch": mode.ops, "syncs": mode.syncs, "triton": Counter(names[start:])})
+        return out
+
+    watching = [False]
 
     layer.run_policy = counted_policy
     per_step: list[dict[str, Any]] = []
@@ -213,6 +226,10 @@ def measure(
         run_steps(cache, layer, decode_inputs(batch, info, between, seed=2), between, mode, close_step)
         policy_runs[0] = 0
         times = run_steps(cache, layer, decode_inputs(batch, info, between * cycles, seed=3), between)
+        timed_policy_runs = policy_runs[0]
+        # Then what a policy run itself launches and waits for (counted, not timed): steps run on until two ran.
+        watching[0] = True
+        run_steps(cache, layer, decode_inputs(batch, info, 2 * (between + 1), seed=4), 10**9)
     triton = sum((s["triton"] for s in per_step), Counter())
     torch_ops = sum((s["torch"] for s in per_step), Counter())
     n = len(per_step)
@@ -234,7 +251,8 @@ def measure(
         },
         "timed_steps": len(times),
         "steps_between_restores": between,
-        "policy_runs_in_timed_steps": policy_runs[0],
+        "policy_runs_in_timed_steps": timed_policy_runs,
+        "policy_run": _policy_counts(watched),
         "shape": info,
         "context": context,
         "batch": batch,
@@ -243,6 +261,22 @@ def measure(
         # A part (the ring, each tier holding tokens) costs a partial and a score launch, plus one combine.
         "triton_launches_if_every_tier_held_tokens": 2 * (1 + layer.tiers.num_tiers) + 1,
         "build_s": round(build_s, 1),
+    }
+
+
+def _policy_counts(runs: list[dict[str, Counter]]) -> dict[str, Any]:
+    """Per policy run of one layer: device launches (torch ops and Triton kernels) and host syncs, averaged."""
+    n = max(1, len(runs))
+    total = lambda key: sum((r[key] for r in runs), Counter())  # noqa: E731
+    torch_ops, syncs, triton = total("torch"), total("syncs"), total("triton")
+    return {
+        "runs": len(runs),
+        "torch_launches_per_layer": sum(torch_ops.values()) / n,
+        "triton_launches_per_layer": sum(triton.values()) / n,
+        "host_syncs_per_layer": sum(syncs.values()) / n,
+        "host_syncs_by_op": {k: v / n for k, v in sorted(syncs.items())},
+        "top_torch_ops": {k: v / n for k, v in torch_ops.most_common(10)},
+        "triton_by_kernel": {k: v / n for k, v in sorted(triton.items())},
     }
 
 

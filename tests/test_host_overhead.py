@@ -38,6 +38,9 @@ def test_measure_counts_launches_and_host_time_at_a_toy_size():
     assert set(r["targets"]) == {"launches_per_layer", "host_us_per_layer"}
     assert r["targets"]["launches_per_layer"]["met"] == (r["launches_per_layer"] <= 3)
     assert r["tokens_held"]["quantized"] > 0 and r["shape"]["kv_heads"] == 2
+    pol = r["policy_run"]  # counted on runs after the timed steps
+    assert pol["runs"] == 2 and pol["torch_launches_per_layer"] > r["launches_per_layer"]
+    assert pol["host_syncs_per_layer"] == sum(pol["host_syncs_by_op"].values()) >= 1  # it sizes moves on the host
 
 
 def test_main_refuses_a_busy_machine_and_several_thread_counts(tmp_path, capsys, monkeypatch):
