@@ -258,8 +258,6 @@ def measure(
         "batch": batch,
         "method": f"{preset}@{budget}" if budget is not None else preset,
         "tokens_held": _tier_tokens(st),  # summed over rows and KV heads
-        # A part (the ring, each tier holding tokens) costs a partial and a score launch, plus one combine.
-        "triton_launches_if_every_tier_held_tokens": 2 * (1 + layer.tiers.num_tiers) + 1,
         "build_s": round(build_s, 1),
     }
 

@@ -29,8 +29,8 @@ def test_measure_counts_launches_and_host_time_at_a_toy_size():
     assert between == 7  # the hfkv preset's interval 8: the 8th step after a policy run runs the next
     assert r["timed_steps"] == 2 * between and r["policy_runs_in_timed_steps"] == 0
     by_kernel = r["launches_by_kernel"]
-    assert set(by_kernel) == {"_partial_kernel", "_combine_kernel", "_score_kernel"}
-    assert by_kernel["_combine_kernel"] == 1 and by_kernel["_partial_kernel"] == by_kernel["_score_kernel"] >= 2
+    # One launch of each decode kernel for all parts (the ring and the tiers holding tokens).
+    assert by_kernel == {"_partial_kernel": 1, "_combine_kernel": 1, "_score_kernel": 1}
     assert r["triton_launches_per_layer"] == sum(by_kernel.values())
     assert r["torch_launches_per_layer"] == 0  # the window write is in the partial launch (push_deferred)
     assert r["launches_per_layer"] == r["triton_launches_per_layer"] + r["torch_launches_per_layer"]

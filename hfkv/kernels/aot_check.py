@@ -52,20 +52,26 @@ def _signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
     constexprs = {p.name for p in fn.params if p.is_constexpr}
     sig, consts = {}, {}
+
+    def kind(name: str, v: Any) -> Any:
+        if isinstance(v, tuple):  # a tuple argument (one part's pointers and sizes): a tuple of types
+            return tuple(kind(name, x) for x in v)
+        if isinstance(v, torch.Tensor):
+            return "*" + _SIG[v.dtype]
+        if isinstance(v, bool):
+            return "i1"
+        if isinstance(v, int):
+            return "i64" if abs(v) >= 2**31 else "i32"
+        if isinstance(v, float):
+            return "fp32"
+        raise TypeError(f"aot_check: argument {name}={v!r} of {fn.__name__} has no signature type")
+
     for name in fn.arg_names:
         v = values[name]
         if name in constexprs or v is None:
             sig[name], consts[(fn.arg_names.index(name),)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = "*" + _SIG[v.dtype]
-        elif isinstance(v, bool):
-            sig[name] = "i1"
-        elif isinstance(v, int):
-            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
-        elif isinstance(v, float):
-            sig[name] = "fp32"
         else:
-            raise TypeError(f"aot_check: argument {name}={v!r} of {fn.__name__} has no signature type")
+            sig[name] = kind(name, v)
     return sig, consts
 
 

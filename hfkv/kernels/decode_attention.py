@@ -4,19 +4,20 @@ Decode attention is bandwidth-bound, so a step gets faster in proportion to the 
 longer reads only if one kernel reads the packed records, dequantizes them in registers and never
 materialises dense keys. The work is three small kernels (flash-decoding):
 
-1. ``_partial_kernel``, once per part (window ring, a chunk's exits, each tier): a program owns a
-   (row, KV head, split of slots) and all ``g * q`` query rows of that KV head (GQA packing, so
-   each record is read once per group), computes masked logits, keeps an online softmax in fp32
-   and writes its partial max / sum / output, plus the logits themselves (4 bytes per slot and
-   query row; keys are never read again).
+1. ``_partial_kernel``, one launch for every part (window ring, a chunk's exits, each tier; a part's
+   arguments are a tuple and its formats a constant tuple, ``_partial_part`` its code): a program
+   owns a (row, KV head, split of slots, splits numbered across the parts) and all ``g * q`` query
+   rows of that KV head (GQA packing, so each record is read once per group), computes masked
+   logits, keeps an online softmax in fp32 and writes its partial max / sum / output, plus the
+   logits themselves (4 bytes per slot and query row; keys are never read again).
 2. ``_combine_kernel``: joins the splits of every part into one softmax per query row and writes
    the output in the query dtype.
-3. ``_score_kernel``, once per part: turns the stored logits into probabilities, reduces them over
-   the GQA group (``max`` / ``mean`` / ``l2``) and over the chunk's queries, and adds them to the
-   slots' score sums in place (the records' score fields, the ring's score array): the decode-time
-   significance scores come out of the same pass, with no second read of K. Beyond the records,
-   a step moves per slot the logits (written and read back, ``4 g q`` bytes each way) and the
-   score field's read-modify-write (8 bytes).
+3. ``_score_kernel``, one launch for every part (``_score_part``): turns the stored logits into
+   probabilities, reduces them over the GQA group (``max`` / ``mean`` / ``l2``) and over the chunk's
+   queries, and adds them to the slots' score sums in place (the records' score fields, the ring's
+   score array): the decode-time significance scores come out of the same pass, with no second
+   read of K. Beyond the records, a step moves per slot the logits (written and read back,
+   ``4 g q`` bytes each way) and the score field's read-modify-write (8 bytes).
 
 Masking is by logical position, from the slots' tags (``position + 1``, 0 = empty): a slot is
 visible to query ``i`` iff it is not empty, not left padding (``pos >= pad_end[row]``) and not in
@@ -58,40 +59,36 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _paged_constants(lay) -> dict:
-    """The partial kernel's constexpr arguments for a paged part of layout ``lay`` (once per layout)."""
+def _paged_constants(lay) -> tuple:
+    """A paged part's ``FMT`` for the partial kernel (``_partial_part``), built once per layout."""
     kc, vc = format_constants(lay.key), format_constants(lay.value)
-    fmt = dict(REC=lay.nbytes, V_OFF=lay.key.nbytes, TAG_OFF=lay.pos_offset)
-    fmt |= dict(K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"])
-    return fmt | dict(V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"])
+    fields = [(c["fam"], c["bits"], c["group"], c["dtype"]) for c in (kc, vc)]
+    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1])
+
+
+def _dense_constants(part: DenseSlots, dim: int, write: bool) -> tuple:
+    """A dense part's ``FMT``: full-precision rows in the model dtype; ``write``: it takes the ring's new token."""
+    dt, bits = tl_dtype(part.k.dtype), 8 * part.k.element_size()
+    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt)
 
 
 # --------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _partial_kernel(
+def _partial_part(
     q_ptr,
     pad_end_ptr,
     q_start,
     scaling,
-    k_ptr,
-    v_ptr,
-    pos_ptr,
     pool_ptr,
-    table_ptr,
-    table_sb,
-    table_sh,
-    tpp,
     page_bytes,
-    n_slots,
-    split_slots,
+    part,  # (k, v, pos, table, table_sb, table_sh, tpp, n_slots, split_slots, col0, split0, n_splits)
+    sp,  # this program's split within the part
     logits_ptr,
     s_total,
-    col0,
     m_ptr,
     l_ptr,
     acc_ptr,
     ns_total,
-    split0,
     H,
     HQ,
     wk_ptr,
@@ -102,8 +99,7 @@ def _partial_kernel(
     wv_sh,
     w_slot,
     w_pos,
-    PAGED: tl.constexpr,
-    WRITE: tl.constexpr,
+    FMT: tl.constexpr,  # _part_constants: (PAGED, WRITE, REC, V_OFF, TAG_OFF, K_FAM .. K_DTYPE, V_FAM .. V_DTYPE)
     G: tl.constexpr,
     QLEN: tl.constexpr,
     QB: tl.constexpr,
@@ -112,22 +108,28 @@ def _partial_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    REC: tl.constexpr,
-    V_OFF: tl.constexpr,
-    TAG_OFF: tl.constexpr,
-    K_FAM: tl.constexpr,
-    K_BITS: tl.constexpr,
-    K_GROUP: tl.constexpr,
-    K_DTYPE: tl.constexpr,
-    V_FAM: tl.constexpr,
-    V_BITS: tl.constexpr,
-    V_GROUP: tl.constexpr,
-    V_DTYPE: tl.constexpr,
     DOT_T: tl.constexpr,
     INT_TILE: tl.constexpr,
 ):
+    """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
+    k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
+    table_sb, table_sh, tpp, n_slots, split_slots, col0, split0 = (
+        part[4], part[5], part[6], part[7], part[8], part[9], part[10]
+    )  # fmt: skip
+    PAGED: tl.constexpr = FMT[0]
+    WRITE: tl.constexpr = FMT[1]
+    REC: tl.constexpr = FMT[2]
+    V_OFF: tl.constexpr = FMT[3]
+    TAG_OFF: tl.constexpr = FMT[4]
+    K_FAM: tl.constexpr = FMT[5]
+    K_BITS: tl.constexpr = FMT[6]
+    K_GROUP: tl.constexpr = FMT[7]
+    K_DTYPE: tl.constexpr = FMT[8]
+    V_FAM: tl.constexpr = FMT[9]
+    V_BITS: tl.constexpr = FMT[10]
+    V_GROUP: tl.constexpr = FMT[11]
+    V_DTYPE: tl.constexpr = FMT[12]
     bh = tl.program_id(0)
-    sp = tl.program_id(1)
     qb = tl.program_id(2)
     b = bh // H
     h = bh % H
@@ -210,6 +212,57 @@ def _partial_kernel(
 
 
 @triton.jit
+def _partial_kernel(
+    q_ptr,
+    pad_end_ptr,
+    q_start,
+    scaling,
+    pool_ptr,
+    page_bytes,
+    parts,
+    logits_ptr,
+    s_total,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    ns_total,
+    H,
+    HQ,
+    wk_ptr,
+    wv_ptr,
+    wk_sb,
+    wk_sh,
+    wv_sb,
+    wv_sh,
+    w_slot,
+    w_pos,
+    FMTS: tl.constexpr,
+    NP: tl.constexpr,
+    G: tl.constexpr,
+    QLEN: tl.constexpr,
+    QB: tl.constexpr,
+    NQB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_T: tl.constexpr,
+    INT_TILE: tl.constexpr,
+):
+    """Every part in one launch: program (row x head, split, query block); splits are numbered across the
+    parts in order, and each part's code (its formats are constants) runs for its own splits."""
+    sp = tl.program_id(1)
+    for i in tl.static_range(NP):
+        part = parts[i]
+        if (sp >= part[10]) & (sp < part[10] + part[11]):
+            _partial_part(
+                q_ptr, pad_end_ptr, q_start, scaling, pool_ptr, page_bytes, part, sp - part[10], logits_ptr,
+                s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
+                w_slot, w_pos, FMTS[i], G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
+            )  # fmt: skip
+
+
+@triton.jit
 def _combine_kernel(
     m_ptr,
     l_ptr,
@@ -262,24 +315,18 @@ def _combine_kernel(
 
 
 @triton.jit
-def _score_kernel(
+def _score_part(
     logits_ptr,
     s_total,
-    col0,
     mf_ptr,
     lf_ptr,
     delta_ptr,
-    score_ptr,
     pool_ptr,
-    table_ptr,
-    table_sb,
-    table_sh,
-    H,
-    tpp,
     page_bytes,
-    n_slots,
-    PAGED: tl.constexpr,
-    ADD: tl.constexpr,
+    part,  # (score, table, table_sb, table_sh, tpp, n_slots, col0, block0, n_blocks)
+    j,  # this program's block of slots within the part
+    H,
+    FMT: tl.constexpr,  # (PAGED, ADD, REC, SCORE_OFF)
     WRITE_DELTA: tl.constexpr,
     RED: tl.constexpr,
     G: tl.constexpr,
@@ -288,11 +335,17 @@ def _score_kernel(
     NQB: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    REC: tl.constexpr,
-    SCORE_OFF: tl.constexpr,
 ):
+    """One block of one part's slots: their probabilities, GQA-reduced, summed over the queries, added."""
+    score_ptr, table_ptr, table_sb, table_sh, tpp, n_slots, col0 = (
+        part[0], part[1], part[2], part[3], part[4], part[5], part[6]
+    )  # fmt: skip
+    PAGED: tl.constexpr = FMT[0]
+    ADD: tl.constexpr = FMT[1]
+    REC: tl.constexpr = FMT[2]
+    SCORE_OFF: tl.constexpr = FMT[3]
     bh = tl.program_id(0)
-    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s = j * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = s < n_slots
     r = tl.arange(0, BLOCK_R)
     delta = tl.zeros([BLOCK_S], tl.float32)
@@ -335,8 +388,40 @@ def _score_kernel(
         tl.store(sc, tl.load(sc, mask=in_range, other=0.0) + delta, mask=in_range)
 
 
+@triton.jit
+def _score_kernel(
+    logits_ptr,
+    s_total,
+    mf_ptr,
+    lf_ptr,
+    delta_ptr,
+    pool_ptr,
+    page_bytes,
+    parts,
+    H,
+    FMTS: tl.constexpr,
+    NP: tl.constexpr,
+    WRITE_DELTA: tl.constexpr,
+    RED: tl.constexpr,
+    G: tl.constexpr,
+    QLEN: tl.constexpr,
+    QB: tl.constexpr,
+    NQB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Every part in one launch: program (row x head, block of slots numbered across the parts)."""
+    j = tl.program_id(1)
+    for i in tl.static_range(NP):
+        part = parts[i]
+        if (j >= part[7]) & (j < part[7] + part[8]):
+            _score_part(
+                logits_ptr, s_total, mf_ptr, lf_ptr, delta_ptr, pool_ptr, page_bytes, part, j - part[7], H,
+                FMTS[i], WRITE_DELTA, RED, G, QLEN, QB, NQB, BLOCK_R, BLOCK_S,
+            )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- wrappers
-_NO_TABLE = (None, None, 0, 0, 1, 0)  # (pool, table, table strides, tpp, page_bytes) of a dense part
 
 
 def _table_args(part: PagedSlots) -> tuple:
@@ -451,52 +536,53 @@ def paged_attention(
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
 
-    col0 = split0 = 0
+    # One launch of each kernel for all parts: each part's arguments in a tuple, its formats in a constant
+    # tuple, so a kernel instance holds the code of exactly the parts it reads.
+    paged = [p for p in parts if isinstance(p, PagedSlots)]
+    pool = paged[0].pool if paged else query
+    if any(p.pool.data_ptr() != pool.data_ptr() or p.pool.shape != pool.shape for p in paged):
+        raise ValueError("paged_attention: the paged parts must share one pool (a layer's tiers do)")
+    page_bytes = pool.shape[1] if paged else 0
+    p_args, p_fmts, s_args, s_fmts = [], [], [], []
+    wargs = _NO_WRITE
+    col0 = split0 = block0 = 0
+    block_s = 64
     for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
         if nsp == 0:
             continue
         if isinstance(part, DenseSlots):
-            dt = tl_dtype(part.k.dtype)
+            write = window_write if idx == 0 else None
+            if write is not None:
+                wargs = _write_args(write, part, bsz, heads, dim)
             k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
-            paged = _NO_TABLE
-            fmt = dict(REC=4, V_OFF=0, TAG_OFF=0, K_FAM=0, K_BITS=8 * part.k.element_size(), K_GROUP=dim)
-            fmt |= dict(K_DTYPE=dt, V_FAM=0, V_BITS=8 * part.k.element_size(), V_GROUP=dim, V_DTYPE=dt)
-        else:
-            k = v = pos = None
-            paged = _table_args(part)
-            fmt = _paged_constants(part.layout)
-        write = window_write if idx == 0 else None
-        wargs = _write_args(write, part, bsz, heads, dim)
-        _partial_kernel[(bsz * heads, nsp, nqb)](
-            query, pad_end, q_start, scaling, k, v, pos, *paged, n, sp, logits, s_total, col0,
-            m, l_, acc, ns_total, split0, heads, hq, *wargs,
-            PAGED=isinstance(part, PagedSlots), WRITE=write is not None, D=dim, BLOCK_D=block_d, BLOCK_N=block_n,
-            DOT_T=dot_t, INT_TILE=tile, **shape, **fmt, **launch,
-        )  # fmt: skip
-        col0 += n
-        split0 += nsp
-    _combine_kernel[(bsz * heads, nqb)](m, l_, acc, ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=block_d, **shape)
-
-    col0 = 0
-    block_s = 64
-    for part, n in zip(parts, sizes, strict=True):
-        if n == 0:
-            continue
-        paged_part = isinstance(part, PagedSlots)
-        if paged_part:
-            lay = part.layout
-            score, paged = None, _table_args(part)
-            offs = dict(REC=lay.nbytes, SCORE_OFF=lay.score_offset)
-        else:
-            score, paged, offs = part.score, _NO_TABLE, dict(REC=4, SCORE_OFF=0)
+            p_args.append((k, v, pos, pos, 0, 0, 1, n, sp, col0, split0, nsp))
+            p_fmts.append(_dense_constants(part, dim, write is not None))
+            score = part.score
             if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
                 raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
-        add = add_scores and (paged_part or score is not None)
-        pool, table, t_sb, t_sh, tpp, page_bytes = paged
-        _score_kernel[(bsz * heads, _cdiv(n, block_s))](
-            logits, s_total, col0, mf, lf, delta, score, pool, table, t_sb, t_sh, heads, tpp, page_bytes, n,
-            PAGED=paged_part, ADD=add, WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s,
-            **shape, **offs,
-        )  # fmt: skip
+            add = add_scores and score is not None
+            table_args = (pos, 0, 0, 1)
+            s_fmt = (False, add, 4, 0)
+        else:
+            _, table, t_sb, t_sh, tpp, _ = _table_args(part)
+            p_args.append((table, table, table, table, t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
+            p_fmts.append(_paged_constants(part.layout))
+            score, table_args = None, (table, t_sb, t_sh, tpp)
+            s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
+        nblk = _cdiv(n, block_s)
+        s_args.append((score if score is not None else table_args[0], *table_args, n, col0, block0, nblk))
+        s_fmts.append(s_fmt)
         col0 += n
+        split0 += nsp
+        block0 += nblk
+    _partial_kernel[(bsz * heads, ns_total, nqb)](
+        query, pad_end, q_start, scaling, pool, page_bytes, tuple(p_args), logits, s_total, m, l_, acc, ns_total,
+        heads, hq, *wargs, FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_T=dot_t, INT_TILE=tile, **shape, **launch,
+    )  # fmt: skip
+    _combine_kernel[(bsz * heads, nqb)](m, l_, acc, ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=block_d, **shape)
+    _score_kernel[(bsz * heads, block0)](
+        logits, s_total, mf, lf, delta, pool, page_bytes, tuple(s_args), heads, FMTS=tuple(s_fmts), NP=len(s_args),
+        WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s, **shape,
+    )  # fmt: skip
     return out, delta
