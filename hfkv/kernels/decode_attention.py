@@ -455,11 +455,11 @@ def _write_args(write, part: Part, bsz: int, heads: int, dim: int) -> tuple:
     return k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), write.slot, write.pos
 
 
-def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None) -> int:
+def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None, interp: bool | None = None) -> int:
     """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding)."""
     if split_slots is not None:
         return max(block_n, -(-split_slots // block_n) * block_n)
-    if interpreter_on():  # programs run one after another there: fewest programs is fastest
+    if interpreter_on() if interp is None else interp:  # programs run one after another there: fewest is fastest
         return max(block_n, _cdiv(n, block_n) * block_n)
     target = 256  # programs worth launching across all (row, head) pairs: ~2 waves on a large GPU
     per_head = -(-target // max(1, programs))
@@ -516,7 +516,8 @@ def paged_attention(
     pad_end = pad_end.to(device=device, dtype=torch.int64).contiguous()
     sizes = [p.slots for p in parts]
     s_total = sum(sizes)
-    splits = [_split_slots(n, bsz * heads, block_n, split_slots) for n in sizes]
+    interp = interpreter_on()
+    splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp) for n in sizes]
     n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
     ns_total = sum(n_splits)
     f32 = dict(dtype=torch.float32, device=device)
@@ -531,7 +532,7 @@ def paged_attention(
     delta = torch.empty(bsz, heads, s_total, **f32) if return_delta else None
     shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
     dot_t = tl_dtype(query.dtype)
-    if dot_t == tl.bfloat16 and interpreter_on():  # the interpreter's tl.dot reads bf16 operands as integers
+    if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
