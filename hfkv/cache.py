@@ -67,6 +67,7 @@ class TriStateLayer(CacheLayerMixin):
         # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
+        self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -465,7 +466,7 @@ class TriStateLayer(CacheLayerMixin):
         from hfkv.kernels.parts import DenseSlots, PagedSlots
 
         if self.backend == "triton":
-            from hfkv.kernels.decode_attention import paged_attention
+            from hfkv.kernels.decode_attention import plan_attention, plan_key, run_plan
         else:
             from hfkv.kernels.cpu.paged_decode import paged_attention_cpu as paged_attention
 
@@ -481,10 +482,20 @@ class TriStateLayer(CacheLayerMixin):
             parts.append(DenseSlots(*exits))
         parts += [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)]
         q = query.shape[2]
-        extra = {"window_write": write} if write is not None else {}
-        out, _ = paged_attention(
-            query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False, **extra
-        )
+        if self.backend == "triton":
+            # The launch plan depends only on the storage's tensors: it is rebuilt when a policy run, a
+            # grown table or pool, or a new query shape changes them, not every step.
+            key = plan_key(query, parts, write is not None)
+            if self._plan is None or self._plan.key != key:
+                self._plan = plan_attention(
+                    query, parts, self.pad_end, self.cfg.score_reduction, return_delta=False,
+                    window_write=write is not None,
+                )  # fmt: skip
+            out, _ = run_plan(self._plan, query, self.length - q, self.pad_end, scaling, write)
+        else:
+            out, _ = paged_attention(
+                query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False
+            )
         if write is not None:
             win.pending = None  # the kernel wrote it
         if exits is not None:
@@ -520,7 +531,7 @@ class TriStateLayer(CacheLayerMixin):
             self.tiers.reset()
             bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
-        self._tier_peak = 0
+        self._tier_peak, self._plan = 0, None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self.cache.invalidate_rho()

@@ -136,14 +136,15 @@ def test_interpreter_switched_on_too_late_is_named(monkeypatch):
 
 
 class _TorchOps(TorchDispatchMode):
-    """Names of the aten ops run inside the block."""
+    """Names of the aten ops run inside the block, views left out."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
+        if not func.is_view:  # views launch nothing
+            self.names.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
@@ -170,6 +171,7 @@ def test_triton_decode_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     g = torch.Generator().manual_seed(0)
+    plans = []
     for _ in range(3):
         k, v, q = (torch.randn(1, h, 1, 32, generator=g) for h in (2, 2, 4))
         with NoHostScalars(), _TorchOps() as ops:  # e.g. `pos[slot] = int`: a CPU scalar copied to the device
@@ -178,6 +180,8 @@ def test_triton_decode_step_makes_no_host_sync(monkeypatch):
             out = layer.attend(None, q, k, v, None, 32**-0.5)
         assert out.shape == (1, 1, 4, 32)
         # The window write happens in the partial launch: the step's only torch ops are allocations.
-        assert {n for n in ops.names if not n.startswith(("aten.empty", "aten.view", "aten.expand"))} == set()
+        assert {n for n in ops.names if not n.startswith("aten.empty")} == set()
+        plans.append(layer._plan)
+    assert plans[0] is plans[1] is plans[2]  # built once, reused while the storage's tensors stay
     names = {fn.fn.__name__ if hasattr(fn, "fn") else str(fn) for fn in launches}
     assert {"_partial_kernel", "_combine_kernel", "_score_kernel"} <= names

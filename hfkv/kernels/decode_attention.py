@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -466,6 +468,214 @@ def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None, i
     return max(block_n, _cdiv(_cdiv(n, per_head), block_n) * block_n)
 
 
+@dataclass
+class DecodePlan:
+    """Everything about a ``paged_attention`` call that only the parts' storage decides: launch arguments
+    and scratch buffers. A layer keeps one between policy runs (:func:`plan_attention`), so a decode
+    step's host work is three launches (:func:`run_plan`) and no argument building."""
+
+    key: tuple
+    parts: tuple  # held, so the tensors the key names by identity stay alive
+    grid: tuple[int, int, int]
+    heads: int
+    shape: dict[str, Any]
+    p_args: tuple
+    p_fmts: tuple
+    s_args: tuple
+    s_fmts: tuple
+    pool: torch.Tensor
+    page_bytes: int
+    s_total: int
+    ns_total: int
+    score_blocks: int
+    scratch: tuple[torch.Tensor, ...]  # logits, m, l, acc, mf, lf
+    ring: DenseSlots | None  # the part a window_write goes to (None: this plan takes no write)
+    out_shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    constants: dict[str, Any]
+    score_constants: dict[str, Any]
+    return_delta: bool
+
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _shared_scratch(device: torch.device, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Views of one fp32 buffer per device, grown geometrically and shared by every layer's plan.
+
+    The layers run one after another on one stream, so one layer's logits and partials are dead when the
+    next layer's partial pass writes them; a buffer per layer would hold, at 32k tokens x batch 8, tens
+    of MB times the layers. A plan made before the buffer grew keeps its own (older) buffer alive until
+    it is rebuilt at its layer's next policy run.
+    """
+    need = sum(sizes)
+    buf = _SCRATCH.get(device)
+    if buf is None or buf.numel() < need:
+        buf = torch.empty(max(need, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.float32, device=device)
+        _SCRATCH[device] = buf
+    out, at = [], 0
+    for n in sizes:
+        out.append(buf[at : at + n])
+        at += n
+    return out
+
+
+def plan_key(query: torch.Tensor, parts: Sequence[Part], write: bool) -> tuple:
+    """What a plan depends on beyond its options: the query's shape and dtype, each part's tensors (by
+    identity: the plan holds them, so an id cannot be reused while it lives) and shapes."""
+    ids = []
+    for p in parts:
+        if isinstance(p, DenseSlots):
+            ids.append((id(p.k), id(p.v), id(p.pos), id(p.score), p.k.shape))
+        else:
+            ids.append((id(p.pool), id(p.table), p.pool.shape, p.table.shape, p.tpp, p.layout))
+    return (tuple(query.shape), query.dtype, query.device, write, tuple(ids))
+
+
+def plan_attention(
+    query: torch.Tensor,
+    parts: Sequence[Part],
+    pad_end: torch.Tensor,
+    reduction: str = "max",
+    add_scores: bool = True,
+    split_slots: int | None = None,
+    block_n: int = BLOCK_N,
+    return_delta: bool = True,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    int_tile: bool = False,
+    window_write: bool = False,
+) -> DecodePlan:
+    """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
+    options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
+    heads, g = check_call(query, parts, pad_end, reduction)
+    bsz, hq, qlen, dim = query.shape
+    # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
+    # are tiled over query blocks so a program's rows stay few.
+    qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))
+    nqb = _cdiv(qlen, qb)
+    block_r = max(16, _next_pow2(g) * qb)
+    block_d = max(16, _next_pow2(dim))
+    device = query.device
+    sizes = [p.slots for p in parts]
+    s_total = sum(sizes)
+    interp = interpreter_on()
+    splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp) for n in sizes]
+    n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
+    ns_total = sum(n_splits)
+    blocks = bsz * heads * nqb
+    sizes_f32 = (
+        blocks * g * qb * max(1, s_total),  # logits: the valid query rows of each block
+        blocks * ns_total * block_r,  # m
+        blocks * ns_total * block_r,  # l
+        blocks * ns_total * block_r * block_d,  # acc
+        blocks * block_r,  # mf
+        blocks * block_r,  # lf
+    )
+    scratch = tuple(_shared_scratch(device, sizes_f32))
+    shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
+    dot_t = tl_dtype(query.dtype)
+    if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
+        dot_t = tl.float32
+    tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+
+    # One launch of each kernel for all parts: each part's arguments in a tuple, its formats in a constant
+    # tuple, so a kernel instance holds the code of exactly the parts it reads.
+    paged = [p for p in parts if isinstance(p, PagedSlots)]
+    pool = paged[0].pool if paged else query
+    if any(p.pool.data_ptr() != pool.data_ptr() or p.pool.shape != pool.shape for p in paged):
+        raise ValueError("paged_attention: the paged parts must share one pool (a layer's tiers do)")
+    if window_write and not (parts and isinstance(parts[0], DenseSlots) and n_splits[0]):
+        raise ValueError("paged_attention: window_write needs the first part to be a dense ring")
+    page_bytes = pool.shape[1] if paged else 0
+    p_args, p_fmts, s_args, s_fmts = [], [], [], []
+    col0 = split0 = block0 = 0
+    block_s = 64
+    for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
+        if nsp == 0:
+            continue
+        if isinstance(part, DenseSlots):
+            k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
+            p_args.append((k, v, pos, pos, 0, 0, 1, n, sp, col0, split0, nsp))
+            p_fmts.append(_dense_constants(part, dim, window_write and idx == 0))
+            score = part.score
+            if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
+                raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
+            add = add_scores and score is not None
+            table_args = (pos, 0, 0, 1)
+            s_fmt = (False, add, 4, 0)
+        else:
+            _, table, t_sb, t_sh, tpp, _ = _table_args(part)
+            p_args.append((table, table, table, table, t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
+            p_fmts.append(_paged_constants(part.layout))
+            score, table_args = None, (table, t_sb, t_sh, tpp)
+            s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
+        nblk = _cdiv(n, block_s)
+        s_args.append((score if score is not None else table_args[0], *table_args, n, col0, block0, nblk))
+        s_fmts.append(s_fmt)
+        col0 += n
+        split0 += nsp
+        block0 += nblk
+    constants = dict(
+        FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t, INT_TILE=tile
+    )
+    score_constants = dict(
+        FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
+    )
+    return DecodePlan(
+        key=plan_key(query, parts, window_write),
+        parts=tuple(parts),
+        grid=(bsz * heads, ns_total, nqb),
+        heads=heads,
+        shape=shape,
+        p_args=tuple(p_args),
+        p_fmts=tuple(p_fmts),
+        s_args=tuple(s_args),
+        s_fmts=tuple(s_fmts),
+        pool=pool,
+        page_bytes=page_bytes,
+        s_total=s_total,
+        ns_total=ns_total,
+        score_blocks=block0,
+        scratch=scratch,
+        ring=parts[0] if window_write else None,
+        out_shape=(bsz, qlen, hq, dim),
+        dtype=query.dtype,
+        constants=constants | shape | launch,
+        score_constants=score_constants | shape,
+        return_delta=return_delta,
+    )
+
+
+def run_plan(
+    plan: DecodePlan, query: torch.Tensor, q_start: int, pad_end: torch.Tensor, scaling: float, window_write=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The three launches of ``plan`` for ``query`` (shaped as the plan's) at logical positions ``q_start ..``."""
+    if (window_write is None) != (plan.ring is None):
+        raise ValueError("paged_attention: a plan made for a window_write needs one at every call, and only it")
+    bsz, qlen, hq, dim = plan.out_shape
+    heads, device = plan.heads, query.device
+    query = query.contiguous()
+    if pad_end.dtype != torch.int64 or pad_end.device != device:
+        pad_end = pad_end.to(device=device, dtype=torch.int64)
+    wargs = _NO_WRITE if window_write is None else _write_args(window_write, plan.ring, bsz, heads, dim)
+    logits, m, l_, acc, mf, lf = plan.scratch
+    out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
+    delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
+    _partial_kernel[plan.grid](
+        query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, logits, plan.s_total, m, l_, acc,
+        plan.ns_total, heads, hq, *wargs, **plan.constants,
+    )  # fmt: skip
+    _combine_kernel[plan.grid[0], plan.grid[2]](
+        m, l_, acc, plan.ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=plan.constants["BLOCK_D"], **plan.shape
+    )
+    _score_kernel[(plan.grid[0], plan.score_blocks)](
+        logits, plan.s_total, mf, lf, delta, plan.pool, plan.page_bytes, plan.s_args, heads, **plan.score_constants
+    )
+    return out, delta
+
+
 def paged_attention(
     query: torch.Tensor,
     parts: Sequence[Part],
@@ -503,87 +713,8 @@ def paged_attention(
     partial pass stores it (keys, values, position; an empty slot's score is already 0) and attends to
     it, so the step needs no separate writes.
     """
-    heads, g = check_call(query, parts, pad_end, reduction)
-    bsz, hq, qlen, dim = query.shape
-    # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
-    # are tiled over query blocks so a program's rows stay few.
-    qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))
-    nqb = _cdiv(qlen, qb)
-    block_r = max(16, _next_pow2(g) * qb)
-    block_d = max(16, _next_pow2(dim))
-    device = query.device
-    query = query.contiguous()
-    pad_end = pad_end.to(device=device, dtype=torch.int64).contiguous()
-    sizes = [p.slots for p in parts]
-    s_total = sum(sizes)
-    interp = interpreter_on()
-    splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp) for n in sizes]
-    n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
-    ns_total = sum(n_splits)
-    f32 = dict(dtype=torch.float32, device=device)
-    blocks = bsz * heads * nqb
-    logits = torch.empty(blocks * g * qb * max(1, s_total), **f32)  # the valid query rows of each block
-    m = torch.empty(blocks * ns_total * block_r, **f32)
-    l_ = torch.empty_like(m)
-    acc = torch.empty(blocks * ns_total * block_r * block_d, **f32)
-    out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
-    mf = torch.empty(blocks * block_r, **f32)
-    lf = torch.empty_like(mf)
-    delta = torch.empty(bsz, heads, s_total, **f32) if return_delta else None
-    shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
-    dot_t = tl_dtype(query.dtype)
-    if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
-        dot_t = tl.float32
-    tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-
-    # One launch of each kernel for all parts: each part's arguments in a tuple, its formats in a constant
-    # tuple, so a kernel instance holds the code of exactly the parts it reads.
-    paged = [p for p in parts if isinstance(p, PagedSlots)]
-    pool = paged[0].pool if paged else query
-    if any(p.pool.data_ptr() != pool.data_ptr() or p.pool.shape != pool.shape for p in paged):
-        raise ValueError("paged_attention: the paged parts must share one pool (a layer's tiers do)")
-    page_bytes = pool.shape[1] if paged else 0
-    p_args, p_fmts, s_args, s_fmts = [], [], [], []
-    wargs = _NO_WRITE
-    col0 = split0 = block0 = 0
-    block_s = 64
-    for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
-        if nsp == 0:
-            continue
-        if isinstance(part, DenseSlots):
-            write = window_write if idx == 0 else None
-            if write is not None:
-                wargs = _write_args(write, part, bsz, heads, dim)
-            k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
-            p_args.append((k, v, pos, pos, 0, 0, 1, n, sp, col0, split0, nsp))
-            p_fmts.append(_dense_constants(part, dim, write is not None))
-            score = part.score
-            if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
-                raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
-            add = add_scores and score is not None
-            table_args = (pos, 0, 0, 1)
-            s_fmt = (False, add, 4, 0)
-        else:
-            _, table, t_sb, t_sh, tpp, _ = _table_args(part)
-            p_args.append((table, table, table, table, t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
-            p_fmts.append(_paged_constants(part.layout))
-            score, table_args = None, (table, t_sb, t_sh, tpp)
-            s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
-        nblk = _cdiv(n, block_s)
-        s_args.append((score if score is not None else table_args[0], *table_args, n, col0, block0, nblk))
-        s_fmts.append(s_fmt)
-        col0 += n
-        split0 += nsp
-        block0 += nblk
-    _partial_kernel[(bsz * heads, ns_total, nqb)](
-        query, pad_end, q_start, scaling, pool, page_bytes, tuple(p_args), logits, s_total, m, l_, acc, ns_total,
-        heads, hq, *wargs, FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_T=dot_t, INT_TILE=tile, **shape, **launch,
+    plan = plan_attention(
+        query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
+        int_tile, window_write is not None,
     )  # fmt: skip
-    _combine_kernel[(bsz * heads, nqb)](m, l_, acc, ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=block_d, **shape)
-    _score_kernel[(bsz * heads, block0)](
-        logits, s_total, mf, lf, delta, pool, page_bytes, tuple(s_args), heads, FMTS=tuple(s_fmts), NP=len(s_args),
-        WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s, **shape,
-    )  # fmt: skip
-    return out, delta
+    return run_plan(plan, query, q_start, pad_end, scaling, window_write)
