@@ -466,9 +466,10 @@ class TriStateLayer(CacheLayerMixin):
         from hfkv.kernels.parts import DenseSlots, PagedSlots
 
         if self.backend == "triton":
-            from hfkv.kernels.decode_attention import plan_attention, plan_key, run_plan
+            from hfkv.kernels.decode_attention import DecodePlan, plan_attention, plan_key, run_plan
         else:
-            from hfkv.kernels.cpu.paged_decode import paged_attention_cpu as paged_attention
+            from hfkv.kernels.cpu.paged_decode import CpuPlan, paged_attention_cpu, plan_cpu
+            from hfkv.kernels.parts import plan_key
 
         self._chunk = None
         win, tiers = self.window, self.tiers
@@ -486,16 +487,20 @@ class TriStateLayer(CacheLayerMixin):
             # The launch plan depends only on the storage's tensors: it is rebuilt when a policy run, a
             # grown table or pool, or a new query shape changes them, not every step.
             key = plan_key(query, parts, write is not None)
-            if self._plan is None or self._plan.key != key:
+            if not isinstance(self._plan, DecodePlan) or self._plan.key != key:
                 self._plan = plan_attention(
                     query, parts, self.pad_end, self.cfg.score_reduction, return_delta=False,
                     window_write=write is not None,
                 )  # fmt: skip
             out, _ = run_plan(self._plan, query, self.length - q, self.pad_end, scaling, write)
-        else:
-            out, _ = paged_attention(
-                query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False
-            )
+        else:  # the CPU kernel's parts described once per storage change, as the Triton plan
+            key = plan_key(query, parts, False)
+            if not isinstance(self._plan, CpuPlan) or self._plan.key != key:
+                self._plan = plan_cpu(query, parts)
+            out, _ = paged_attention_cpu(
+                query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False,
+                plan=self._plan,
+            )  # fmt: skip
         if write is not None:
             win.pending = None  # the kernel wrote it
         if exits is not None:

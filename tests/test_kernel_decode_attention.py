@@ -309,3 +309,29 @@ def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
         torch.testing.assert_close(a, b, atol=0, rtol=0)  # ring contents, scores included
     with pytest.raises(ValueError, match="window_write slot 12 is outside"):
         call([t.clone() for t in (k, v, pos, score)], PendingWrite(new_k, new_v, cap, length))
+
+
+def test_cpu_plan_describes_parts_once_and_refuses_copies():
+    """A CpuPlan gives the kernel's results without describing the parts again; a part that would need a
+    copy to describe (here a non-contiguous ring) gets no plan, since a copy would go stale."""
+    from hfkv.kernels.cpu.paged_decode import plan_cpu
+
+    bsz, heads, dim, ratio, length = 2, 2, 64, 2, 80
+    layouts = (_layout("model", "model", dim, torch.float32), _layout("int4", "int2", dim, torch.float32))
+    tiers = _storage(layouts, bsz, heads, dim, length, (24, 40), None, seed=5)
+    win = _window(bsz, heads, dim, torch.float32, length, 12, 7, seed=9)
+    query = torch.randn(bsz, heads * ratio, 1, dim, generator=torch.Generator().manual_seed(1))
+    pad_end = torch.tensor([0, 5])
+
+    def parts(ring):
+        paged = [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+        return [DenseSlots(*ring), *paged]
+
+    plan = plan_cpu(query, parts(win))
+    assert plan is not None
+    ref = paged_attention_cpu(query, parts([t.clone() for t in win]), length, pad_end, dim**-0.5, add_scores=False)
+    got = paged_attention_cpu(query, parts(win), length, pad_end, dim**-0.5, add_scores=False, plan=plan)
+    torch.testing.assert_close(got[0], ref[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], ref[1], atol=0, rtol=0)
+    strided = (win[0].transpose(2, 3).contiguous().transpose(2, 3), *win[1:])  # same values, not contiguous
+    assert plan_cpu(query, parts(strided)) is None

@@ -41,10 +41,20 @@ import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
 from hfkv.kernels.dequant import format_constants, load_field, tl_dtype
-from hfkv.kernels.parts import DenseSlots, PagedSlots, Part
+from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
-__all__ = ["DenseSlots", "PagedSlots", "Part", "paged_attention", "paged_attention_reference"]
+__all__ = [
+    "DecodePlan",
+    "DenseSlots",
+    "PagedSlots",
+    "Part",
+    "paged_attention",
+    "paged_attention_reference",
+    "plan_attention",
+    "plan_key",
+    "run_plan",
+]
 
 
 # Slots a program reads per loop iteration. On an H200 (bf16, Llama-3.1-8B's shape) 64 beat 32 in every
@@ -518,18 +528,6 @@ def _shared_scratch(device: torch.device, sizes: Sequence[int]) -> list[torch.Te
         out.append(buf[at : at + n])
         at += n
     return out
-
-
-def plan_key(query: torch.Tensor, parts: Sequence[Part], write: bool) -> tuple:
-    """What a plan depends on beyond its options: the query's shape and dtype, each part's tensors (by
-    identity: the plan holds them, so an id cannot be reused while it lives) and shapes."""
-    ids = []
-    for p in parts:
-        if isinstance(p, DenseSlots):
-            ids.append((id(p.k), id(p.v), id(p.pos), id(p.score), p.k.shape))
-        else:
-            ids.append((id(p.pool), id(p.table), p.pool.shape, p.table.shape, p.tpp, p.layout))
-    return (tuple(query.shape), query.dtype, query.device, write, tuple(ids))
 
 
 def plan_attention(

@@ -11,7 +11,7 @@ import torch
 
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["DenseSlots", "PagedSlots", "Part"]
+__all__ = ["DenseSlots", "PagedSlots", "Part", "plan_key"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,17 @@ class PagedSlots:
 
 
 Part = DenseSlots | PagedSlots
+
+
+def plan_key(query: torch.Tensor, parts: list[Part] | tuple[Part, ...], write: bool) -> tuple:
+    """What a kernel's launch plan depends on beyond its options: the query's shape and dtype, each
+    part's tensors (by identity: a plan holds them, so an id cannot be reused while it lives) and shapes.
+    A layer keeps its plan while this key stays (its tensors change only at policy runs, when a table or
+    the pool grows, or on batch surgery)."""
+    ids = []
+    for p in parts:
+        if isinstance(p, DenseSlots):
+            ids.append((id(p.k), id(p.v), id(p.pos), id(p.score), p.k.shape))
+        else:
+            ids.append((id(p.pool), id(p.table), p.pool.shape, p.table.shape, p.tpp, p.layout))
+    return (tuple(query.shape), query.dtype, query.device, write, tuple(ids))

@@ -11,16 +11,17 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from hfkv.kernels.cpu.build import library
-from hfkv.kernels.parts import DenseSlots, Part
+from hfkv.kernels.parts import DenseSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call
 from hfkv.quant.formats import INT_BITS, QuantFormat
 
-__all__ = ["paged_attention_cpu"]
+__all__ = ["CpuPlan", "paged_attention_cpu", "plan_cpu"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FAMILIES = {"model": 0, "fp8": 2}
@@ -142,6 +143,29 @@ def _describe(part: Part, add_scores: bool, keep: list[torch.Tensor]) -> _Part:
     )
 
 
+@dataclass
+class CpuPlan:
+    """The C descriptions of a layer's parts, kept while its storage's tensors stay (``plan_key``): a
+    decode step then calls the kernel without describing its parts again (tens of microseconds of ctypes
+    per part). Only parts described without a copy are planned: a copy would go stale."""
+
+    key: tuple
+    described: ctypes.Array
+    keep: list[torch.Tensor]
+    s_total: int
+
+
+def plan_cpu(query: torch.Tensor, parts: Sequence[Part], add_scores: bool = True) -> CpuPlan | None:
+    """A :class:`CpuPlan` for ``parts``, or None where describing them needs a copy (then describe per call)."""
+    keep: list[torch.Tensor] = []
+    described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
+    held = {id(t) for p in parts for t in ((p.k, p.v, p.pos) if isinstance(p, DenseSlots) else (p.table,))}
+    if any(id(t) not in held for t in keep):
+        return None
+    keep += [t for p in parts for t in ((p.score,) if isinstance(p, DenseSlots) else (p.pool,)) if t is not None]
+    return CpuPlan(plan_key(query, parts, False), described, keep, sum(p.slots for p in parts))
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     parts: Sequence[Part],
@@ -153,6 +177,7 @@ def paged_attention_cpu(
     return_delta: bool = True,
     threads: int | None = None,
     min_split: int = 512,
+    plan: CpuPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -163,6 +188,8 @@ def paged_attention_cpu(
     ``threads`` (default: ``torch.get_num_threads()`` now, so a later ``torch.set_num_threads`` is honoured)
     threads share the (row, KV head) pairs; where those are fewer than twice the threads, each pair's slots
     are cut into ranges of at least ``min_split`` slots (split-K) so every thread has work.
+
+    ``plan`` (:func:`plan_cpu` of the same parts, made with the same ``add_scores``) skips describing them.
     """
     heads, g = check_call(query, parts, pad_end, reduction)
     if query.device.type != "cpu":
@@ -171,8 +198,11 @@ def paged_attention_cpu(
     # Rows of one KV head ordered (group member, query), as the torch path orders them.
     qf = (query.reshape(bsz, heads, g * qlen, dim).float() * scaling).contiguous()
     keep: list[torch.Tensor] = [qf]
-    described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
-    s_total = sum(p.slots for p in parts)
+    if plan is not None:
+        described, s_total = plan.described, plan.s_total
+    else:
+        described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
+        s_total = sum(p.slots for p in parts)
     pad = pad_end.to(torch.int64).contiguous()
     out = torch.zeros(bsz, heads, g * qlen, dim, dtype=torch.float32)
     delta = torch.empty(bsz, heads, s_total, dtype=torch.float32) if return_delta else None
