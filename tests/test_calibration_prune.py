@@ -64,12 +64,16 @@ class Spy:
         return [[(7 * i + j) % 250 for j in range(max_new_tokens - i)] for i in range(len(problems))]
 
 
-def _patched(fake, spy, seen):
+def _patched(fake, spy, seen, barrier=None):
     """The spy as the generator, ``fake`` as the objective; what each worker teacher-forces lands in ``seen``.
-    Patched once around all workers (a patch per thread would be undone by the first thread to finish)."""
+    Patched once around all workers (a patch per thread would be undone by the first thread to finish).
+    With ``barrier``, each worker waits there after building its objective, so every worker builds one
+    before any runs a trial (else a fast worker may finish the study before another starts)."""
 
     def make(ctx, model, tok, problems, solutions=None):
         seen.append(solutions)
+        if barrier is not None:
+            barrier.wait()
         return fake
 
     stack = contextlib.ExitStack()
@@ -95,7 +99,7 @@ def test_solutions_are_generated_once_per_study_across_workers_and_resumes(tmp_p
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    with _patched(fake, spy, seen):
+    with _patched(fake, spy, seen, threading.Barrier(2, timeout=120)):
         threads = [threading.Thread(target=one_worker, args=(i,)) for i in range(2)]
         for th in threads:
             th.start()
