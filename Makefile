@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean gpu-check
+.PHONY: demo test lint venv clean gpu-check aot-compat
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,15 @@ test: $(STAMP)
 gpu-check:
 	$(PYTHON) -m hfkv.kernels.gpu_check --out $${OUT:-gpu_check_out} $(GPU_CHECK_ARGS)
 
+# The GPU image's Triton (3.6) compiles what the venv's does not always: compile every kernel configuration
+# with it too, on this CPU machine, before a lease (docs/kernels.md, "Before a lease").
+AOT_TRITON ?= triton==3.6.0
+aot-compat: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target .aot-triton $(AOT_TRITON)
+	env -u TRITON_INTERPRET PYTHONPATH=.aot-triton $(PY) -m hfkv.kernels.aot_check
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfkv tests eval configs calibration
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .aot-triton

@@ -175,3 +175,37 @@ def test_offload_copies_storages_once_and_writes_back_into_the_callers_tensors()
     whole, row = mover(pool), mover(pool[1])  # two views of one storage: one copy, the same views of it
     assert whole.data_ptr() != pool.data_ptr() and row.data_ptr() == whole.data_ptr() + 32
     assert len(mover.storages) == 1
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="the kernels run in Triton's interpreter here")
+def test_offload_routes_every_launch_of_a_generate_through_the_wrappers(monkeypatch):
+    """A cache that launches through an entry point the plugin does not wrap hands CPU pointers to a GPU
+    (the second H200 run: the cache's kept plan, ``run_plan``): every launch must happen inside a wrapper."""
+    import importlib
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hfkv import TriStateCache
+    from hfkv.kernels import gpu_offload
+    from tests.models import tiny_model
+
+    for module_name, name in gpu_offload.WRAPPED:
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, name, gpu_offload.offloaded(getattr(module, name), "cpu"))
+    launches, outside = [], []
+    run = InterpretedFunction.run
+
+    def record(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        if gpu_offload.ACTIVE[0] == 0:
+            outside.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
+    model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert {"_partial_kernel", "_encode_write_kernel"} <= set(launches)
+    assert outside == []

@@ -17,8 +17,9 @@ from hfkv.quant.formats import QuantFormat
 from hfkv.storage import PagedTiers, RecordLayout
 
 KERNELS = {
-    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, **kw),  # several splits and blocks
-    "triton-int-tile": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_tile=True, **kw),
+    # several splits and blocks; integer codes read as rows (the default) and per element
+    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_tile=True, **kw),
+    "triton-per-element": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_tile=False, **kw),
     "cpu": paged_attention_cpu,
 }
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))

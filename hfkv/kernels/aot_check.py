@@ -20,15 +20,6 @@ import torch
 
 from hfkv.kernels.backend import interpreter_on
 
-_SIG = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.uint8: "u8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
-
 
 @contextmanager
 def captured_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
@@ -48,53 +39,43 @@ def captured_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
         JITFunction.run = original
 
 
-def _signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict]:
-    values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-    constexprs = {p.name for p in fn.params if p.is_constexpr}
-    sig, consts = {}, {}
+def _specialized(fn, backend, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, Any]:
+    """Signature, constants, attributes and options exactly as ``JITFunction.run`` derives them.
 
-    def kind(name: str, v: Any) -> Any:
-        if isinstance(v, tuple):  # a tuple argument (one part's pointers and sizes): a tuple of types
-            return tuple(kind(name, x) for x in v)
-        if isinstance(v, torch.Tensor):
-            return "*" + _SIG[v.dtype]
-        if isinstance(v, bool):
-            return "i1"
-        if isinstance(v, int):
-            return "i64" if abs(v) >= 2**31 else "i32"
-        if isinstance(v, float):
-            return "fp32"
-        raise TypeError(f"aot_check: argument {name}={v!r} of {fn.__name__} has no signature type")
+    A hand-built signature misses what the launcher specialises on its own (an integer argument equal
+    to 1, or inside a tuple, becomes a compile-time constant; pointers divisible by 16 get alignment
+    attributes), and the first GPU run failed on a path only that specialisation reaches. So the
+    launch's own binder and packer are used, with the target's backend in place of the device's.
+    """
+    from triton.runtime.jit import create_function_from_signature
 
-    for name in fn.arg_names:
-        v = values[name]
-        if name in constexprs or v is None:
-            sig[name], consts[(fn.arg_names.index(name),)] = "constexpr", v
-        else:
-            sig[name] = kind(name, v)
-    return sig, consts
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return signature, constexprs, attrs, options
 
 
 def compile_calls(calls: list[tuple[Any, tuple, dict]], arch: int = 90) -> list[dict]:
     """Compile captured launches for ``cuda:sm_<arch>``; one record per distinct configuration."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
     target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
     seen, out = set(), []
     for fn, args, kwargs in calls:
-        sig, consts = _signature(fn, args, kwargs)
-        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k[0], repr(v)) for k, v in consts.items())))
+        sig, consts, attrs, options = _specialized(fn, backend, args, kwargs)
+        key = (fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(sorted(attrs.items())))
         if key in seen:
             continue
         seen.add(key)
-        kernel = triton.compile(ASTSource(fn, sig, consts), target=target)
-        names = {i: n for i, n in enumerate(fn.arg_names)}
+        kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+        names = dict(enumerate(fn.arg_names))
         out.append(
             {
                 "kernel": fn.__name__,
-                "constexprs": {names[k[0]]: v for k, v in consts.items() if v is not None},
+                "constexprs": {names[k[0]]: v for k, v in consts.items() if len(k) == 1 and v is not None},
                 "shared_bytes": kernel.metadata.shared,
                 "cubin_bytes": len(kernel.asm["cubin"]),
             }
@@ -138,7 +119,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         with captured_launches() as got:
             for qlen in qlens:
                 query = torch.zeros(1, 2 * ratio, qlen, dim, dtype=dtype)
-                paged_attention(query, parts, 40, torch.zeros(1, dtype=torch.long), 0.1, "max", return_delta=False)
+                for int_tile in (False, True) if qlen == 1 else (False,):
+                    paged_attention(query, parts, 40, torch.zeros(1, dtype=torch.long), 0.1, "max",
+                                    return_delta=False, int_tile=int_tile)  # fmt: skip
             rows = torch.zeros(2, dim, dtype=dtype)
             for t in range(2):
                 encode_write(tiers.pool.data, torch.zeros(2, dtype=torch.long), lay[t], rows, rows,
@@ -149,12 +132,56 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     return calls
 
 
+def decode_instances(sizes: tuple[int, ...] = (1, 3, 16, 17, 33, 64, 100), arch: int = 90) -> dict[str, int]:
+    """How many kernel instances a layer's decode steps compile as its storage and position change.
+
+    Each size is a different state between two policy runs (tokens per tier, ring slot and position
+    of the new token); the answer per kernel must be 1, or a policy run on a GPU pays a compile (seconds)
+    instead of a launch. Counted with the launcher's own specialisation (:func:`_specialized`).
+    """
+    if interpreter_on():
+        raise RuntimeError("aot_check compiles GPU kernels: run it without TRITON_INTERPRET=1")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
+    from hfkv.quant.formats import QuantFormat
+    from hfkv.storage import PagedTiers, RecordLayout
+    from hfkv.storage.window import PendingWrite
+
+    dim, dtype = 128, torch.bfloat16
+    lay = (
+        RecordLayout(QuantFormat("model", dim, 32, dtype), QuantFormat("model", dim, 32, dtype)),
+        RecordLayout(QuantFormat("int4", dim, 32, dtype), QuantFormat("int2", dim, 32, dtype)),
+    )
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    keys: dict[str, set] = {}
+    for n in sizes:
+        tiers = PagedTiers(lay, 2, 2, None)
+        for t in range(2):
+            tiers.append(t, torch.zeros(2, 2, n + t, lay[t].nbytes, dtype=torch.uint8), torch.ones(2, 2, n + t).bool())
+        ring = torch.zeros(2, 2, 24, dim, dtype=dtype)
+        win = DenseSlots(ring, ring.clone(), torch.arange(24), torch.zeros(2, 2, 24))
+        parts = [win] + [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t]) for t in range(2)]
+        new = torch.zeros(2, 2, 1, dim, dtype=dtype)
+        with captured_launches() as got:
+            paged_attention(torch.zeros(2, 8, 1, dim, dtype=dtype), parts, 40 + n, torch.zeros(2, dtype=torch.long),
+                            0.1, "max", return_delta=False, window_write=PendingWrite(new, new, n % 24, 40 + n))  # fmt: skip
+        for fn, args, kwargs in got:
+            sig, consts, attrs, options = _specialized(fn, backend, args, kwargs)
+            key = (repr(sorted(sig.items())), repr(sorted(consts.items())), repr(sorted(attrs.items())))
+            keys.setdefault(fn.__name__, set()).add(key)
+    return {name: len(k) for name, k in keys.items()}
+
+
 def main(report: Callable[[str], None] = print) -> int:
     done = compile_calls(representative_calls())
     for r in done:
         report(f"{r['kernel']:<22} shared {r['shared_bytes']:>6} B  cubin {r['cubin_bytes']:>7} B  {r['constexprs']}")
+    counts = decode_instances()
+    report("decode-step instances over 7 storage states: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     report(f"{len(done)} kernel configurations compiled for sm_90")
-    return 0
+    return 0 if all(v == 1 for v in counts.values()) else 1
 
 
 if __name__ == "__main__":

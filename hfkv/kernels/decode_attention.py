@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -57,9 +58,21 @@ __all__ = [
 ]
 
 
-# Slots a program reads per loop iteration. On an H200 (bf16, Llama-3.1-8B's shape) 64 beat 32 in every
-# case measured and 128 was slower with 8 warps: eval/results/gpu/kernel_variants_h200.json.
-BLOCK_N = 64
+# The partial pass's launch shape: slots per loop iteration, warps, pipeline stages, and integer codes read
+# as rows (``int_tile``). On an H200 (bf16, Llama-3.1-8B's shape, 32k x 8) 128 / 4 / 2 with rows was the
+# fastest or within 2% of it for full, quant and hfkv storage; reading codes per element was 4x slower
+# for every shape (eval/results/gpu/kernel_variants_h200_run2.json; 64 beat 32 everywhere in run 1's).
+BLOCK_N = 128
+NUM_WARPS = 4
+NUM_STAGES = 2
+INT_TILE = True
+
+# Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
+# not as integer arguments: Triton specialises every integer it is handed inside a tuple (equal to 1, a
+# multiple of 16) with no way to turn it off, so each policy run's new sizes compiled new kernel
+# instances (the second H200 run: 1.7 s mean decode step, 29 ms median). Loaded, they never do.
+META_COLS = 8
+META = tl.constexpr(META_COLS)
 
 
 def _next_pow2(n: int) -> int:
@@ -93,7 +106,8 @@ def _partial_part(
     scaling,
     pool_ptr,
     page_bytes,
-    part,  # (k, v, pos, table, table_sb, table_sh, tpp, n_slots, split_slots, col0, split0, n_splits)
+    part,  # (k, v, pos, table): pointers only (see _meta)
+    meta_ptr,  # this part's row of the plan's meta: table_sb, table_sh, tpp, n_slots, split_slots, col0, split0
     sp,  # this program's split within the part
     logits_ptr,
     s_total,
@@ -111,7 +125,8 @@ def _partial_part(
     wv_sh,
     w_slot,
     w_pos,
-    FMT: tl.constexpr,  # _part_constants: (PAGED, WRITE, REC, V_OFF, TAG_OFF, K_FAM .. K_DTYPE, V_FAM .. V_DTYPE)
+    FMTS: tl.constexpr,  # every part's _part_constants: (PAGED, WRITE, REC, V_OFF, TAG_OFF, K_FAM .. V_DTYPE)
+    PI: tl.constexpr,  # this part's index in FMTS
     G: tl.constexpr,
     QLEN: tl.constexpr,
     QB: tl.constexpr,
@@ -125,9 +140,16 @@ def _partial_part(
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
-    table_sb, table_sh, tpp, n_slots, split_slots, col0, split0 = (
-        part[4], part[5], part[6], part[7], part[8], part[9], part[10]
-    )  # fmt: skip
+    table_sb = tl.load(meta_ptr + 0)
+    table_sh = tl.load(meta_ptr + 1)
+    tpp = tl.load(meta_ptr + 2).to(tl.int32)
+    n_slots = tl.load(meta_ptr + 3).to(tl.int32)
+    split_slots = tl.load(meta_ptr + 4).to(tl.int32)
+    col0 = tl.load(meta_ptr + 5)
+    split0 = tl.load(meta_ptr + 6).to(tl.int32)
+    # The whole tuple and an index, not FMTS[i]: Triton 3.6 passes a tuple taken out of a constant to
+    # a called function as loose Python values and fails to type them.
+    FMT: tl.constexpr = FMTS[PI]
     PAGED: tl.constexpr = FMT[0]
     WRITE: tl.constexpr = FMT[1]
     REC: tl.constexpr = FMT[2]
@@ -223,7 +245,13 @@ def _partial_part(
     tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
 
 
-@triton.jit
+# Integers that change between steps or policy runs stay runtime values (not specialised on value or
+# divisibility by 16), so a new position or size never compiles a new kernel instance.
+@triton.jit(
+    do_not_specialize=[
+        "q_start", "page_bytes", "s_total", "ns_total", "H", "HQ", "wk_sb", "wk_sh", "wv_sb", "wv_sh", "w_slot", "w_pos"
+    ]
+)  # fmt: skip
 def _partial_kernel(
     q_ptr,
     pad_end_ptr,
@@ -232,6 +260,7 @@ def _partial_kernel(
     pool_ptr,
     page_bytes,
     parts,
+    meta_ptr,
     logits_ptr,
     s_total,
     m_ptr,
@@ -266,15 +295,18 @@ def _partial_kernel(
     sp = tl.program_id(1)
     for i in tl.static_range(NP):
         part = parts[i]
-        if (sp >= part[10]) & (sp < part[10] + part[11]):
+        split0 = tl.load(meta_ptr + i * META + 6).to(tl.int32)
+        n_splits = tl.load(meta_ptr + i * META + 7).to(tl.int32)
+        if (sp >= split0) & (sp < split0 + n_splits):
             _partial_part(
-                q_ptr, pad_end_ptr, q_start, scaling, pool_ptr, page_bytes, part, sp - part[10], logits_ptr,
+                q_ptr, pad_end_ptr, q_start, scaling, pool_ptr, page_bytes, part, meta_ptr + i * META, sp - split0,
+                logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
-                w_slot, w_pos, FMTS[i], G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
+                w_slot, w_pos, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ns_total", "H", "HQ"])
 def _combine_kernel(
     m_ptr,
     l_ptr,
@@ -335,10 +367,12 @@ def _score_part(
     delta_ptr,
     pool_ptr,
     page_bytes,
-    part,  # (score, table, table_sb, table_sh, tpp, n_slots, col0, block0, n_blocks)
+    part,  # (score, table): pointers only (see _meta)
+    meta_ptr,  # this part's row of the plan's score meta: table_sb, table_sh, tpp, n_slots, col0
     j,  # this program's block of slots within the part
     H,
-    FMT: tl.constexpr,  # (PAGED, ADD, REC, SCORE_OFF)
+    FMTS: tl.constexpr,  # every part's (PAGED, ADD, REC, SCORE_OFF)
+    PI: tl.constexpr,  # this part's index in FMTS
     WRITE_DELTA: tl.constexpr,
     RED: tl.constexpr,
     G: tl.constexpr,
@@ -349,9 +383,15 @@ def _score_part(
     BLOCK_S: tl.constexpr,
 ):
     """One block of one part's slots: their probabilities, GQA-reduced, summed over the queries, added."""
-    score_ptr, table_ptr, table_sb, table_sh, tpp, n_slots, col0 = (
-        part[0], part[1], part[2], part[3], part[4], part[5], part[6]
-    )  # fmt: skip
+    score_ptr, table_ptr = part[0], part[1]
+    table_sb = tl.load(meta_ptr + 0)
+    table_sh = tl.load(meta_ptr + 1)
+    tpp = tl.load(meta_ptr + 2).to(tl.int32)
+    n_slots = tl.load(meta_ptr + 3).to(tl.int32)
+    col0 = tl.load(meta_ptr + 4)
+    # The whole tuple and an index, not FMTS[i]: Triton 3.6 passes a tuple taken out of a constant to
+    # a called function as loose Python values and fails to type them.
+    FMT: tl.constexpr = FMTS[PI]
     PAGED: tl.constexpr = FMT[0]
     ADD: tl.constexpr = FMT[1]
     REC: tl.constexpr = FMT[2]
@@ -400,7 +440,7 @@ def _score_part(
         tl.store(sc, tl.load(sc, mask=in_range, other=0.0) + delta, mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_total", "page_bytes", "H"])
 def _score_kernel(
     logits_ptr,
     s_total,
@@ -410,6 +450,7 @@ def _score_kernel(
     pool_ptr,
     page_bytes,
     parts,
+    meta_ptr,
     H,
     FMTS: tl.constexpr,
     NP: tl.constexpr,
@@ -426,10 +467,13 @@ def _score_kernel(
     j = tl.program_id(1)
     for i in tl.static_range(NP):
         part = parts[i]
-        if (j >= part[7]) & (j < part[7] + part[8]):
+        block0 = tl.load(meta_ptr + i * META + 5).to(tl.int32)
+        n_blocks = tl.load(meta_ptr + i * META + 6).to(tl.int32)
+        if (j >= block0) & (j < block0 + n_blocks):
             _score_part(
-                logits_ptr, s_total, mf_ptr, lf_ptr, delta_ptr, pool_ptr, page_bytes, part, j - part[7], H,
-                FMTS[i], WRITE_DELTA, RED, G, QLEN, QB, NQB, BLOCK_R, BLOCK_S,
+                logits_ptr, s_total, mf_ptr, lf_ptr, delta_ptr, pool_ptr, page_bytes, part, meta_ptr + i * META,
+                j - block0, H,
+                FMTS, i, WRITE_DELTA, RED, G, QLEN, QB, NQB, BLOCK_R, BLOCK_S,
             )  # fmt: skip
 
 
@@ -493,6 +537,9 @@ class DecodePlan:
     p_fmts: tuple
     s_args: tuple
     s_fmts: tuple
+    p_meta: torch.Tensor  # [parts, META_COLS] int64 on the device: the partial pass's sizes per part
+    s_meta: torch.Tensor  # the score pass's
+    meta_host: torch.Tensor  # their pinned source, alive until the asynchronous copy has surely run
     pool: torch.Tensor
     page_bytes: int
     s_total: int
@@ -541,7 +588,7 @@ def plan_attention(
     return_delta: bool = True,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    int_tile: bool = False,
+    int_tile: bool = INT_TILE,
     window_write: bool = False,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
@@ -576,7 +623,10 @@ def plan_attention(
     if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    launch = {
+        "num_warps": NUM_WARPS if num_warps is None else num_warps,
+        "num_stages": NUM_STAGES if num_stages is None else num_stages,
+    }
 
     # One launch of each kernel for all parts: each part's arguments in a tuple, its formats in a constant
     # tuple, so a kernel instance holds the code of exactly the parts it reads.
@@ -587,7 +637,7 @@ def plan_attention(
     if window_write and not (parts and isinstance(parts[0], DenseSlots) and n_splits[0]):
         raise ValueError("paged_attention: window_write needs the first part to be a dense ring")
     page_bytes = pool.shape[1] if paged else 0
-    p_args, p_fmts, s_args, s_fmts = [], [], [], []
+    p_args, p_fmts, s_args, s_fmts, p_meta, s_meta = [], [], [], [], [], []
     col0 = split0 = block0 = 0
     block_s = 64
     for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
@@ -595,7 +645,8 @@ def plan_attention(
             continue
         if isinstance(part, DenseSlots):
             k, v, pos = part.k.contiguous(), part.v.contiguous(), part.pos.contiguous()
-            p_args.append((k, v, pos, pos, 0, 0, 1, n, sp, col0, split0, nsp))
+            p_args.append((k, v, pos, pos))
+            p_meta.append((0, 0, 1, n, sp, col0, split0, nsp))
             p_fmts.append(_dense_constants(part, dim, window_write and idx == 0))
             score = part.score
             if score is not None and not (score.is_contiguous() and score.dtype == torch.float32):
@@ -605,16 +656,24 @@ def plan_attention(
             s_fmt = (False, add, 4, 0)
         else:
             _, table, t_sb, t_sh, tpp, _ = _table_args(part)
-            p_args.append((table, table, table, table, t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
+            p_args.append((table, table, table, table))
+            p_meta.append((t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
             p_fmts.append(_paged_constants(part.layout))
             score, table_args = None, (table, t_sb, t_sh, tpp)
             s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
         nblk = _cdiv(n, block_s)
-        s_args.append((score if score is not None else table_args[0], *table_args, n, col0, block0, nblk))
+        s_args.append((score if score is not None else table_args[0], table_args[0]))
+        s_meta.append((*table_args[1:], n, col0, block0, nblk, 0))
         s_fmts.append(s_fmt)
         col0 += n
         split0 += nsp
         block0 += nblk
+    # One copy per plan (a policy run), asynchronous: from pinned memory the plan keeps alive (meta_host),
+    # built from numpy so no host number is lifted into a tensor op (NoHostScalars guards the step).
+    meta_host = torch.from_numpy(np.asarray([p_meta, s_meta], dtype=np.int64).reshape(2, len(p_meta), META_COLS))
+    if device.type == "cuda":
+        meta_host = meta_host.pin_memory()
+    meta = meta_host.to(device, non_blocking=True)
     constants = dict(
         FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t, INT_TILE=tile
     )
@@ -631,6 +690,9 @@ def plan_attention(
         p_fmts=tuple(p_fmts),
         s_args=tuple(s_args),
         s_fmts=tuple(s_fmts),
+        p_meta=meta[0],
+        s_meta=meta[1],
+        meta_host=meta_host,
         pool=pool,
         page_bytes=page_bytes,
         s_total=s_total,
@@ -662,14 +724,24 @@ def run_plan(
     out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
     _partial_kernel[plan.grid](
-        query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, logits, plan.s_total, m, l_, acc,
-        plan.ns_total, heads, hq, *wargs, **plan.constants,
+        query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, plan.p_meta, logits, plan.s_total,
+        m, l_, acc, plan.ns_total, heads, hq, *wargs, **plan.constants,
     )  # fmt: skip
     _combine_kernel[plan.grid[0], plan.grid[2]](
         m, l_, acc, plan.ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=plan.constants["BLOCK_D"], **plan.shape
     )
     _score_kernel[(plan.grid[0], plan.score_blocks)](
-        logits, plan.s_total, mf, lf, delta, plan.pool, plan.page_bytes, plan.s_args, heads, **plan.score_constants
+        logits,
+        plan.s_total,
+        mf,
+        lf,
+        delta,
+        plan.pool,
+        plan.page_bytes,
+        plan.s_args,
+        plan.s_meta,
+        heads,
+        **plan.score_constants,
     )
     return out, delta
 
@@ -687,7 +759,7 @@ def paged_attention(
     return_delta: bool = True,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    int_tile: bool = False,
+    int_tile: bool = INT_TILE,
     window_write=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
@@ -702,8 +774,9 @@ def paged_attention(
     values and probabilities to it and run on tensor cores with fp32 accumulation, as flash attention
     does (the IEEE fp32 form ran at 2% of copy bandwidth on the first H200 run). Under the interpreter,
     whose tl.dot misreads bf16 operands, bf16 queries keep the fp32 products.
-    ``num_warps`` / ``num_stages`` override Triton's defaults for the partial pass, ``int_tile`` reads
-    integer codes as rows instead of per element (``load_field``; a power-of-two ``head_dim`` only):
+    ``block_n`` / ``num_warps`` / ``num_stages`` set the partial pass's launch shape (defaults: the
+    fastest measured, see ``BLOCK_N``); ``int_tile`` reads integer codes as rows (the default; a
+    power-of-two ``head_dim``, else per element) or, False, per element (``load_field``):
     ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,

@@ -4,12 +4,13 @@ The kernel tests (``tests/test_kernel_decode_attention.py``, ``test_kernel_encod
 ``generate`` equality tests (``test_backend_triton.py``) build their storage on the CPU and compare
 with the torch twins there, so on a machine without a GPU they run the kernels in Triton's
 interpreter. To run the same tests against the *compiled* kernels, with the same comparisons, this
-plugin wraps the four Triton entry points (``paged_attention``, ``encode_write``, ``move_records``,
-``clear_tags``): a call copies the storage behind every tensor argument to the device once (views
-of one storage stay views of one copy, so parts that share a pool share it there too), runs the
-wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in
-the tests' tensors as if the kernel had run on them. Returned tensors come back to the CPU. The
-cache's backend check lets ``backend="triton"`` run on CPU tensors for the same reason.
+plugin wraps the Triton entry points (``paged_attention`` and the cache's ``run_plan``,
+``encode_write``, ``move_records``, ``clear_tags``): a call copies the storage behind every tensor
+argument to the device once (views of one storage stay views of one copy, so parts that share a
+pool share it there too), runs the wrapper there, and copies each storage back, so in-place writes
+(pool bytes, score sums) land in the tests' tensors as if the kernel had run on them. Returned
+tensors come back to the CPU. The cache's backend check lets ``backend="triton"`` run on CPU
+tensors for the same reason.
 
     HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
 
@@ -32,17 +33,21 @@ from typing import Any
 
 import torch
 
-from hfkv.kernels.parts import DenseSlots, PagedSlots
-
 ENV_DEVICE = "HFKV_KERNEL_DEVICE"
 ENV_REPORT = "HFKV_TEST_REPORT"
 # Every Triton entry point the cache calls: one missing here would get CPU pointers on a GPU run and fail.
+# The cache launches decode attention through its kept plan (run_plan), the tests through paged_attention.
 WRAPPED = (
     ("hfkv.kernels.decode_attention", "paged_attention"),
+    ("hfkv.kernels.decode_attention", "run_plan"),
     ("hfkv.kernels.encode", "encode_write"),
     ("hfkv.kernels.move", "move_records"),
     ("hfkv.kernels.move", "clear_tags"),
 )
+
+# Offloaded calls under way: a Triton launch made while this is 0 bypassed the wrappers (an entry point
+# missing from WRAPPED), which on a GPU run fails on CPU pointers; the tests check it on the CPU.
+ACTIVE = [0]
 
 
 class _Mover:
@@ -55,9 +60,11 @@ class _Mover:
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return self._tensor(x)
-        if isinstance(x, (DenseSlots, PagedSlots)):
-            moved = {f.name: self(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):  # parts, a DecodePlan
+            moved = {f.name: self(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
             return dataclasses.replace(x, **moved)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (the ring's PendingWrite)
+            return type(x)(*(self(i) for i in x))
         if isinstance(x, (list, tuple)):
             return type(x)(self(i) for i in x)
         if isinstance(x, dict):
@@ -97,7 +104,11 @@ def offloaded(fn: Callable, device: torch.device | str) -> Callable:
     @functools.wraps(fn)
     def call(*args, **kwargs):
         mover = _Mover(device)
-        out = fn(*mover(args), **mover(kwargs))
+        ACTIVE[0] += 1
+        try:
+            out = fn(*mover(args), **mover(kwargs))
+        finally:
+            ACTIVE[0] -= 1
         mover.write_back()
         return _to_cpu(out)
 
