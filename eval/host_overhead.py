@@ -185,6 +185,7 @@ def measure(
     budget: int | None = 2048,
     cycles: int = 40,
     warmup_cycles: int = 2,
+    rounds: int = 5,
 ) -> dict[str, Any]:
     """Launches and host microseconds per compressed layer per decode step between policy runs (module docstring)."""
     from hfkv.kernels.backend import interpreter_on
@@ -225,7 +226,13 @@ def measure(
 
         run_steps(cache, layer, decode_inputs(batch, info, between, seed=2), between, mode, close_step)
         policy_runs[0] = 0
-        times = run_steps(cache, layer, decode_inputs(batch, info, between * cycles, seed=3), between)
+        # Several rounds, each its own median: on this VM one run's median moves by tens of microseconds
+        # from minute to minute, so the figure is the median of the rounds' medians, the rounds beside it.
+        rounds_times = [
+            run_steps(cache, layer, decode_inputs(batch, info, between * cycles, seed=3 + r), between)
+            for r in range(rounds)
+        ]
+        times = [t for ts in rounds_times for t in ts]
         timed_policy_runs = policy_runs[0]
         # Then what a policy run itself launches and waits for (counted, not timed): steps run on until two ran.
         watching[0] = True
@@ -234,11 +241,13 @@ def measure(
     torch_ops = sum((s["torch"] for s in per_step), Counter())
     n = len(per_step)
     launches = (sum(triton.values()) + sum(torch_ops.values())) / n
-    host_us = 1e6 * statistics.median(times)
+    round_us = [1e6 * statistics.median(ts) for ts in rounds_times]
+    host_us = statistics.median(round_us)
     st = layer.layer_stats()
     return {
         "launches_per_layer": launches,
         "host_us_per_layer": host_us,
+        "host_us_per_layer_rounds": round_us,
         "host_us_per_layer_mean": 1e6 * statistics.fmean(times),
         "host_us_per_layer_p20_p80": [1e6 * _quantile(times, 0.2), 1e6 * _quantile(times, 0.8)],
         "triton_launches_per_layer": sum(triton.values()) / n,
@@ -305,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=ca.integer(1), default=1, help="rows (default 1)")
     ap.add_argument("--budget", type=ca.integer(1), default=2048, help="hfkv budget, fp_tokens per KV head (2048)")
     ap.add_argument("--cycles", type=ca.integer(1), default=40, help="timed runs of interval-1 steps (default 40)")
+    ap.add_argument("--rounds", type=ca.integer(1), default=5, help="timed rounds of --cycles; median of medians (5)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
     quiet.add_arguments(ap, default_threads="1")
     try:
@@ -318,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if record["busy"]:
         print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
     torch.set_num_threads(args.threads[0])
-    result = measure(args.context, args.batch, budget=args.budget, cycles=args.cycles)
+    result = measure(args.context, args.batch, budget=args.budget, cycles=args.cycles, rounds=args.rounds)
     quiet.finish(record)
     result |= {
         "what": "host time and launches hfkv adds per compressed layer per decode step between policy runs; "

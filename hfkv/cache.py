@@ -12,6 +12,9 @@ quantized tier or evicts it, and may later demote or evict it further, never bac
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import torch
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
@@ -26,6 +29,7 @@ from hfkv.attention.interface import NAME, enable, pending, request_logical_mask
 from hfkv.attention.slots import slot_attention_received
 from hfkv.config import TriStateConfig
 from hfkv.kernels.backend import resolve_backend
+from hfkv.kernels.parts import DenseSlots, PagedSlots, plan_key
 from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, token_scores
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
@@ -40,6 +44,22 @@ _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
 # The CPU kernel loops over slots with every query row of a KV head per record: right for decode steps
 # (g rows), while a long chunk's thousands of rows belong to the torch path's batched matmuls.
 CPU_KERNEL_MAX_ROWS = 64
+
+
+_KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
+def _kernel_module(backend: str) -> ModuleType:
+    """The decode kernels' module for ``backend``, imported at first use (the Triton one imports triton).
+
+    Kept as a module, not its functions, so a wrapper installed on them later (the GPU offload plugin)
+    is what a step calls; a step looks it up in a dict instead of running import statements.
+    """
+    mod = _KERNEL_MODULES.get(backend)
+    if mod is None:
+        name = "hfkv.kernels.decode_attention" if backend == "triton" else "hfkv.kernels.cpu.paged_decode"
+        mod = _KERNEL_MODULES[backend] = importlib.import_module(name)
+    return mod
 
 
 class TriStateLayer(CacheLayerMixin):
@@ -68,6 +88,7 @@ class TriStateLayer(CacheLayerMixin):
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
         self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
+        self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -463,41 +484,47 @@ class TriStateLayer(CacheLayerMixin):
         """The same attention through the paged kernels (Triton, or the CPU kernel): records are read and
         dequantized where they lie, scores are added in place, and the mask comes from slot positions
         (causal + left padding)."""
-        from hfkv.kernels.parts import DenseSlots, PagedSlots
-
-        if self.backend == "triton":
-            from hfkv.kernels.decode_attention import DecodePlan, plan_attention, plan_key, run_plan
-        else:
-            from hfkv.kernels.cpu.paged_decode import CpuPlan, paged_attention_cpu, plan_cpu
-            from hfkv.kernels.parts import plan_key
-
+        kernels = _kernel_module(self.backend)
         self._chunk = None
         win, tiers = self.window, self.tiers
         write = win.pending if self.backend == "triton" else None
         if write is None:
             win.flush()
-        parts = [DenseSlots(*win.raw())]
         exits, self._exits = self._exits, None
-        if exits is not None:
-            exits = (*exits[:3], exits[3].contiguous().float())
-            parts.append(DenseSlots(*exits))
-        parts += [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)]
         q = query.shape[2]
-        if self.backend == "triton":
+        # Between policy runs a step's storage is the tensors of the last one: a signature of them (ids
+        # and shapes, what plan_key holds) finds the kept plan without building the parts and their key.
+        sig = None
+        if exits is None:
+            sig = (query.shape, query.dtype, query.device, write is not None, *map(id, win.raw()),
+                   id(tiers.pool.data), tiers.pool.data.shape, *((id(t), t.shape) for t in tiers.tables))  # fmt: skip
+        if sig is not None and self._plan is not None and self._plan_sig == sig:
+            parts = self._plan_parts
+        else:
+            parts = [DenseSlots(*win.raw())]
+            if exits is not None:
+                exits = (*exits[:3], exits[3].contiguous().float())
+                parts.append(DenseSlots(*exits))
+            parts += [
+                PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)
+            ]
             # The launch plan depends only on the storage's tensors: it is rebuilt when a policy run, a
             # grown table or pool, or a new query shape changes them, not every step.
             key = plan_key(query, parts, write is not None)
-            if not isinstance(self._plan, DecodePlan) or self._plan.key != key:
-                self._plan = plan_attention(
-                    query, parts, self.pad_end, self.cfg.score_reduction, return_delta=False,
-                    window_write=write is not None,
-                )  # fmt: skip
-            out, _ = run_plan(self._plan, query, self.length - q, self.pad_end, scaling, write)
-        else:  # the CPU kernel's parts described once per storage change, as the Triton plan
-            key = plan_key(query, parts, False)
-            if not isinstance(self._plan, CpuPlan) or self._plan.key != key:
-                self._plan = plan_cpu(query, parts)
-            out, _ = paged_attention_cpu(
+            plan_type = kernels.DecodePlan if self.backend == "triton" else kernels.CpuPlan
+            if self._plan is None or self._plan.key != key or not isinstance(self._plan, plan_type):
+                if self.backend == "triton":
+                    self._plan = kernels.plan_attention(
+                        query, parts, self.pad_end, self.cfg.score_reduction, return_delta=False,
+                        window_write=write is not None,
+                    )  # fmt: skip
+                else:  # the CPU kernel's parts described once per storage change, as the Triton plan
+                    self._plan = kernels.plan_cpu(query, parts)
+            self._plan_sig, self._plan_parts = sig, parts
+        if self.backend == "triton":
+            out, _ = kernels.run_plan(self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False)
+        else:
+            out, _ = kernels.paged_attention_cpu(
                 query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False,
                 plan=self._plan,
             )  # fmt: skip
@@ -536,7 +563,7 @@ class TriStateLayer(CacheLayerMixin):
             self.tiers.reset()
             bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
-        self._tier_peak, self._plan = 0, None
+        self._tier_peak, self._plan, self._plan_sig, self._plan_parts = 0, None, None, None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self.cache.invalidate_rho()
@@ -672,6 +699,11 @@ class TriStateCache(DynamicCache):
         return cache_html(self.stats(), self.config.summary(), len(self.layers), self.oq_ratios())
 
     def attention_ready(self) -> bool:
+        # Read from the instance dict: transformers' config attribute lookup costs ~5 us, and every
+        # compressed layer checks this at every step (the property returns this same field).
+        fields = object.__getattribute__(self.model_config, "__dict__")
+        if "_attn_implementation_internal" in fields:
+            return fields["_attn_implementation_internal"] == NAME
         return self.model_config._attn_implementation == NAME
 
     def _tri_layers(self) -> list[TriStateLayer]:

@@ -24,10 +24,12 @@ _spec.loader.exec_module(ho)
 
 @pytest.mark.skipif(not interpreter_on(), reason="launches are recorded in Triton's interpreter (CPU)")
 def test_measure_counts_launches_and_host_time_at_a_toy_size():
-    r = ho.measure(context=160, shape_name="cpu-small", budget=48, cycles=2, warmup_cycles=1)
+    r = ho.measure(context=160, shape_name="cpu-small", budget=48, cycles=2, warmup_cycles=1, rounds=3)
     between = r["steps_between_restores"]
     assert between == 7  # the hfkv preset's interval 8: the 8th step after a policy run runs the next
-    assert r["timed_steps"] == 2 * between and r["policy_runs_in_timed_steps"] == 0
+    assert r["timed_steps"] == 3 * 2 * between and r["policy_runs_in_timed_steps"] == 0
+    rounds = sorted(r["host_us_per_layer_rounds"])
+    assert len(rounds) == 3 and r["host_us_per_layer"] == rounds[1]  # the median of the rounds' medians
     by_kernel = r["launches_by_kernel"]
     # One launch of each decode kernel for all parts (the ring and the tiers holding tokens).
     assert by_kernel == {"_partial_kernel": 1, "_combine_kernel": 1, "_score_kernel": 1}

@@ -164,9 +164,10 @@ def decode_instances(sizes: tuple[int, ...] = (1, 3, 16, 17, 33, 64, 100), arch:
         win = DenseSlots(ring, ring.clone(), torch.arange(24), torch.zeros(2, 2, 24))
         parts = [win] + [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t]) for t in range(2)]
         new = torch.zeros(2, 2, 1, dim, dtype=dtype)
+        write = PendingWrite(new, new, n % 24, 40 + n)
         with captured_launches() as got:
             paged_attention(torch.zeros(2, 8, 1, dim, dtype=dtype), parts, 40 + n, torch.zeros(2, dtype=torch.long),
-                            0.1, "max", return_delta=False, window_write=PendingWrite(new, new, n % 24, 40 + n))  # fmt: skip
+                            0.1, "max", return_delta=False, window_write=write)  # fmt: skip
         for fn, args, kwargs in got:
             sig, consts, attrs, options = _specialized(fn, backend, args, kwargs)
             key = (repr(sorted(sig.items())), repr(sorted(consts.items())), repr(sorted(attrs.items())))

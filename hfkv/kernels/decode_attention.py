@@ -709,9 +709,20 @@ def plan_attention(
 
 
 def run_plan(
-    plan: DecodePlan, query: torch.Tensor, q_start: int, pad_end: torch.Tensor, scaling: float, window_write=None
+    plan: DecodePlan,
+    query: torch.Tensor,
+    q_start: int,
+    pad_end: torch.Tensor,
+    scaling: float,
+    window_write=None,
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The three launches of ``plan`` for ``query`` (shaped as the plan's) at logical positions ``q_start ..``."""
+    """The three launches of ``plan`` for ``query`` (shaped as the plan's) at logical positions ``q_start ..``.
+
+    ``checked=False`` skips validating ``window_write`` against the ring: for a caller whose pending write
+    comes from the ring itself (the cache's, ``WindowRing.push_deferred``), where the checks are a few
+    microseconds of a step's host time and can never fail.
+    """
     if (window_write is None) != (plan.ring is None):
         raise ValueError("paged_attention: a plan made for a window_write needs one at every call, and only it")
     bsz, qlen, hq, dim = plan.out_shape
@@ -719,7 +730,13 @@ def run_plan(
     query = query.contiguous()
     if pad_end.dtype != torch.int64 or pad_end.device != device:
         pad_end = pad_end.to(device=device, dtype=torch.int64)
-    wargs = _NO_WRITE if window_write is None else _write_args(window_write, plan.ring, bsz, heads, dim)
+    if window_write is None:
+        wargs = _NO_WRITE
+    elif checked:
+        wargs = _write_args(window_write, plan.ring, bsz, heads, dim)
+    else:
+        k, v = window_write.k, window_write.v
+        wargs = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), window_write.slot, window_write.pos)
     logits, m, l_, acc, mf, lf = plan.scratch
     out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
