@@ -96,3 +96,35 @@ def test_budgets_the_model_refuses_count_as_too_small():
 
     with pytest.raises(ValueError, match="something else"):  # any other error is not swallowed
         cp.match_budget(broken, "hfkv", 0.3, start=40, steps=8)
+
+
+def test_memoized_evaluations_survive_an_interruption(tmp_path):
+    """Each held-out evaluation is kept on disk as it finishes: a second run with the same context asks for
+    none again, a different context (other problems, model, objective) for all, and a line cut short by
+    the interruption is skipped while later ones still append."""
+    from hfkv.calibration.objectives import Evaluation
+
+    calls: list[int] = []
+
+    def evaluate(cfg: TriStateConfig) -> Evaluation:
+        calls.append(cfg.budget)
+        return Evaluation({"kl": 1.0 / cfg.budget, "top1": 0.5}, 10 * cfg.budget, 10_000, 6)
+
+    path = tmp_path / "evals.jsonl"
+    configs = [TriStateConfig.from_preset("hfkv", budget=b) for b in (32, 64, 128)]
+    ctx = {"holdout_sha256": "abc", "spec": {"model": "tiny"}}
+    first = cp.memoized(evaluate, path, ctx)
+    got = [first(c) for c in configs[:2]] + [first(configs[0])]
+    assert calls == [32, 64]
+    again = cp.memoized(evaluate, path, ctx)
+    assert [again(c).to_dict() for c in configs[:2]] == [g.to_dict() for g in got[:2]] and calls == [32, 64]
+    with path.open("a") as fh:  # an interruption in the middle of writing a line
+        fh.write('{"context": "cut sh')
+    resumed = cp.memoized(evaluate, path, ctx)
+    resumed(configs[0]), resumed(configs[2])
+    assert calls == [32, 64, 128]
+    assert cp.memoized(evaluate, path, ctx)(configs[2]).quality == {"kl": 1.0 / 128, "top1": 0.5}
+    assert calls == [32, 64, 128]  # the line after the cut one was written whole
+    other = cp.memoized(evaluate, path, {"holdout_sha256": "def", "spec": {"model": "tiny"}})
+    other(configs[0])
+    assert calls == [32, 64, 128, 32]

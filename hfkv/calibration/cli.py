@@ -538,7 +538,13 @@ def run(args: argparse.Namespace) -> int:
             held = ctx.selection.holdout
             solutions = ensure_solutions(ctx, study, model, tok, held, "holdout", progress)
             objective = make_objective(ctx, model, tok, held, solutions)
-            evaluate = cp.memoized(lambda c: objective.evaluate(c, progress))
+            # Every evaluation is kept as it finishes, so an interrupted comparison resumes (memoized()).
+            context = {"holdout_sha256": ctx.selection.holdout_hash, "spec": ctx.spec}
+            evaluate = cp.memoized(
+                lambda c: objective.evaluate(c, progress),
+                out / "holdout_evaluations.jsonl",
+                json.loads(json.dumps(context)),
+            )
             result = cp.compare(evaluate, cfg, metric, args.compare, objective.longest(), args.match_steps)
             result["levels"] = cp.compare_levels(
                 evaluate, cfg, metric, args.compare, levels, objective.longest(), args.match_steps

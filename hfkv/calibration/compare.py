@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,15 +56,46 @@ def parse_levels(text: str) -> list[float]:
     return sorted(set(levels))
 
 
-def memoized(evaluate: Callable[[TriStateConfig], Evaluation]) -> Callable[[TriStateConfig], Evaluation]:
+def memoized(
+    evaluate: Callable[[TriStateConfig], Evaluation], path: Path | None = None, context: dict | None = None
+) -> Callable[[TriStateConfig], Evaluation]:
     """``evaluate`` that runs each config once (the name aside): the comparison at the selected memory and
-    the one per level probe many of the same budgets, and each probe is a pass over the held-out problems."""
+    the one per level probe many of the same budgets, and each probe is a pass over the held-out problems.
+
+    With ``path``, every evaluation is also appended to that JSONL file (a line each, flushed and synced)
+    under ``context`` (what an evaluation depends on besides the config: the held-out problems, the model,
+    the objective), and the lines of the same context found there are reused. A comparison is tens of
+    evaluations of minutes each on a CPU, so an interrupted one resumes where it stopped; a line cut short
+    by the interruption is skipped.
+    """
     seen: dict[str, Evaluation] = {}
+    ctx = json.dumps(context, sort_keys=True, default=str) if context is not None else ""
+    newline_first = False
+    if path is not None and path.is_file():
+        text = path.read_text(encoding="utf-8")
+        newline_first = bool(text) and not text.endswith("\n")
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("context") == ctx:
+                seen[row["config"]] = Evaluation(row["quality"], row["kv_bytes"], row["dense_bytes"], row["n"])
 
     def run(cfg: TriStateConfig) -> Evaluation:
+        nonlocal newline_first
         key = json.dumps({**cfg.to_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
         if key not in seen:
-            seen[key] = evaluate(cfg)
+            ev = seen[key] = evaluate(cfg)
+            if path is not None:
+                row = {"context": ctx, "config": key, "quality": ev.quality, "kv_bytes": ev.kv_bytes,
+                       "dense_bytes": ev.dense_bytes, "n": ev.n}  # fmt: skip
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a", encoding="utf-8") as fh:
+                    fh.write(("\n" if newline_first else "") + json.dumps(row, sort_keys=True) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                newline_first = False
         return seen[key]
 
     return run

@@ -682,21 +682,25 @@ void attend_all(Work& w, int64_t BH, int threads) {
 
 extern "C" {
 
-// query [B, H, G * qlen, D] fp32, already scaled, rows ordered (gi, qi); out [B, H, G * qlen, D] fp32,
-// zeroed; delta [B, H, sum slots] fp32 or null; logits: scratch of B * H * (G * qlen + 1) * round_up(sum
+// query [B, H, G * qlen, D] fp32, rows ordered (gi, qi), scaled here by `scaling`; out [B, H, G * qlen, D]
+// fp32, zeroed here (scaling and zeroing in the caller cost a decode step two tensor ops per layer); delta [B, H, sum slots] fp32 or null; logits: scratch of B * H * (G * qlen + 1) * round_up(sum
 // slots, 16) floats. threads: how many threads to use (torch.get_num_threads() at the call); min_split: the
 // fewest slots a split-K range holds.
 // Returns 0, or -1 for a head dim beyond 512.
 int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32_t qlen, int32_t dim,
                       int64_t q_start, const int64_t* pad_end, int32_t nparts, const HfkvPart* parts,
                       int32_t reduction, float* out, float* delta, float* logits, int32_t threads,
-                      int32_t min_split) {
+                      int32_t min_split, float scaling) {
     if (dim > 512) return -1;  // the staging buffers of decode_field
     std::vector<int64_t> part_start(nparts + 1, 0);
     for (int pi = 0; pi < nparts; ++pi) part_start[pi + 1] = part_start[pi] + parts[pi].slots;
     const int64_t s_total = part_start[nparts], BH = static_cast<int64_t>(B) * H;
     const int64_t stride = (s_total + kLanes - 1) / kLanes * kLanes;
     const int rows = G * qlen;
+    const int64_t q_numel = BH * rows * dim;
+    std::vector<float> scaled(static_cast<size_t>(q_numel));
+    for (int64_t i = 0; i < q_numel; ++i) scaled[i] = query[i] * scaling;
+    std::memset(out, 0, sizeof(float) * static_cast<size_t>(q_numel));
     // Split-K only where (row, head) pairs are fewer than twice the threads, never below min_split slots.
     int64_t nsplit = 1;
     if (threads > 1 && BH < 2 * threads) nsplit = (2 * threads + BH - 1) / BH;
@@ -706,7 +710,7 @@ int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32
     nsplit = stride ? (stride + split_len - 1) / split_len : 1;
     std::vector<float> stats(BH * nsplit * rows * 2);
     std::vector<float> partial(nsplit > 1 ? BH * nsplit * rows * dim : 0, 0.0f);
-    Work w{query, G, qlen, dim, H, nparts, reduction, static_cast<int>(nsplit), q_start, s_total, stride,
+    Work w{scaled.data(), G, qlen, dim, H, nparts, reduction, static_cast<int>(nsplit), q_start, s_total, stride,
            split_len ? split_len : kLanes, pad_end, parts, part_start.data(), out, delta, logits,
            logits + BH * rows * stride, stats.data(), partial.data()};
     switch (dim) {

@@ -77,10 +77,15 @@ def _scratch(numel: int) -> torch.Tensor:
 
 
 @cache
+@cache
 def _kernel():
+    """The C entry point with its argument types, set once (ctypes setup is microseconds a step otherwise)."""
     fn = library().hfkv_paged_decode
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i32, i32, i32, i32, i32, i64, ptr, i32, ctypes.POINTER(_Part), i32, ptr, ptr, ptr, i32, i32]
+    fn.argtypes = [
+        ptr, i32, i32, i32, i32, i32, i64, ptr, i32, ctypes.POINTER(_Part), i32, ptr, ptr, ptr, i32, i32,
+        ctypes.c_float,
+    ]  # fmt: skip
     fn.restype = ctypes.c_int
     if library().hfkv_part_size() != ctypes.sizeof(_Part):
         raise RuntimeError("hfkv CPU kernel: the C and ctypes part layouts differ (a stale build?)")
@@ -153,17 +158,20 @@ class CpuPlan:
     described: ctypes.Array
     keep: list[torch.Tensor]
     s_total: int
+    heads: int  # KV heads and GQA group of the query it was made for (check_call's answer)
+    g: int
 
 
 def plan_cpu(query: torch.Tensor, parts: Sequence[Part], add_scores: bool = True) -> CpuPlan | None:
     """A :class:`CpuPlan` for ``parts``, or None where describing them needs a copy (then describe per call)."""
+    heads, g = check_call(query, parts, torch.zeros(query.shape[0], dtype=torch.int64), "max")
     keep: list[torch.Tensor] = []
     described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
     held = {id(t) for p in parts for t in ((p.k, p.v, p.pos) if isinstance(p, DenseSlots) else (p.table,))}
     if any(id(t) not in held for t in keep):
         return None
     keep += [t for p in parts for t in ((p.score,) if isinstance(p, DenseSlots) else (p.pool,)) if t is not None]
-    return CpuPlan(plan_key(query, parts, False), described, keep, sum(p.slots for p in parts))
+    return CpuPlan(plan_key(query, parts, False), described, keep, sum(p.slots for p in parts), heads, g)
 
 
 def paged_attention_cpu(
@@ -178,6 +186,7 @@ def paged_attention_cpu(
     threads: int | None = None,
     min_split: int = 512,
     plan: CpuPlan | None = None,
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -189,14 +198,19 @@ def paged_attention_cpu(
     threads share the (row, KV head) pairs; where those are fewer than twice the threads, each pair's slots
     are cut into ranges of at least ``min_split`` slots (split-K) so every thread has work.
 
-    ``plan`` (:func:`plan_cpu` of the same parts, made with the same ``add_scores``) skips describing them.
+    ``plan`` (:func:`plan_cpu` of the same parts, made with the same ``add_scores``) skips describing them;
+    with it, ``checked=False`` also skips validating the arguments, which the plan's were (the cache's decode
+    step, whose parts are its own storage: a few microseconds of its host time per layer).
     """
-    heads, g = check_call(query, parts, pad_end, reduction)
-    if query.device.type != "cpu":
-        raise ValueError(f"paged_attention_cpu: tensors must be on the CPU, got query on {query.device}")
+    if checked or plan is None:
+        heads, g = check_call(query, parts, pad_end, reduction)
+        if query.device.type != "cpu":
+            raise ValueError(f"paged_attention_cpu: tensors must be on the CPU, got query on {query.device}")
+    else:
+        heads, g = plan.heads, plan.g
     bsz, hq, qlen, dim = query.shape
-    # Rows of one KV head ordered (group member, query), as the torch path orders them.
-    qf = (query.reshape(bsz, heads, g * qlen, dim).float() * scaling).contiguous()
+    # Rows of one KV head ordered (group member, query), as the torch path orders them; scaled by the kernel.
+    qf = query.reshape(bsz, heads, g * qlen, dim).float().contiguous()
     keep: list[torch.Tensor] = [qf]
     if plan is not None:
         described, s_total = plan.described, plan.s_total
@@ -204,7 +218,7 @@ def paged_attention_cpu(
         described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
         s_total = sum(p.slots for p in parts)
     pad = pad_end.to(torch.int64).contiguous()
-    out = torch.zeros(bsz, heads, g * qlen, dim, dtype=torch.float32)
+    out = torch.empty(bsz, heads, g * qlen, dim, dtype=torch.float32)  # zeroed by the kernel
     delta = torch.empty(bsz, heads, s_total, dtype=torch.float32) if return_delta else None
     threads = torch.get_num_threads() if threads is None else threads
     if threads < 1 or min_split < 1:
@@ -214,7 +228,7 @@ def paged_attention_cpu(
     status = _kernel()(
         qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(parts), described,
         REDUCTIONS[reduction], out.data_ptr(), delta.data_ptr() if delta is not None else None, logits.data_ptr(),
-        threads, min_split,
+        threads, min_split, scaling,
     )  # fmt: skip
     if status != 0:
         raise ValueError(
