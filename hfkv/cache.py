@@ -282,10 +282,7 @@ class TriStateLayer(CacheLayerMixin):
         if self.memory_budget:
             rows = (bsz,) if cfg.head_adaptive else (bsz, heads)
             room = self.room * (heads if cfg.head_adaptive else 1)
-            cap = None
-            if rho is not None:  # ARKV's OQ ratio: the layer's share of the exact tokens that would fit
-                cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
-                cap = cap if cfg.head_adaptive else cap.view(bsz, 1).expand(bsz, heads)
+            cap = None if rho is None else self._exact_cap(rho, heads)
             if self.backend == "cpu":  # the same decisions, selected in C++ instead of sorted in torch
                 from hfkv.kernels.cpu.allocate import allocate_cpu as allocate_fn
             else:
@@ -331,6 +328,14 @@ class TriStateLayer(CacheLayerMixin):
             exits = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
         ek, ev, epos, escore = exits
         bsz, heads, m = escore.shape
+        if self._nothing_competes(epos):
+            # allocate() would keep every held token where it is and admit every exit exact (its own fast
+            # path): only the admission has work to do.
+            new_exits = torch.where(self._not_padding(epos), ORIGINAL, EVICTED).to(torch.int8)
+            if m:
+                self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
+            self._refresh_tier_peak()
+            return
         metas = [self.tiers.read_meta(t) for t in range(self.tiers.num_tiers)]
         sizes = [meta[0].shape[-1] for meta in metas]
         pos = torch.cat([*(meta[0].long() for meta in metas), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
@@ -349,6 +354,34 @@ class TriStateLayer(CacheLayerMixin):
         if m:
             self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
         self._refresh_tier_peak()
+
+    def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
+        """ARKV's OQ ratio as a cap on exact tokens: the layer's share of the exact tokens that would fit in
+        the room (``[B]`` with ``head_adaptive``, else ``[B, H]``)."""
+        room = self.room * (heads if self.cfg.head_adaptive else 1)
+        cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
+        return cap if self.cfg.head_adaptive else cap.view(-1, 1).expand(cap.shape[0], heads)
+
+    def _nothing_competes(self, exit_pos: torch.Tensor) -> bool:
+        """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
+        exit (at full precision) fits, no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
+        room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
+        and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and reading every tier's
+        metadata to ask it would be the run's whole cost: at short contexts most runs are these."""
+        if not self.memory_budget or bool((self.alpha_l > 0).any()):
+            return False
+        counts = self.tiers.counts
+        entering = self._not_padding(exit_pos).sum(-1)  # [B, H] exits that would be held exact
+        held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)  # [B, H] bytes
+        held = held + entering * self.cost[ORIGINAL]
+        exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
+        heads = held.shape[1]
+        if self.cfg.head_adaptive:
+            held, exact = held.sum(-1), exact.sum(-1)
+        if not bool((held <= self.room * (heads if self.cfg.head_adaptive else 1)).all()):
+            return False
+        rho = self.cache.rho(self.layer_idx)
+        return rho is None or bool((exact <= self._exact_cap(rho, heads)).all())
 
     def _apply(self, news: list[torch.Tensor], valids: list[torch.Tensor]) -> None:
         """Move tokens whose state changed: drop the evicted, re-encode the demoted into their new tier."""

@@ -1,0 +1,69 @@
+"""A policy run where nothing competes for the byte budget only admits the window's exits, and ends exactly
+where the full run (metadata of every tier, allocate(), moves) ends: same tokens generated, same states,
+same records and score sums, whether the budget binds later or never."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfkv import TriStateCache
+from hfkv.cache import TriStateLayer
+from tests.models import left_padded_batch, tiny_model
+
+
+def _state(cache: TriStateCache) -> list:
+    out = []
+    for layer in cache.layers:
+        tiers = layer.tiers
+        metas = [tuple(x.clone() for x in tiers.read_meta(t)) for t in range(tiers.num_tiers)]
+        out.append((tiers.counts.clone(), metas, cache.token_states(layer.layer_idx).clone()))
+    return out
+
+
+def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
+    original = TriStateLayer._nothing_competes
+    answers: list[bool] = []
+
+    def spy(self, exit_pos):
+        answers.append(False if slow else original(self, exit_pos))
+        return answers[-1]
+
+    monkeypatch.setattr(TriStateLayer, "_nothing_competes", spy)
+    overrides = dict(overrides)
+    if overrides.pop("half_oq", False):  # OQ ratios of 0.5: the cap on exact tokens binds before the bytes do
+        monkeypatch.setattr(TriStateCache, "rho", lambda self, i: torch.full((ids.shape[0],), 0.5))
+    cache = TriStateCache(model, "hfkv", **overrides)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=44, do_sample=False)
+    monkeypatch.setattr(TriStateLayer, "_nothing_competes", original)
+    monkeypatch.undo()
+    return out, _state(cache), answers
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"budget": 40, "window": 4},  # OQ-ratio cap on exact tokens (the preset's), the budget binds midway
+        {"budget": 40, "window": 4, "oq_ratios": False},
+        {"budget": 40, "window": 4, "head_adaptive": True},
+        {"budget": 400, "window": 4},  # never binds
+        {"budget": 40, "window": 4, "alpha_l": 0.05},  # an eviction floor: never admit-only
+        {"budget": 60, "window": 4, "half_oq": True},
+    ],
+)
+def test_admit_only_runs_end_where_full_runs_end(overrides, monkeypatch):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(12, 7))
+    fast_out, fast_state, fast_answers = _generate(model, ids, mask, overrides, False, monkeypatch)
+    slow_out, slow_state, _ = _generate(model, ids, mask, overrides, True, monkeypatch)
+    assert torch.equal(fast_out, slow_out)
+    for (fc, fm, fs), (sc, sm, ss) in zip(fast_state, slow_state, strict=True):
+        assert torch.equal(fc, sc) and torch.equal(fs, ss)
+        for a, b in zip(fm, sm, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    if overrides.get("alpha_l"):
+        assert not any(fast_answers)
+    else:
+        assert any(fast_answers)  # the admit-only run was taken ...
+    if (overrides["budget"] == 40 and not overrides.get("alpha_l")) or overrides.get("half_oq"):
+        assert not all(fast_answers)  # ... and, once the budget binds, the full one
