@@ -5,7 +5,8 @@ longer reads only if one kernel reads the packed records, dequantizes them in re
 materialises dense keys. The work is three small kernels (flash-decoding):
 
 1. ``_partial_kernel``, one launch for every part (window ring, a chunk's exits, each tier; a part's
-   arguments are a tuple and its formats a constant tuple, ``_partial_part`` its code): a program
+   pointers are a tuple, its sizes a row of the plan's ``meta`` tensor, its formats a constant tuple,
+   ``_partial_part`` its code): a program
    owns a (row, KV head, split of slots, splits numbered across the parts) and all ``g * q`` query
    rows of that KV head (GQA packing, so each record is read once per group), computes masked
    logits, keeps an online softmax in fp32 and writes its partial max / sum / output, plus the
@@ -628,8 +629,9 @@ def plan_attention(
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
     }
 
-    # One launch of each kernel for all parts: each part's arguments in a tuple, its formats in a constant
-    # tuple, so a kernel instance holds the code of exactly the parts it reads.
+    # One launch of each kernel for all parts: each part's pointers in a tuple, its sizes in a row of `meta`
+    # (see META_COLS), its formats in a constant tuple, so a kernel instance holds the code of exactly the
+    # parts it reads and nothing a policy run changes.
     paged = [p for p in parts if isinstance(p, PagedSlots)]
     pool = paged[0].pool if paged else query
     if any(p.pool.data_ptr() != pool.data_ptr() or p.pool.shape != pool.shape for p in paged):
