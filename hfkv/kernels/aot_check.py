@@ -12,6 +12,7 @@ Hopper (``sm_90``) here. ``tests/test_kernels_compile.py`` runs this in a proces
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -78,9 +79,24 @@ def compile_calls(calls: list[tuple[Any, tuple, dict]], arch: int = 90) -> list[
                 "constexprs": {names[k[0]]: v for k, v in consts.items() if len(k) == 1 and v is not None},
                 "shared_bytes": kernel.metadata.shared,
                 "cubin_bytes": len(kernel.asm["cubin"]),
+                "global_loads": global_loads(kernel.asm["ptx"]),
             }
         )
     return out
+
+
+def global_loads(ptx: str) -> dict[str, int]:
+    """Global load instructions in the PTX, by bytes per thread and instruction (``async8``: a ``cp.async``
+    of 8 bytes into shared memory, ``ld2``: a 2-byte load). One-element loads where the code reads rows
+    mean the compiler could not prove the rows aligned (the alignment hints in ``load_field``)."""
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"ld\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bufs](\d+)\b", ptx):
+        key = f"ld{int(m.group(1) or 1) * int(m.group(2)) // 8}"
+        counts[key] = counts.get(key, 0) + 1
+    for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global[^;]*?\],\s*(0x[0-9a-f]+|\d+)", ptx):
+        key = f"async{int(m.group(1), 0)}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 # (key, value, model dtype, head_dim, GQA ratio, query lengths): every tier format and model dtype once,
@@ -178,7 +194,9 @@ def decode_instances(sizes: tuple[int, ...] = (1, 3, 16, 17, 33, 64, 100), arch:
 def main(report: Callable[[str], None] = print) -> int:
     done = compile_calls(representative_calls())
     for r in done:
-        report(f"{r['kernel']:<22} shared {r['shared_bytes']:>6} B  cubin {r['cubin_bytes']:>7} B  {r['constexprs']}")
+        loads = " ".join(f"{k}:{v}" for k, v in r["global_loads"].items())
+        size = f"shared {r['shared_bytes']:>6} B  cubin {r['cubin_bytes']:>7} B"
+        report(f"{r['kernel']:<22} {size}  loads {loads}  {r['constexprs']}")
     counts = decode_instances()
     report("decode-step instances over 7 storage states: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     report(f"{len(done)} kernel configurations compiled for sm_90")

@@ -32,6 +32,7 @@ backend's own reading and attention code; the tests compare the two.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,17 +86,38 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _paged_constants(lay) -> tuple:
-    """A paged part's ``FMT`` for the partial kernel (``_partial_part``), built once per layout."""
+def _paged_constants(lay, page_align: int) -> tuple:
+    """A paged part's ``FMT`` for the partial kernel (``_partial_part``), built once per layout.
+
+    The last two entries are the byte alignment every record's key and value field start is known to
+    have (``field_align``): the compiler cannot see it through a page number loaded from the table and
+    a page size it is not allowed to specialise on, and without it every load is one element wide
+    (the third H200 run: full-precision storage at half the speed of the run before).
+    """
     kc, vc = format_constants(lay.key), format_constants(lay.value)
     fields = [(c["fam"], c["bits"], c["group"], c["dtype"]) for c in (kc, vc)]
-    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1])
+    aligns = (field_align(lay.nbytes, page_align, 0), field_align(lay.nbytes, page_align, lay.key.nbytes))
+    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns)
+
+
+def field_align(record_bytes: int, page_align: int, offset: int) -> int:
+    """The largest power of two up to 16 dividing the byte address of a field at ``offset`` in every
+    record: the pool's base and page size (``page_align``), the record size and the offset all must."""
+    a = math.gcd(record_bytes, page_align, 16)
+    if offset:
+        a = math.gcd(a, offset)
+    return a & -a
+
+
+def _page_align(pool: torch.Tensor) -> int:
+    """What divides the pool's base address and its page size (bytes), capped at 16."""
+    return math.gcd(pool.data_ptr(), pool.shape[1], 16)
 
 
 def _dense_constants(part: DenseSlots, dim: int, write: bool) -> tuple:
     """A dense part's ``FMT``: full-precision rows in the model dtype; ``write``: it takes the ring's new token."""
     dt, bits = tl_dtype(part.k.dtype), 8 * part.k.element_size()
-    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt)
+    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt, 1, 1)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -164,6 +186,8 @@ def _partial_part(
     V_BITS: tl.constexpr = FMT[10]
     V_GROUP: tl.constexpr = FMT[11]
     V_DTYPE: tl.constexpr = FMT[12]
+    K_ALIGN: tl.constexpr = FMT[13]
+    V_ALIGN: tl.constexpr = FMT[14]
     bh = tl.program_id(0)
     qb = tl.program_id(2)
     b = bh // H
@@ -206,9 +230,11 @@ def _partial_part(
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
-            k = load_field(pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE)
+            k = load_field(
+                pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
+            )
             v = load_field(
-                pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE
+                pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, V_ALIGN
             )
         else:
             tag = tl.load(pos_ptr + s, mask=in_range, other=-1).to(tl.int32) + 1
@@ -660,7 +686,7 @@ def plan_attention(
             _, table, t_sb, t_sh, tpp, _ = _table_args(part)
             p_args.append((table, table, table, table))
             p_meta.append((t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
-            p_fmts.append(_paged_constants(part.layout))
+            p_fmts.append(_paged_constants(part.layout, _page_align(pool)))
             score, table_args = None, (table, t_sb, t_sh, tpp)
             s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
         nblk = _cdiv(n, block_s)

@@ -53,6 +53,7 @@ def load_field(
     BLOCK_D: tl.constexpr,
     N: tl.constexpr = 0,  # rows of the tile (``rec``'s length); needed by INT_TILE only
     INT_TILE: tl.constexpr = False,
+    ALIGN: tl.constexpr = 1,  # a power of two dividing every ``rec + OFF`` (bytes): lets loads be vectors
 ):
     """``[N, BLOCK_D]`` fp32 values of the field (columns past ``D`` are 0).
 
@@ -65,16 +66,33 @@ def load_field(
     """
     d = tl.arange(0, BLOCK_D)
     m = live[:, None] & (d < D)[None, :]
+    base = tl.multiple_of(rec + OFF, ALIGN)
     if FAM == 1 and INT_TILE:
         PER_T: tl.constexpr = 8 // BITS
         P_T: tl.constexpr = D // PER_T
         G_T: tl.constexpr = D // GROUP
-        j = tl.arange(0, P_T)
-        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + j[None, :], mask=live[:, None], other=0).to(tl.int32)
-        shifts = tl.arange(0, PER_T) * BITS  # element d is plane d // P of byte d % P
-        codes = tl.reshape((byte[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [N, D])
+        if ALIGN % 4 == 0 and P_T % 4 == 0:
+            # As 32-bit words: one-byte rows stayed one byte per load on sm_90 (the compiler's layout for
+            # the shifts below won over the load's own); byte k of a word is its bits 8k..8k+7.
+            W_T: tl.constexpr = P_T // 4
+            words = pool_ptr.to(tl.pointer_type(tl.int32))
+            first = tl.multiple_of(base // 4, ALIGN // 4)
+            word = tl.load(words + first[:, None] + tl.arange(0, W_T)[None, :], mask=live[:, None], other=0)
+            # element d is plane d // P of byte d % P; no shift reaches the sign bits' copies (<= 32 - BITS)
+            shifts = tl.arange(0, PER_T)[:, None] * BITS + tl.arange(0, 4)[None, :] * 8
+            codes = tl.reshape((word[:, None, :, None] >> shifts[None, :, None, :]) & ((1 << BITS) - 1), [N, D])
+        else:
+            j = tl.arange(0, P_T)
+            byte = tl.load(pool_ptr + base[:, None] + j[None, :], mask=live[:, None], other=0).to(tl.int32)
+            shifts = tl.arange(0, PER_T) * BITS  # element d is plane d // P of byte d % P
+            codes = tl.reshape((byte[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [N, D])
         half = pool_ptr.to(tl.pointer_type(tl.float16))
-        meta = ((rec + OFF + P_T) // 2)[:, None] + tl.arange(0, G_T)[None, :]
+        # The halves start P_T bytes in: aligned to the smaller of the two powers of two, in halves.
+        if P_T % ALIGN == 0:
+            S_ALIGN: tl.constexpr = (ALIGN + 1) // 2
+        else:
+            S_ALIGN: tl.constexpr = (P_T + 1) // 2
+        meta = tl.multiple_of((base + P_T) // 2, S_ALIGN)[:, None] + tl.arange(0, G_T)[None, :]
         scale = tl.load(half + meta, mask=live[:, None], other=0.0).to(tl.float32)
         zero = tl.load(half + meta + G_T, mask=live[:, None], other=0.0).to(tl.float32)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [N, G_T, GROUP]), [N, D])
@@ -83,13 +101,14 @@ def load_field(
     elif FAM == 0:  # full precision in the model dtype; bf16 is upcast right after the load
         ESIZE: tl.constexpr = BITS // 8
         ptr = pool_ptr.to(tl.pointer_type(DTYPE))
-        x = tl.load(ptr + ((rec + OFF) // ESIZE)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        first = tl.multiple_of(base // ESIZE, (ALIGN + ESIZE - 1) // ESIZE)
+        x = tl.load(ptr + first[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     elif FAM == 1:  # integer codes in planes: element d is plane d // P of byte d % P
         PER: tl.constexpr = 8 // BITS
         P: tl.constexpr = D // PER
         NB: tl.constexpr = D * BITS // 8
         G: tl.constexpr = D // GROUP
-        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + (d % P)[None, :], mask=m, other=0).to(tl.int32)
+        byte = tl.load(pool_ptr + base[:, None] + (d % P)[None, :], mask=m, other=0).to(tl.int32)
         code = (byte >> ((d // P) * BITS)[None, :]) & ((1 << BITS) - 1)
         half = pool_ptr.to(tl.pointer_type(tl.float16))
         meta = ((rec + OFF + NB) // 2)[:, None] + (d // GROUP)[None, :]
@@ -97,7 +116,7 @@ def load_field(
         zero = tl.load(half + meta + G, mask=m, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * scale + zero
     else:  # fp8 e4m3 codes and one fp32 scale, read bytewise (the scale need not be 4-aligned)
-        byte = tl.load(pool_ptr + (rec + OFF)[:, None] + d[None, :], mask=m, other=0)
+        byte = tl.load(pool_ptr + base[:, None] + d[None, :], mask=m, other=0)
         codes = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         sb = rec + OFF + D
         w = tl.load(pool_ptr + sb, mask=live, other=0).to(tl.int32)

@@ -1,0 +1,253 @@
+"""Where a policy run's time goes, on the device it runs on: the section profile of a decode step.
+
+On an H200 (gpu_check run 5, Llama-3.1-8B random, 32k x 8) ``hfkv@1024``'s decode step took 25.7 ms
+between policy runs and 68 ms on average: the runs (every ``interval`` = 8 steps) cost ~340 ms each,
+~10 ms per layer, far more than the bytes they touch (~2M records' position and score per layer, tens
+of MB). This script says where that time is, so the fix is aimed, not guessed:
+
+* each decode step timed alone (synchronised), marked with whether it ran the policy;
+* one policy run per layer timed alone (``run_policy``, synchronised before and after);
+* one interval of steps under ``torch.profiler`` with hfkv's sections labelled (``run_policy``,
+  ``read_meta``, ``classify``, ``apply``, ``admit``, ``attend``): host and device milliseconds per
+  section and policy run, kernel launches and host syncs per section, and the top torch ops.
+
+    python eval/policy_profile.py --out DIR                  # a CUDA machine: Llama-3.1-8B shape, 4 layers, 32k x 8
+    python eval/policy_profile.py --out DIR --dry-run        # a CPU: the small shape, in seconds (the suite runs it)
+
+Writes ``DIR/policy_profile.json``. Nothing is asserted: a profile is evidence for a change, and
+its numbers come with the device, the shape and the code's commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+
+from hfkv.atomic import write_atomic  # noqa: E402
+from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt  # noqa: E402
+from hfkv.evaluation.methods import parse_method  # noqa: E402
+from hfkv.evaluation.results import provenance  # noqa: E402
+from hfkv.evaluation.shapes import build_random_like  # noqa: E402
+
+# Methods of TriStateLayer / PagedTiers labelled in the profile: (owner, attribute, section name).
+SECTIONS = (
+    ("layer", "run_policy", "run_policy"),
+    ("layer", "_classify", "classify"),
+    ("layer", "_apply", "apply"),
+    ("layer", "_admit", "admit"),
+    ("layer", "_attend_slots", "attend"),
+    ("tiers", "read_meta", "read_meta"),
+    ("tiers", "remove", "remove"),
+    ("tiers", "append_tokens", "append_tokens"),
+)
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+
+
+@contextmanager
+def labelled_sections():
+    """Every method in SECTIONS runs inside ``torch.profiler.record_function("hfkv::<name>")``."""
+    from hfkv.cache import TriStateLayer
+    from hfkv.storage.paged import PagedTiers
+
+    owners = {"layer": TriStateLayer, "tiers": PagedTiers}
+    saved = []
+    for owner, attr, name in SECTIONS:
+        cls = owners[owner]
+        fn = cls.__dict__[attr]
+
+        def wrapped(*a, _fn=fn, _name=f"hfkv::{name}", **kw):
+            with torch.profiler.record_function(_name):
+                return _fn(*a, **kw)
+
+        saved.append((cls, attr, fn))
+        setattr(cls, attr, wrapped)
+    try:
+        yield
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def section_table(events, policy_runs: int) -> dict[str, Any]:
+    """Per section: host ms and device ms per policy run, launches and syncs inside it per policy run."""
+    spans = defaultdict(list)  # name -> [(start_us, end_us)] on the host
+    for e in events:
+        if e.name.startswith("hfkv::"):
+            spans[e.name[6:]].append((e.time_range.start, e.time_range.end))
+    out: dict[str, Any] = {}
+    runs = max(policy_runs, 1)
+    for name, ranges in spans.items():
+        host_us = sum(b - a for a, b in ranges)
+        launches = syncs = 0
+        device_us = 0.0
+        for e in events:
+            start = e.time_range.start
+            if not any(a <= start <= b for a, b in ranges):
+                continue
+            if e.name in LAUNCH_EVENTS:
+                launches += 1
+            elif e.name in SYNC_EVENTS:
+                syncs += 1
+            device_us += getattr(e, "self_device_time_total", 0.0) or 0.0
+        out[name] = {
+            "calls": len(ranges),
+            "host_ms_per_policy_run": host_us / 1e3 / runs,
+            "device_ms_per_policy_run": device_us / 1e3 / runs,
+            "launches_per_policy_run": launches / runs,
+            "syncs_per_policy_run": syncs / runs,
+        }
+    return out
+
+
+def top_ops(profile, n: int = 25) -> dict[str, list[dict[str, Any]]]:
+    rows = [
+        {
+            "op": a.key,
+            "count": a.count,
+            "self_cpu_ms": a.self_cpu_time_total / 1e3,
+            "self_device_ms": getattr(a, "self_device_time_total", 0.0) / 1e3,
+        }
+        for a in profile.key_averages()
+    ]
+    return {
+        "by_host": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:n],
+        "by_device": sorted(rows, key=lambda r: -r["self_device_ms"])[:n],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="the small shape on the CPU, in seconds")
+    ap.add_argument("--method", default="hfkv@1024:backend=triton")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the random model (all alike)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed one by one")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    if args.dry_run:
+        args.context, args.batch, args.layers, args.steps = 256, 2, 1, 10
+        args.method = args.method.replace("hfkv@1024", "hfkv@64").replace("backend=triton", "backend=auto")
+    shape, dtype = ("llama-3.1-8b", torch.bfloat16) if cuda else ("cpu-small", torch.float32)
+    method = parse_method(args.method)
+    result: dict[str, Any] = {
+        "what": "where a policy run's time goes (eval/policy_profile.py docstring)",
+        "command": "python eval/policy_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "shape": shape,
+        "layers": args.layers,
+        "context": args.context,
+        "batch": args.batch,
+        "method": method.label,
+        "threads": torch.get_num_threads(),
+        **provenance(),
+    }
+    model = build_random_like(shape, args.layers, dtype, device, args.context + 256)
+    ids = random_prompt(model.config.vocab_size, args.batch, args.context).to(device)
+    cache = method.make_cache(model, max_cache_len=args.context + 256)
+    t0 = time.perf_counter()
+    tok = fill_cache(model, cache, ids)
+    _sync(device)
+    result["prefill_s"] = time.perf_counter() - t0
+    layer0 = cache.layers[0]
+    interval = layer0.cfg.interval
+    pos = args.context
+    # Warm up past two policy runs: the first compiles the encode and move kernels.
+    runs = 0
+    while runs < 2:
+        tok = decode_step(model, cache, tok, pos)
+        pos += 1
+        runs += layer0.steps_since_policy == 0
+
+    steps = []
+    for _ in range(args.steps):
+        _sync(device)
+        t = time.perf_counter()
+        tok = decode_step(model, cache, tok, pos)
+        _sync(device)
+        steps.append({"ms": 1e3 * (time.perf_counter() - t), "policy": layer0.steps_since_policy == 0})
+        pos += 1
+    plain = [s["ms"] for s in steps if not s["policy"]]
+    with_policy = [s["ms"] for s in steps if s["policy"]]
+    result["steps"] = steps
+    result["step_ms"] = {
+        "median_without_policy": statistics.median(plain) if plain else None,
+        "median_with_policy": statistics.median(with_policy) if with_policy else None,
+        "mean": statistics.fmean(s["ms"] for s in steps),
+        "interval": interval,
+    }
+
+    def to_policy_eve(tok, pos):  # steps until the next one runs the policy (the window holds its exits)
+        while layer0.steps_since_policy != interval - 1:
+            tok = decode_step(model, cache, tok, pos)
+            pos += 1
+        return tok, pos
+
+    # One policy run of each layer alone, where the step would have run it.
+    tok, pos = to_policy_eve(tok, pos)
+    per_layer = []
+    with torch.inference_mode():
+        for layer in cache.layers:
+            if not hasattr(layer, "run_policy"):
+                continue
+            _sync(device)
+            t = time.perf_counter()
+            layer.run_policy()
+            _sync(device)
+            per_layer.append(1e3 * (time.perf_counter() - t))
+    result["run_policy_ms_per_layer"] = per_layer
+
+    # One interval of steps profiled, ending with a policy run.
+    tok, pos = to_policy_eve(tok, pos)
+    interval = 1  # the eve's next step runs it: profile that one alone
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with labelled_sections(), torch.profiler.profile(activities=activities) as prof:
+        for _ in range(interval):
+            tok = decode_step(model, cache, tok, pos)
+            pos += 1
+        _sync(device)
+    events = prof.events()
+    result["sections"] = section_table(events, policy_runs=args.layers)
+    result["sections_note"] = "per policy run of one layer: the profiled interval ran one per layer"
+    result["top_ops"] = top_ops(prof)
+    result["launches_in_interval"] = sum(e.name in LAUNCH_EVENTS for e in events)
+    result["syncs_in_interval"] = sum(e.name in SYNC_EVENTS for e in events)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "policy_profile.json", json.dumps(result, indent=1, default=str))
+    sm = result["step_ms"]
+    print(
+        f"policy_profile {result['device']} {shape} x{args.layers} layers {args.context} x {args.batch} "
+        f"{method.label}: step {sm['median_without_policy']} ms, with policy {sm['median_with_policy']} ms; "
+        f"run_policy per layer {[round(x, 2) for x in per_layer]} ms"
+    )
+    for name, s in sorted(result["sections"].items(), key=lambda kv: -kv[1]["host_ms_per_policy_run"]):
+        print(
+            f"  {name:<14} host {s['host_ms_per_policy_run']:8.2f} ms  device {s['device_ms_per_policy_run']:8.2f} ms"
+            f"  launches {s['launches_per_policy_run']:6.1f}  syncs {s['syncs_per_policy_run']:5.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
