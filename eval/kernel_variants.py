@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
     }
     deadline = time.monotonic() + args.budget_s
-    grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages, args.int_tile))
+    grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages, args.int_tile, args.split_slots))
     for kind, context, batch in args.cases:
         plan = kb.make_plan(kind, context, batch, shape)
         st = kb.build_storage(plan, device)
@@ -98,11 +98,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         ref = call({})
         split = kernel_split(lambda call=call: call({}), device)
-        for block_n, warps, stages, tile in grid:
+        for block_n, warps, stages, tile, split in grid:
             if time.monotonic() > deadline:
-                result.setdefault("skipped", []).append(f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}")
+                result.setdefault("skipped", []).append(
+                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}"
+                )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
+            if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
+                launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
             try:
                 out = call(launch)
@@ -131,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
+    p.add_argument(
+        "--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing"
+    )
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120.0, help="variants past this are skipped (default 120)")
     args = p.parse_args(argv)
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cases = [("hfkv", 64, 1)] if args.dry_run else [("full", 32768, 8), ("hfkv", 32768, 8), ("hfkv", 16384, 1)]
     if args.dry_run:
         args.block_n, args.num_warps, args.num_stages, args.int_tile, args.repeats = [16, 32], [4], [2], [0, 1], 1
+        args.split_slots = [0, 32]
     run(args)
     return 0
 
