@@ -350,9 +350,7 @@ class TriStateLayer(CacheLayerMixin):
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
-        self._apply(news, [meta[2] for meta in metas])
-        if m:
-            self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
+        self._apply(news, [meta[2] for meta in metas], (ek, ev, epos, escore, new_exits) if m else None)
         self._refresh_tier_peak()
 
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
@@ -383,27 +381,49 @@ class TriStateLayer(CacheLayerMixin):
         rho = self.cache.rho(self.layer_idx)
         return rho is None or bool((exact <= self._exact_cap(rho, heads)).all())
 
-    def _apply(self, news: list[torch.Tensor], valids: list[torch.Tensor]) -> None:
-        """Move tokens whose state changed: drop the evicted, re-encode the demoted into their new tier."""
+    def _apply(self, news: list[torch.Tensor], valids: list[torch.Tensor], exits: tuple | None = None) -> None:
+        """Move tokens whose state changed: drop the evicted, re-encode the demoted into their new tier, and
+        write the classified window exits (``(k, v, pos, score, new)``, as :meth:`_admit` takes them).
+
+        Demoted tokens and exits are appended together, one call per destination tier, in the order the
+        tier-by-tier appends had (per head: demoted from each tier in tier order, then exits), so the
+        storage is the same; each call costs a policy run a fixed few dozen tensor operations, which on
+        a GPU are its launches (eval/policy_profile.py).
+        """
         tiers = self.tiers
-        moved = []
+        moving = []  # (dest [n], b, h, k, v, pos, score)
         for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
-            demote = valid & (new > tier) & (new != EVICTED)
-            if bool(demote.any()):
-                b, h, s = demote.nonzero(as_tuple=True)
+            b, h, s = (valid & (new > tier) & (new != EVICTED)).nonzero(as_tuple=True)
+            if s.numel():
                 rec = tiers.gather(tier, b, h, s)
                 lay = self.layouts[tier]
                 k, v = lay.decode_kv(rec, torch.float32)
-                moved.append((new[b, h, s], (b, h, k, v, lay.positions(rec), lay.scores(rec))))
+                moving.append((new[b, h, s], b, h, k, v, lay.positions(rec).long(), lay.scores(rec)))
         # Free the old slots before the demoted copies take new ones: the pool's peak (its capacity,
         # which is held) never has to hold a token twice.
         for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
             if bool((valid & (new != tier)).any()):
                 tiers.remove(tier, new == tier)
-        for dest, fields_ in moved:
-            for tier in range(tiers.num_tiers):
-                sel = dest == tier
-                tiers.append_tokens(tier, *(x[sel] for x in fields_))
+        if exits is not None:
+            ek, ev, epos, escore, new_exits = exits
+            b, h, i = (new_exits != EVICTED).nonzero(as_tuple=True)
+            if i.numel():
+                moving.append(
+                    (new_exits[b, h, i], b, h, ek[b, h, i].float(), ev[b, h, i].float(), epos[i], escore[b, h, i])
+                )
+        if not moving:
+            return
+        dest, b, h, k, v, pos, score = (torch.cat(x) for x in zip(*moving, strict=True))
+        # Grouped by destination, then head; a stable sort keeps each head's tokens in their order above.
+        order = torch.sort(dest.long() * (self.window.shape[0] * self.window.shape[1]) + b * self.window.shape[1] + h,
+                           stable=True).indices  # fmt: skip
+        counts = torch.bincount(dest.long(), minlength=tiers.num_tiers).tolist()  # the one host read here
+        start = 0
+        for tier, n in enumerate(counts[: tiers.num_tiers]):
+            if n:
+                idx = order[start : start + n]
+                tiers.append_tokens(tier, b[idx], h[idx], k[idx], v[idx], pos[idx], score[idx])
+            start += n
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
