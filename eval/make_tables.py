@@ -43,6 +43,7 @@ CPU_SCALING = "eval/results/cpu_kernel_scaling.json"
 KERNELS_DOC = "docs/kernels.md"
 GPU_RUNS = "eval/results/gpu/gpu_check_*.json"
 GPU_VARIANTS = "eval/results/gpu/kernel_variants_*.json"
+GPU_POLICY = "eval/results/gpu/policy_profile_*.json"
 GPU_START, GPU_END = "<!-- results:gpu-runs:start -->", "<!-- results:gpu-runs:end -->"
 SCALING_START, SCALING_END = "<!-- results:cpu-kernel-scaling:start -->", "<!-- results:cpu-kernel-scaling:end -->"
 PLOTS = "eval/results/plots"
@@ -723,7 +724,11 @@ def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     return "\n".join([*lines, md_table(header, rows, "lllrrrrr")])
 
 
-def gpu_runs_block(runs: list[tuple[str, dict[str, Any]]], variants: list[tuple[str, dict[str, Any]]]) -> str:
+def gpu_runs_block(
+    runs: list[tuple[str, dict[str, Any]]],
+    variants: list[tuple[str, dict[str, Any]]],
+    policy: list[tuple[str, dict[str, Any]]] = (),
+) -> str:
     """docs/kernels.md's record of every committed ``gpu_check`` run and launch-shape sweep on a lent GPU."""
     if not runs:
         return "No run on a GPU yet."
@@ -773,12 +778,53 @@ def gpu_runs_block(runs: list[tuple[str, dict[str, Any]]], variants: list[tuple[
                 best[case] = r
         cells = [
             f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
-            f"{', integer rows' if r.get('int_tile') else ''}, "
+            f"{', integer rows' if r.get('int_tile') else ''}{_split_text(r)}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]
         lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
+    if policy:
+        lines += ["", policy_profile_table(policy)]
     return "\n".join(lines)
+
+
+def _split_text(row: dict[str, Any]) -> str:
+    return f", {row['split_slots']:,} slots per program" if row.get("split_slots") else ""
+
+
+def policy_profile_table(profiles: list[tuple[str, dict[str, Any]]]) -> str:
+    """Where a policy run's time goes on the device (``eval/policy_profile.py``), one row per profile."""
+    rows = []
+    for name, p in profiles:
+        sm, sec = p["step_ms"], p["sections"].get("run_policy", {})
+        per_layer = sorted(p["run_policy_ms_per_layer"])
+        rows.append(
+            [
+                f"`{name}`",
+                p["device"],
+                f"{p['shape']} x {p['layers']} layers, {p['context']:,} x {p['batch']}",
+                f"`{p['method']}`",
+                str(sm["interval"]),
+                fmt(sm["median_without_policy"], ".1f"),
+                fmt(sm["median_with_policy"], ".1f"),
+                fmt(sm["mean"], ".1f"),
+                fmt(per_layer[len(per_layer) // 2], ".1f"),
+                fmt(sec.get("launches_per_policy_run"), ".0f"),
+                fmt(sec.get("syncs_per_policy_run"), ".0f"),
+            ]
+        )
+    header = [
+        "profile", "device", "model", "cache", "interval", "step ms", "step with policy ms", "mean step ms",
+        "policy ms / layer", "launches / layer", "syncs / layer",
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            "Policy runs on the GPU (`eval/policy_profile.py`: steps timed one by one and synchronised; a policy "
+            "run of each layer alone, median; launches and host syncs of one layer's run, from the profiler):",
+            "",
+            md_table(header, rows, "llllrrrrrrr"),
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -915,7 +961,8 @@ def main(argv: list[str] | None = None) -> int:
         block = cpu_scaling_table(json.loads(scaling.read_text(encoding="utf-8")) if scaling.exists() else None)
         text = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
         load = lambda pattern: [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(pattern))]  # noqa: E731
-        targets[kernels] = replace_block(text, gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS)), GPU_START, GPU_END)
+        gpu = gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS), load(GPU_POLICY))
+        targets[kernels] = replace_block(text, gpu, GPU_START, GPU_END)
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:
