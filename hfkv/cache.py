@@ -341,9 +341,12 @@ class TriStateLayer(CacheLayerMixin):
         pos = torch.cat([*(meta[0].long() for meta in metas), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
         valid = torch.cat([*(meta[2] for meta in metas), self._not_padding(epos)], -1)
         # Each slot's tier; a token leaving the window is a candidate for the original tier.
-        tier_of = torch.repeat_interleave(
-            torch.tensor([*range(len(sizes)), ORIGINAL], device=self.device, dtype=torch.int8),
-            torch.tensor([*sizes, m], device=self.device),
+        # (filled per part: repeat_interleave with host counts copies them to the device and reads the total back)
+        tier_of = torch.cat(
+            [
+                torch.full((n,), t, dtype=torch.int8, device=self.device)
+                for t, n in zip([*range(len(sizes)), ORIGINAL], [*sizes, m], strict=True)
+            ]
         )
         state = torch.where(valid, tier_of, EVICTED).to(torch.int8)
         scores = self._mean_scores(torch.cat([*(meta[1] for meta in metas), escore], -1), pos)

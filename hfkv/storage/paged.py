@@ -204,7 +204,7 @@ class PagedTiers:
             self._set_width(tier, max(self.max_pages(tier), int(new_pages.max())))
             ids = self.pool.allocate(total)
             self.pool.data[ids.long()] = 0  # a reused page may hold another tier's bytes (and non-zero tags)
-            owner = torch.repeat_interleave(torch.arange(bsz * heads, device=self.device), need)
+            owner = torch.repeat_interleave(torch.arange(bsz * heads, device=self.device), need, output_size=total)
             start = torch.cumsum(need, 0) - need
             col = old_pages[owner] + torch.arange(total, device=self.device) - start[owner]
             self.tables[tier].view(bsz * heads, -1)[owner, col] = ids
