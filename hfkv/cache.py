@@ -519,11 +519,10 @@ class TriStateLayer(CacheLayerMixin):
         # A slot's tag (position + 1, 0 = empty) is its column in the logical mask: no index to build.
         slot_index = torch.cat(tags, -1)
         q = query.shape[2]
-        if mask is None:  # plain causal in logical coordinates
-            qpos = torch.arange(self.length - q, self.length, device=self.device)
-            mask = (torch.arange(self.length, device=self.device).view(1, -1) <= qpos.view(-1, 1))[None, None]
-            mask = mask.expand(bsz, 1, q, self.length)
-        out, received = slot_attention_received(query, parts, slot_index, mask, scaling, self.cfg.score_reduction)
+        # mask None: plain causal in logical coordinates, compared from the slots' positions
+        out, received = slot_attention_received(
+            query, parts, slot_index, mask, scaling, self.cfg.score_reduction, q_start=self.length - q
+        )
         w_delta, *rest = torch.split(received, sizes, dim=-1)
         win.add_scores(w_delta)
         if exits is not None:

@@ -55,3 +55,28 @@ def test_slot_attention_equals_dense_attention_over_the_same_slots(q):
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(probs.reshape(ref_probs.shape), ref_probs, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("q,sizes", [(1, (5, 9, 7)), (6, (5, 9, 7)), (6, (13,))])
+def test_plain_causal_from_positions_equals_the_materialised_mask(q, sizes):
+    """Without a mask, the causal mask of queries at ``q_start ..`` is compared from the slots' positions:
+    the same attention as the materialised mask gathered per slot (one part too: its logits are not copied)."""
+    gen = torch.Generator().manual_seed(7 + q)
+    bsz, hq, hkv, d, length = 2, 4, 2, 8, 30
+    parts, positions = [], []
+    for n in sizes:
+        parts.append((torch.randn(bsz, hkv, n, d, generator=gen), torch.randn(bsz, hkv, n, d, generator=gen)))
+        pos = torch.randint(0, length, (bsz, hkv, n), generator=gen)  # some after the first query: hidden
+        pos[torch.rand(bsz, hkv, n, generator=gen) < 0.2] = -1  # empty slots
+        positions.append(pos)
+    pos = torch.cat(positions, -1)
+    pos[..., 0] = length - q  # every query sees at least one slot
+    query = torch.randn(bsz, hq, q, d, generator=gen)
+    qpos = torch.arange(length - q, length)
+    mask = (torch.arange(length).view(1, -1) <= qpos.view(-1, 1)).expand(bsz, 1, q, length)
+    out, probs = slot_attention(query, parts, pos + 1, None, 0.3, q_start=length - q)
+    ref_out, ref_probs = slot_attention(query, parts, pos + 1, mask, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(probs, ref_probs, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="q_start"):
+        slot_attention(query, parts, pos + 1, None, 0.3)

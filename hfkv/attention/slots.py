@@ -98,29 +98,45 @@ def slot_attention(
     mask: torch.Tensor,
     scaling: float,
     blind_queries: bool | None = None,
+    q_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over per-head slot sets split in parts (window, tiers).
 
     query ``[B, Hq, q, D]``; each part ``(keys [B, Hkv, S_i, D], values)``, either possibly
     factored (module doc); ``slot_index [B, Hkv, sum S_i]``
     int64 is each slot's logical position + 1, with 0 for an empty slot (whose keys and values must
-    be finite); mask ``[B, 1, q, L]`` bool in logical coordinates. Returns
-    ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``. ``blind_queries``: whether
-    a query may see no slot at all (a chunk's padding query; default: ``q > 1``), which gives zeros, not NaN.
+    be finite); mask ``[B, 1, q, L]`` bool in logical coordinates, or None for the plain causal mask of
+    queries at positions ``q_start ..`` (no padding: compared from the slots' positions, not gathered).
+    Returns ``(out [B, q, Hq, D] in query dtype, probs [B, Hkv, g, q, sum S_i] fp32)``. ``blind_queries``:
+    whether a query may see no slot at all (a chunk's padding query; default: ``q > 1`` with a mask, never
+    without), which gives zeros, not NaN.
     """
     bsz, hq, q, d = query.shape
     hkv = _dense(parts[0][0]).shape[-3]
     g = hq // hkv
     qf = query.reshape(bsz, hkv, g * q, d).float() * scaling
     parts = [(_for_rows(keys, g * q), _for_rows(values, g * q)) for keys, values in parts]
-    logits = torch.cat([_logits(qf, keys) for keys, _ in parts], -1)
-    # Column 0 of the padded mask is False: empty slots (index 0) are never attended.
-    m = F.pad(mask[:, 0].to(torch.bool), (1, 0), value=False)  # [B, q, L + 1]
+    # (one part: its logits as they are; a one-tensor cat would copy them)
+    logits = _logits(qf, parts[0][0]) if len(parts) == 1 else torch.cat([_logits(qf, k) for k, _ in parts], -1)
     s = slot_index.shape[-1]
-    allowed = torch.gather(m.unsqueeze(1).expand(bsz, hkv, q, -1), 3, slot_index.unsqueeze(2).expand(bsz, hkv, q, s))
+    if mask is None:
+        if q_start is None:
+            raise ValueError("slot_attention: without a mask, q_start (the first query's position) is needed")
+        # Empty slots (index 0) sort after every query; a slot is seen by the queries at or after it.
+        key = torch.where(slot_index > 0, slot_index - 1, torch.iinfo(torch.int64).max)
+        allowed = key.unsqueeze(2) <= torch.arange(q_start, q_start + q, device=key.device).view(1, 1, q, 1)
+        blind = bool(blind_queries)
+    else:
+        # Column 0 of the padded mask is False: empty slots (index 0) are never attended.
+        m = F.pad(mask[:, 0].to(torch.bool), (1, 0), value=False)  # [B, q, L + 1]
+        allowed = torch.gather(
+            m.unsqueeze(1).expand(bsz, hkv, q, -1), 3, slot_index.unsqueeze(2).expand(bsz, hkv, q, s)
+        )
+        blind = q > 1 if blind_queries is None else blind_queries
+    # (where, not an in-place masked_fill_: with the mask broadcast over the group that is 2x slower on CPU)
     logits = torch.where(allowed.unsqueeze(2), logits.view(bsz, hkv, g, q, s), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if q > 1 if blind_queries is None else blind_queries:  # a chunk's padding query: zeros, not NaN
+    if blind:  # a chunk's padding query: zeros, not NaN
         probs = probs.nan_to_num_(0.0)
     flat = probs.view(bsz, hkv, g * q, s)
     out, start = None, 0
@@ -140,8 +156,10 @@ def slot_attention_received(
     scaling: float,
     reduction: str,
     tile_bytes: int = TILE_BYTES,
+    q_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`slot_attention` with the scores instead of the probabilities, in tiles of queries (module doc).
+    ``mask`` None: the plain causal mask of queries at positions ``q_start ..`` (as :func:`slot_attention`).
 
     Returns ``(out [B, q, Hq, D], received [B, Hkv, sum S_i])``: each slot's probability reduced over its
     GQA group (``reduction``, :func:`hfkv.policy.scores.reduce_gqa`) and summed over the queries.
@@ -159,7 +177,10 @@ def slot_attention_received(
     outs, received = [], None
     for t0 in range(0, q, tile):
         rows = slice(t0, t0 + tile)
-        out, probs = slot_attention(query[:, :, rows], parts, slot_index, mask[:, :, rows], scaling, q > 1)
+        if mask is None:  # plain causal from q_start (slot_attention)
+            out, probs = slot_attention(query[:, :, rows], parts, slot_index, None, scaling, False, q_start + t0)
+        else:
+            out, probs = slot_attention(query[:, :, rows], parts, slot_index, mask[:, :, rows], scaling, q > 1)
         got = reduce_gqa(probs.flatten(1, 2), hkv, reduction).sum(2)
         received = got if received is None else received.add_(got)
         outs.append(out)
