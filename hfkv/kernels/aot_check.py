@@ -116,7 +116,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         raise RuntimeError("aot_check compiles GPU kernels: run it without TRITON_INTERPRET=1")
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.kernels.encode import encode_write
-    from hfkv.kernels.move import clear_tags, move_records
+    from hfkv.kernels.move import clear_tags, compact, move_records
     from hfkv.quant.formats import QuantFormat
     from hfkv.storage import PagedTiers, RecordLayout
 
@@ -144,6 +144,10 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                              torch.zeros(2, dtype=torch.long), torch.zeros(2))  # fmt: skip
             move_records(tiers.pool.data, torch.zeros(1, dtype=torch.long), torch.ones(1).long() * 4, 8)
             clear_tags(tiers.pool.data, torch.zeros(1, dtype=torch.long))
+            for t in range(2):
+                keep = torch.ones(1, 2, 3, dtype=torch.bool)
+                compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
+                        lay[t].nbytes, lay[t].pos_offset)  # fmt: skip
         calls += got
     return calls
 

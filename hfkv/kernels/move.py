@@ -90,3 +90,82 @@ def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
     check_pool(pool, "clear_tags_reference")
     check_offsets(at, "at", None, pool.device, "clear_tags_reference")
     pool.view(torch.int32).view(-1)[at // 4] = 0
+
+
+# ------------------------------------------------------------------------------------------ compaction
+# A removal's whole data movement in one launch, one program per (row, head): the j-th hole below the head's
+# new count (a live slot not kept) receives the j-th kept record at or above it, both in slot order (the torch
+# path's pairing of two nonzero scans), then the live slots past the new count on pages the head keeps get a
+# zero tag. Barriers separate the passes: one pass's stores are another thread's loads in the next.
+@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp"])
+def _compact_kernel(
+    words_ptr, table_ptr, table_w, counts_ptr, new_ptr, keep_ptr, m, scratch_ptr, page_words, tpp,
+    REC_W: tl.constexpr, TAG_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    cnt = tl.minimum(tl.load(counts_ptr + bh), m)
+    keep_n = tl.load(new_ptr + bh)
+    keep_row = keep_ptr + bh * m
+    pages = table_ptr + bh * table_w
+    holes = scratch_ptr + bh * m
+    lane = tl.arange(0, BLOCK)
+    # 1. the holes below the new count, by rank
+    base = 0
+    for start in range(0, keep_n, BLOCK):
+        s = start + lane
+        hole = (tl.load(keep_row + s, mask=s < keep_n, other=1) == 0) & (s < keep_n)
+        rank = base + tl.cumsum(hole.to(tl.int32), 0) - 1
+        tl.store(holes + rank, s.to(tl.int32), mask=hole)
+        base += tl.sum(hole.to(tl.int32), 0)
+    tl.debug_barrier()
+    # 2. the kept records at or above it, by rank, into those holes
+    w = tl.arange(0, BLOCK_W)
+    base = 0
+    for start in range(keep_n, cnt, BLOCK):
+        s = start + lane
+        src = (tl.load(keep_row + s, mask=s < cnt, other=0) != 0) & (s < cnt)
+        rank = base + tl.cumsum(src.to(tl.int32), 0) - 1
+        dst = tl.load(holes + rank, mask=src, other=0).to(tl.int64)
+        s_at = tl.load(pages + s // tpp, mask=src, other=0).to(tl.int64) * page_words + (s % tpp) * REC_W
+        d_at = tl.load(pages + dst // tpp, mask=src, other=0).to(tl.int64) * page_words + (dst % tpp) * REC_W
+        both = src[:, None] & (w < REC_W)[None, :]
+        rec = tl.load(words_ptr + s_at[:, None] + w[None, :], mask=both, other=0)
+        tl.store(words_ptr + d_at[:, None] + w[None, :], rec, mask=both)
+        base += tl.sum(src.to(tl.int32), 0)
+    tl.debug_barrier()
+    # 3. empty tags for the vacated live slots on the pages the head keeps
+    clear_end = tl.minimum(cnt, (keep_n + tpp - 1) // tpp * tpp)
+    for start in range(keep_n, clear_end, BLOCK):
+        s = start + lane
+        ok = s < clear_end
+        at = tl.load(pages + s // tpp, mask=ok, other=0).to(tl.int64) * page_words + (s % tpp) * REC_W + TAG_W
+        tl.store(words_ptr + at, tl.zeros([BLOCK], tl.int32), mask=ok)
+
+
+def compact(
+    pool: torch.Tensor,
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    keep: torch.Tensor,
+    new_counts: torch.Tensor,
+    tpp: int,
+    record_bytes: int,
+    tag_offset: int,
+) -> None:
+    """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s contract in one launch (the torch path of
+    :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, False past a
+    head's count; ``new_counts = keep.sum(-1)``."""
+    check_pool(pool, "compact")
+    bsz, heads, width = table.shape
+    m = keep.shape[-1]
+    if record_bytes % 4 or tag_offset % 4:
+        raise ValueError(f"compact: record_bytes={record_bytes} and tag_offset={tag_offset} must be multiples of 4")
+    if m == 0 or width == 0 or bsz * heads == 0:
+        return
+    scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
+    rec_w = record_bytes // 4
+    _compact_kernel[(bsz * heads,)](
+        pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(),
+        new_counts.to(torch.int64).contiguous(), keep.contiguous().view(torch.uint8), m, scratch,
+        pool.shape[1] // 4, tpp, REC_W=rec_w, TAG_W=tag_offset // 4, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
+    )  # fmt: skip

@@ -228,15 +228,23 @@ class PagedTiers:
         live = s < cnt.unsqueeze(-1)
         keep = keep & live
         new = keep.sum(-1)
-        below = s < new.unsqueeze(-1)
-        hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
-        sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
-        if hs.numel():
-            self._move(tier, self._locate(tier, sb, sh, ss), self._locate(tier, hb, hh, hs))
         old_pages, new_pages = _ceil_div(cnt, tpp), _ceil_div(new, tpp)
-        vb, vh, vs = (live & ~below & (s < (new_pages * tpp).unsqueeze(-1))).nonzero(as_tuple=True)
-        if vs.numel():
-            self._clear_tags(tier, *self._locate(tier, vb, vh, vs))
+        if self.backend in ("triton", "cpu"):  # the moves and tag clears below, in one call
+            if self.backend == "cpu":
+                from hfkv.kernels.cpu.compact import compact_cpu as compact
+            else:
+                from hfkv.kernels.move import compact
+            lay = self.layouts[tier]
+            compact(self.pool.data, self.tables[tier], cnt, keep, new, tpp, lay.nbytes, lay.pos_offset)
+        else:
+            below = s < new.unsqueeze(-1)
+            hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
+            sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
+            if hs.numel():
+                self._move(tier, self._locate(tier, sb, sh, ss), self._locate(tier, hb, hh, hs))
+            vb, vh, vs = (live & ~below & (s < (new_pages * tpp).unsqueeze(-1))).nonzero(as_tuple=True)
+            if vs.numel():
+                self._clear_tags(tier, *self._locate(tier, vb, vh, vs))
         table = self.tables[tier]
         col = torch.arange(table.shape[-1], device=self.device)
         freed = (col >= new_pages.unsqueeze(-1)) & (col < old_pages.unsqueeze(-1))

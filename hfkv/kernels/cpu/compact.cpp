@@ -1,0 +1,36 @@
+// Compaction of a tier's slots on CPU: the data movement of hfkv.storage.paged.PagedTiers.remove (its torch
+// twin), in one pass per (row, head) instead of three nonzero scans, two page lookups, a gather, a scatter and a
+// tag clear (about 35 tensor operations per call, half a millisecond of a policy run at 8k tokens).
+//
+// A head's kept slots stay a dense prefix with the fewest moves: the j-th hole below the new count (a live slot
+// not kept) receives the j-th kept record at or above it, both in slot order; then the tags of the live slots
+// past the new count, on pages the head keeps, are zeroed. Freeing the pages past the new count is the caller's.
+
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+
+// keep [bh_count, m] (bytes 0/1), counts [bh_count] (old), new_counts [bh_count] (the kept live slots per head).
+void hfkv_compact(uint8_t* pool, int64_t page_bytes, const int32_t* table, int64_t bh_count, int32_t table_w,
+                  int32_t tpp, int32_t record, int32_t tag_offset, const int64_t* counts, const uint8_t* keep,
+                  int32_t m, const int64_t* new_counts) {
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+        const int64_t cnt = counts[bh] < m ? counts[bh] : m, keep_n = new_counts[bh];
+        const int32_t* pages = table + bh * table_w;
+        const uint8_t* k = keep + bh * m;
+        auto at = [&](int64_t s) { return pool + pages[s / tpp] * page_bytes + (s % tpp) * record; };
+        int64_t src = keep_n;
+        for (int64_t hole = 0; hole < keep_n; ++hole) {
+            if (k[hole]) continue;
+            while (!k[src]) ++src;  // as many kept slots lie at or above keep_n as holes below it
+            std::memcpy(at(hole), at(src), record);
+            ++src;
+        }
+        const int64_t kept_pages = (keep_n + tpp - 1) / tpp;
+        const int64_t clear_end = cnt < kept_pages * tpp ? cnt : kept_pages * tpp;
+        for (int64_t s = keep_n; s < clear_end; ++s) std::memset(at(s) + tag_offset, 0, 4);
+    }
+}
+
+}  // extern "C"
