@@ -116,6 +116,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         raise RuntimeError("aot_check compiles GPU kernels: run it without TRITON_INTERPRET=1")
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.kernels.encode import encode_write
+    from hfkv.kernels.meta import read_meta_triton
     from hfkv.kernels.move import clear_tags, compact, move_records
     from hfkv.quant.formats import QuantFormat
     from hfkv.storage import PagedTiers, RecordLayout
@@ -145,6 +146,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
             move_records(tiers.pool.data, torch.zeros(1, dtype=torch.long), torch.ones(1).long() * 4, 8)
             clear_tags(tiers.pool.data, torch.zeros(1, dtype=torch.long))
             for t in range(2):
+                read_meta_triton(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], tiers.tpp[t], lay[t], 5)
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
                 compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
                         lay[t].nbytes, lay[t].pos_offset)  # fmt: skip

@@ -327,11 +327,13 @@ class PagedTiers:
     def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``."""
         lay = self.layouts[tier]
-        if self.backend == "cpu":  # one pass over the tables in C++ (the torch path below is its twin)
-            from hfkv.kernels.cpu.meta import read_meta_cpu
-
+        if self.backend in ("cpu", "triton"):  # one pass over the tables (the torch path below is the twin)
+            if self.backend == "cpu":
+                from hfkv.kernels.cpu.meta import read_meta_cpu as read_meta
+            else:
+                from hfkv.kernels.meta import read_meta_triton as read_meta
             m = self.max_count(tier) if m is None else m
-            return read_meta_cpu(self.pool.data, self.tables[tier], self.counts[..., tier], self.tpp[tier], lay, m)
+            return read_meta(self.pool.data, self.tables[tier], self.counts[..., tier], self.tpp[tier], lay, m)
         page, off = self._slot_pages(tier, self.max_count(tier) if m is None else m)
         valid = page >= 0
         page = torch.where(valid, page, NULL_PAGE)

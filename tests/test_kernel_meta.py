@@ -1,5 +1,6 @@
-"""The C++ slot-metadata read against its torch twin (``PagedTiers.read_meta`` on the torch backend), over tiers
-with ragged heads, holes filled by compaction, an empty head, an empty tier and reads past the counts."""
+"""The C++ and Triton slot-metadata reads against their torch twin (``PagedTiers.read_meta`` on the torch
+backend), over tiers with ragged heads, holes filled by compaction, an empty head, an empty tier and reads past
+the counts."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import pytest
 import torch
 
 from hfkv.kernels.cpu.meta import read_meta_cpu
+from hfkv.kernels.meta import read_meta_triton
 from hfkv.storage import PagedTiers
 from tests.test_kernel_decode_attention import _layout, _storage
 
 
+@pytest.mark.parametrize("backend,read_meta", [("cpu", read_meta_cpu), ("triton", read_meta_triton)])
 @pytest.mark.parametrize("dim,dtype,page_bytes,counts", [
     (64, torch.float32, None, (40, 70)),
     (32, torch.bfloat16, 528, (0, 33)),
     (128, torch.float16, 4096, (17, 1)),
 ])  # fmt: skip
-def test_cpu_read_meta_equals_the_torch_path(dim, dtype, page_bytes, counts):
+def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, page_bytes, counts):
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
     tiers: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim)
     assert tiers.backend == "torch"
@@ -24,11 +27,11 @@ def test_cpu_read_meta_equals_the_torch_path(dim, dtype, page_bytes, counts):
         top = tiers.max_count(tier)
         for m in {top, top + 7, max(0, top - 3), 0}:
             want = tiers.read_meta(tier, m)
-            got = read_meta_cpu(tiers.pool.data, tiers.tables[tier], tiers.counts[..., tier], tiers.tpp[tier], lay, m)
+            got = read_meta(tiers.pool.data, tiers.tables[tier], tiers.counts[..., tier], tiers.tpp[tier], lay, m)
             for a, b in zip(got, want, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.equal(a, b)
-        tiers.backend = "cpu"  # and through the storage's own dispatch
+        tiers.backend = backend  # and through the storage's own dispatch
         try:
             got = tiers.read_meta(tier)
         finally:
