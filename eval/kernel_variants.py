@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
-    p.add_argument(
-        "--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing"
-    )
+    p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120.0, help="variants past this are skipped (default 120)")
     args = p.parse_args(argv)
