@@ -48,7 +48,13 @@ PARTS = ("tests", "bandwidth", "e2e")
 DEADLINES = {"tests": 0.38, "bandwidth": 0.60, "e2e": 0.97}
 DEFAULT_BUDGET_S = 510.0  # of the 600 s a lent H100 runs one command, installing the wheels included
 DRY_BUDGET_S = 150.0
-KERNEL_TESTS = ("tests/test_kernel_decode_attention.py", "tests/test_kernel_encode.py", "tests/test_backend_triton.py")
+KERNEL_TESTS = (
+    "tests/test_kernel_decode_attention.py",
+    "tests/test_kernel_encode.py",
+    "tests/test_kernel_compact.py",
+    "tests/test_kernel_meta.py",
+    "tests/test_backend_triton.py",
+)
 # The kernel and generate tests; not the CPU kernel's, nor those about the interpreter or the CPU's backend choice.
 SELECTION = "(triton or encode) and not (cpu or host_sync or backend_selection or too_late or compiler)"
 DRY_SELECTION = "(single_token or masking_is_by_slot) and not cpu"
