@@ -254,29 +254,15 @@ class PagedTiers:
         self._set_width(tier, int(new_pages.max()) if new_pages.numel() else 0)
         self.versions[tier] += 1
 
-    def _byte_offsets(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        return page * self.pool.page_bytes + off * self.layouts[tier].nbytes
-
     def _move(self, tier: int, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Copy records from slots ``src`` to the (disjoint) slots ``dst``: compaction's only data movement."""
-        lay = self.layouts[tier]
-        if self.backend == "triton":
-            from hfkv.kernels.move import move_records
-
-            move_records(self.pool.data, self._byte_offsets(tier, *src), self._byte_offsets(tier, *dst), lay.nbytes)
-            return
-        view = self.pool.tier_view(lay.nbytes)
+        """Copy records from slots ``src`` to the (disjoint) slots ``dst``: the torch path's compaction (the
+        Triton and CPU backends compact in one kernel call: :meth:`remove`)."""
+        view = self.pool.tier_view(self.layouts[tier].nbytes)
         view[dst] = view[src]
 
     def _clear_tags(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> None:
-        """Mark slots empty (tag 0) so reads of whole pages skip them."""
-        lay = self.layouts[tier]
-        if self.backend == "triton":
-            from hfkv.kernels.move import clear_tags
-
-            clear_tags(self.pool.data, self._byte_offsets(tier, page, off) + lay.pos_offset)
-            return
-        self._field(tier, lay.pos_offset, torch.int32)[page, off] = 0
+        """Mark slots empty (tag 0) so reads of whole pages skip them (the torch path's, as :meth:`_move`)."""
+        self._field(tier, self.layouts[tier].pos_offset, torch.int32)[page, off] = 0
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
         """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)`` of every head.
