@@ -69,6 +69,11 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 
 
 # ------------------------------------------------------------------------------------------ recording
+# Kernels whose results the host reads (a policy run classifies from the metadata read_meta returns): they
+# run as well as being recorded, or a policy run would decide from uninitialised memory.
+RUN_WHILE_RECORDING = frozenset({"_read_meta_kernel"})
+
+
 @contextmanager
 def recorded_triton_launches():
     """Within the block, an interpreted ``kernel[grid](...)`` appends the kernel's name instead of running."""
@@ -78,7 +83,10 @@ def recorded_triton_launches():
     run = InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        names.append(getattr(getattr(self, "fn", None), "__name__", str(self)))
+        name = getattr(getattr(self, "fn", None), "__name__", str(self))
+        names.append(name)
+        if name in RUN_WHILE_RECORDING:  # its outputs are read on the host: empty tensors would steer the policy
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = record
     try:
