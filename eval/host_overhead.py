@@ -69,9 +69,10 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 
 
 # ------------------------------------------------------------------------------------------ recording
-# Kernels whose results the host reads (a policy run classifies from the metadata read_meta returns): they
-# run as well as being recorded, or a policy run would decide from uninitialised memory.
-RUN_WHILE_RECORDING = frozenset({"_read_meta_kernel"})
+# Kernels whose results the host reads (a policy run classifies from the metadata read_meta returns and moves
+# what the allocation decides): they run as well as being recorded, or a policy run would decide from
+# uninitialised memory.
+RUN_WHILE_RECORDING = frozenset({"_read_meta_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel"})
 
 
 @contextmanager

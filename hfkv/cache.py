@@ -285,6 +285,8 @@ class TriStateLayer(CacheLayerMixin):
             cap = None if rho is None else self._exact_cap(rho, heads)
             if self.backend == "cpu":  # the same decisions, selected in C++ instead of sorted in torch
                 from hfkv.kernels.cpu.allocate import allocate_cpu as allocate_fn
+            elif self.backend == "triton":  # the same decisions in three launches around the sort
+                from hfkv.kernels.allocate import allocate_triton as allocate_fn
             else:
                 allocate_fn = allocate
             return allocate_fn(

@@ -43,14 +43,14 @@ def _step_case(seed: int, n: int, head_adaptive: bool, cap: bool) -> dict:
     )
 
 
-def test_a_run_of_policy_steps_stays_equal_within_the_room_and_never_promotes():
+def run_of_policy_steps(allocate_fn, n: int = 400, steps: int = 12) -> None:
     """Each step: tokens leaving the window arrive exact, every score grows, the policy runs on the last
-    step's states (as a cache does), and both implementations decide the same, within the byte room."""
+    step's states (as a cache does), and ``allocate_fn`` decides as the twin does, within the byte room."""
     for head_adaptive, cap in ((False, False), (True, True), (False, True)):
-        case = _step_case(0, 400, head_adaptive, cap)
+        case = _step_case(0, n, head_adaptive, cap)
         g = torch.Generator().manual_seed(1)
-        for step in range(12):
-            got = allocate_cpu(**case)
+        for step in range(steps):
+            got = allocate_fn(**case)
             assert torch.equal(got, allocate(**case)), (head_adaptive, cap, step)
             held = held_bytes_of(got, case["cost"])
             held = held.sum(1) if head_adaptive else held
@@ -64,6 +64,10 @@ def test_a_run_of_policy_steps_stays_equal_within_the_room_and_never_promotes():
             case["scores"] = torch.cat([case["scores"], torch.rand(b, h, 8, generator=g)], -1)
             case["scores"] = case["scores"] + 0.01 * torch.rand(case["scores"].shape, generator=g)
             case["logical_len"] = case["logical_len"] + 8
+
+
+def test_a_run_of_policy_steps_stays_equal_within_the_room_and_never_promotes():
+    run_of_policy_steps(allocate_cpu)
 
 
 def test_decode_sized_rows_are_equal():

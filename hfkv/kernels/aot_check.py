@@ -151,7 +151,26 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
                         lay[t].nbytes, lay[t].pos_offset)  # fmt: skip
         calls += got
+    calls += _allocate_calls()
     return calls
+
+
+def _allocate_calls() -> list[tuple[Any, tuple, dict]]:
+    """The budget allocation's launches: per head and head-adaptive, with and without the exact cap, two and
+    three tiers (a room below zero, so the scan past the fast path is launched too)."""
+    from hfkv.kernels.allocate import allocate_triton
+
+    n = 5
+    with captured_launches() as got:
+        for adaptive in (False, True):
+            rows = (1,) if adaptive else (1, 2)
+            for cap in (None, torch.ones(rows, dtype=torch.long)):
+                for cost, fidelity in (((520, 264, 88), (1.0, 0.95, 0.6)), ((520, None, 88), (1.0, None, 0.6))):
+                    allocate_triton(torch.zeros(1, 2, n), torch.zeros(1, 2, n, dtype=torch.int8),
+                                    torch.zeros(1, 2, n, dtype=torch.bool), torch.full((1,), n),
+                                    torch.tensor(float("inf")), torch.tensor(0.0), torch.full(rows, -1), cost,
+                                    fidelity, adaptive, cap, 1.0)  # fmt: skip
+    return got
 
 
 def decode_instances(sizes: tuple[int, ...] = (1, 3, 16, 17, 33, 64, 100), arch: int = 90) -> dict[str, int]:

@@ -1,0 +1,214 @@
+"""The memory-budget allocation on GPU tensors: :func:`hfkv.policy.budget.allocate`'s decisions in three Triton
+launches around one sort (the torch function is the twin; ``hfkv.kernels.cpu.allocate`` is the CPU kernel).
+
+A policy run on a GPU is bound by its launches (docs/kernels.md, "Runs on a GPU"): the torch allocation is some
+sixty element-wise operations around its sort, each a launch of a few microseconds of host time over a few
+hundred kilobytes. Here the element-wise work before the sort (floors, items, their sort keys, the bytes each
+row holds) is one launch, the scan after it (exact cap, bytes spent, items taken) one program per row, and the
+decision per token one more. The sort stays torch's (a stable radix sort of int64 keys); so does the one host
+read of the fast path (everything fits: nothing moves).
+
+Exactness: every number the decisions compare is computed by the same fp32 / int64 operations as in the twin
+(the thresholds ``alpha / N`` and the prior's ``prior / N`` by torch itself, on the host's tensors), and the
+items are ordered by the same keys, so the states are equal bit for bit (``tests/test_kernel_allocate.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hfkv.policy.budget import Costs, _check_tiers, _item_tables
+from hfkv.policy.unified import _check_shapes, _lengths, _per_head
+from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
+
+__all__ = ["allocate_triton"]
+
+_BLOCK = 256  # tokens per program of the item and decision passes
+_SCAN_BLOCK = 1024  # sorted items per iteration of a row's scan
+_EVICTED = tl.constexpr(EVICTED)  # the kernels' copies of the states
+_ORIGINAL = tl.constexpr(ORIGINAL)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _items_kernel(
+    scores_ptr, state_ptr, sink_ptr, lo_ptr, hi_ptr, add_ptr, present_ptr, rate_ptr, cost_ptr,
+    new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, n,
+    H: tl.constexpr, K: tl.constexpr, ADAPTIVE: tl.constexpr, EXACT_ROW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program per (row b * H + head, block of tokens): floors, then each token's K items as sort keys."""
+    bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    at = bh * n + i
+    s = tl.load(scores_ptr + at, mask=inside, other=0.0)
+    state = tl.load(state_ptr + at, mask=inside, other=_EVICTED).to(tl.int32)
+    sink = tl.load(sink_ptr + at, mask=inside, other=1) != 0
+    lo = tl.load(lo_ptr + bh)
+    hi = tl.load(hi_ptr + bh)
+    add = tl.load(add_ptr + bh // H)
+    movable = (~sink) & inside
+    new = tl.where(movable & (s < lo), _EVICTED, state)
+    cand = movable & (new != _EVICTED)
+    can_exact = cand & (new == _ORIGINAL)
+    exact_only = can_exact & (s >= hi)
+    tl.store(new_ptr + at, new.to(tl.int8), mask=inside)
+    # Bytes held: by the sinks (taken from the room first) and by the candidates at their current tier.
+    tier_cost = tl.load(cost_ptr + tl.minimum(new, _EVICTED))
+    sink_held = tl.where(sink & inside, tier_cost, 0)
+    tl.atomic_add(sink_bytes_ptr + bh, tl.sum(sink_held, 0))
+    tl.atomic_add(cand_bytes_ptr + bh, tl.sum(tl.where(cand, tier_cost, 0), 0))
+    tl.atomic_add(exact_ptr + bh, tl.sum(can_exact.to(tl.int64), 0))
+    # Items, cheapest first: value per byte = (score + prior / N) * the hull's slope (exact-only tokens: the
+    # exact tier's); absent items sort after every present one.
+    s_prior = s + add
+    row = tl.minimum(new, EXACT_ROW - 1)  # the twin's clamp: an evicted token has no present item anyway
+    cls = tl.where(exact_only, EXACT_ROW, row)  # the rate table's last row: the exact tier's rate
+    b = bh // H
+    head = bh % H
+    for j in tl.static_range(K):
+        present = cand & (tl.load(present_ptr + row * K + j) != 0)
+        eff = tl.where(present, s_prior * tl.load(rate_ptr + cls * K + j), 0.0)
+        eff = eff + 0.0  # -0.0 + 0.0 == +0.0: the twin's _ordered_key
+        bits = eff.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        desc = 4294967295 - (ordered + 2147483648)
+        key = tl.where(present, 0, 1).to(tl.int64) * 8589934592 + desc  # (~present) << 33 | desc
+        if ADAPTIVE:  # one row per layer row b: items ordered (token, head, item)
+            dst = b * (n * H * K) + (i.to(tl.int64) * H + head) * K + j
+        else:  # one row per (b, head): (token, item)
+            dst = bh * (n * K) + i.to(tl.int64) * K + j
+        tl.store(key_ptr + dst, key, mask=inside)
+
+
+@triton.jit(do_not_specialize=["length"])
+def _scan_kernel(
+    sorted_ptr, order_ptr, step_cost_ptr, target_ptr, room_ptr, cap_ptr, taken_ptr, length,
+    K: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program per row: walk its items in sorted order, taking them while the bytes spent fit the room (the
+    exact cap skipping upgrades past it); count each token's items taken."""
+    r = tl.program_id(0).to(tl.int64)
+    room = tl.load(room_ptr + r)
+    cap = tl.load(cap_ptr + r)  # the room when there is no cap (unread)
+    spent = tl.full((), 0, tl.int64)
+    exact = tl.full((), 0, tl.int64)
+    for start in range(0, length, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        inside = o < length
+        key = tl.load(sorted_ptr + r * length + o, mask=inside, other=8589934592)
+        idx = tl.load(order_ptr + r * length + o, mask=inside, other=0)
+        j = idx % K
+        allowed = inside & (key < 8589934592)
+        if HAS_CAP:
+            to_exact = allowed & (tl.load(target_ptr + j) == _ORIGINAL)
+            seen = exact + tl.cumsum(to_exact.to(tl.int64), 0)
+            exact += tl.sum(to_exact.to(tl.int64), 0)
+            allowed = allowed & ((~to_exact) | (seen <= cap))
+        cost = tl.where(allowed, tl.load(step_cost_ptr + j), 0)
+        running = spent + tl.cumsum(cost, 0)
+        spent += tl.sum(cost, 0)
+        taken = allowed & (running <= room)
+        tl.atomic_add(taken_ptr + r * (length // K) + idx // K, 1, mask=taken)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _decide_kernel(
+    new_ptr, sink_ptr, taken_ptr, target_ptr, out_ptr, n,
+    H: tl.constexpr, ADAPTIVE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A token takes a prefix of its items (slopes fall along them): it ends in the tier its last one reaches."""
+    bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    at = bh * n + i
+    new = tl.load(new_ptr + at, mask=inside, other=_EVICTED)
+    sink = tl.load(sink_ptr + at, mask=inside, other=1) != 0
+    if ADAPTIVE:
+        m = tl.load(taken_ptr + (bh // H) * (n * H) + i.to(tl.int64) * H + bh % H, mask=inside, other=0)
+    else:
+        m = tl.load(taken_ptr + at, mask=inside, other=0)
+    decided = tl.where(m > 0, tl.load(target_ptr + tl.maximum(m - 1, 0)), _EVICTED)
+    cand = (~sink) & (new != _EVICTED)
+    tl.store(out_ptr + at, tl.where(cand, decided, new).to(tl.int8), mask=inside)
+
+
+@cache
+def _tables(cost: tuple, fidelity: tuple, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The twin's item tables on ``device`` (one row per tier state), the rate table with one more row (the
+    exact tier's rate for every item of an exact-only token), and each state's bytes (0 for EVICTED and tiers
+    that are off)."""
+    on = _check_tiers(cost, fidelity)
+    present, rate, step_cost, target = _item_tables(cost, fidelity, on, device)
+    exact = torch.tensor(float(fidelity[ORIGINAL]) / int(cost[ORIGINAL]), dtype=torch.float32, device=device)
+    rate = torch.cat([rate, exact.expand(1, rate.shape[1])]).contiguous()
+    per_state = [int(c) if c is not None else 0 for c in cost] + [0]  # ..., EVICTED
+    state_cost = torch.tensor(per_state, dtype=torch.int64, device=device)
+    return present.to(torch.uint8).contiguous(), rate, step_cost.contiguous(), target.contiguous(), state_cost
+
+
+def allocate_triton(
+    scores: Tensor,
+    state: Tensor,
+    sink: Tensor,
+    logical_len: Tensor,
+    alpha_h: Tensor,
+    alpha_l: Tensor,
+    room: Tensor,
+    cost: Costs,
+    fidelity: Sequence[float | None],
+    head_adaptive: bool,
+    exact_cap: Tensor | None = None,
+    prior: float = 0.0,
+) -> Tensor:
+    """:func:`hfkv.policy.budget.allocate` (same arguments, same result) in Triton launches."""
+    b, h, n = _check_shapes(scores, state, sink)
+    device = scores.device
+    present_t, rate_t, step_cost_t, target_t, state_cost = _tables(tuple(cost), tuple(fidelity), device)
+    k = step_cost_t.numel()
+    rows = (b,) if head_adaptive else (b, h)
+    if tuple(room.shape) != rows:
+        raise ValueError(f"room must have shape {rows}, got {tuple(room.shape)}")
+    if exact_cap is not None and tuple(exact_cap.shape) != rows:
+        raise ValueError(f"exact_cap must have shape {rows}, got {tuple(exact_cap.shape)}")
+    state = state.to(torch.int8).contiguous()
+    if n == 0:
+        return state.clone()
+    # The thresholds and the prior by the twin's own torch operations: equal fp32 values.
+    length = _lengths(logical_len, device)
+    lo = (_per_head(alpha_l, h, device) / length).expand(b, h, 1).contiguous()
+    hi = (_per_head(alpha_h, h, device) / length).expand(b, h, 1).contiguous()
+    add = (prior / length).reshape(b).contiguous() if prior else torch.zeros(b, dtype=torch.float32, device=device)
+    new = torch.empty((b, h, n), dtype=torch.int8, device=device)
+    keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
+    sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
+    sink8 = sink.to(torch.uint8).contiguous()
+    grid = (b * h, triton.cdiv(n, _BLOCK))
+    _items_kernel[grid](
+        scores.to(torch.float32).contiguous(), state, sink8, lo, hi, add, present_t, rate_t, state_cost,
+        new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES),
+        BLOCK=_BLOCK,
+    )  # fmt: skip
+    if head_adaptive:
+        sums = sums.sum(-1)
+    room = room.to(device=device, dtype=torch.int64) - sums[0]
+    fits = sums[1] <= room
+    if exact_cap is not None:
+        fits &= sums[2] <= exact_cap.to(device)
+    if bool(fits.all()):  # the one host read: nothing moves
+        return new
+    sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
+    taken = torch.zeros((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)
+    cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else room
+    _scan_kernel[(keys.shape[0],)](
+        sorted_keys, order, step_cost_t, target_t, room.reshape(-1).contiguous(), cap, taken, keys.shape[1],
+        K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
+    )  # fmt: skip
+    out = torch.empty_like(new)
+    _decide_kernel[grid](new, sink8, taken, target_t, out, n, H=h, ADAPTIVE=head_adaptive, BLOCK=_BLOCK)
+    return out
