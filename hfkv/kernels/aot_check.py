@@ -118,6 +118,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     from hfkv.kernels.encode import encode_write
     from hfkv.kernels.meta import read_meta_triton
     from hfkv.kernels.move import clear_tags, compact, move_records
+    from hfkv.kernels.reserve import reserve_slots
     from hfkv.quant.formats import QuantFormat
     from hfkv.storage import PagedTiers, RecordLayout
 
@@ -150,6 +151,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
                 compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
                         lay[t].nbytes, lay[t].pos_offset)  # fmt: skip
+                reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
+                              torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
+                              lay[t].nbytes, 2)  # fmt: skip
         calls += got
     calls += _allocate_calls()
     return calls

@@ -186,33 +186,60 @@ class PagedTiers:
             return
         if check_finite:
             lay.check_encodable(k, v)
-        page, off = self._reserve(tier, b, h)
-        encode_write(self.pool.data, page * self.pool.page_bytes + off * lay.nbytes, lay, k, v, pos, score)
+        offsets = self._reserve_offsets(tier, b, h)
+        encode_write(self.pool.data, offsets, lay, k, v, pos, score)
+
+    def _take_pages(self, tier: int, b: torch.Tensor, h: torch.Tensor):
+        """What appending one record to each head ``(b[j], h[j])`` needs: ``(bh, k, old, old_pages, need, ids)``
+        (records per head before and added, pages owned and needed, the new pages' ids or None), the table
+        widened for them. One host read: the pool hands out pages by count."""
+        tpp = self.tpp[tier]
+        bh = b * self.heads + h
+        k = torch.bincount(bh, minlength=self.batch * self.heads)
+        old = self.counts[..., tier].reshape(-1)
+        old_pages, new_pages = _ceil_div(old, tpp), _ceil_div(old + k, tpp)
+        need = new_pages - old_pages
+        total, widest = torch.stack([need.sum(), new_pages.max()]).tolist()
+        ids = None
+        if total:
+            self._set_width(tier, max(self.max_pages(tier), widest))
+            ids = self.pool.allocate(total)
+        return bh, k, old, old_pages, need, ids
 
     def _reserve(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the next slot of heads ``(b[j], h[j])`` for every j (pages allocated in bulk); its page and offset."""
-        tpp = self.tpp[tier]
-        bsz, heads = self.batch, self.heads
-        bh = b * heads + h
-        k = torch.bincount(bh, minlength=bsz * heads)
-        old = self.counts[..., tier].reshape(-1)
-        new = old + k
-        old_pages, new_pages = _ceil_div(old, tpp), _ceil_div(new, tpp)
-        need = new_pages - old_pages
-        total = int(need.sum())
-        if total:
-            self._set_width(tier, max(self.max_pages(tier), int(new_pages.max())))
-            ids = self.pool.allocate(total)
+        bh, k, old, old_pages, need, ids = self._take_pages(tier, b, h)
+        rows = self.batch * self.heads
+        if ids is not None:
+            total = ids.numel()
             self.pool.data[ids.long()] = 0  # a reused page may hold another tier's bytes (and non-zero tags)
-            owner = torch.repeat_interleave(torch.arange(bsz * heads, device=self.device), need, output_size=total)
+            owner = torch.repeat_interleave(torch.arange(rows, device=self.device), need, output_size=total)
             start = torch.cumsum(need, 0) - need
             col = old_pages[owner] + torch.arange(total, device=self.device) - start[owner]
-            self.tables[tier].view(bsz * heads, -1)[owner, col] = ids
+            self.tables[tier].view(rows, -1)[owner, col] = ids
         first = torch.cumsum(k, 0) - k
         s = old[bh] + torch.arange(bh.numel(), device=self.device) - first[bh]
-        self.counts[..., tier] = new.view(bsz, heads)
-        self.versions[tier] += 1
+        self._count_appended(tier, old + k)
         return self._locate(tier, b, h, s)
+
+    def _reserve_offsets(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """:meth:`_reserve`'s slots as byte offsets into the pool; one launch on the Triton backend."""
+        if self.backend != "triton":
+            page, off = self._reserve(tier, b, h)
+            return page * self.pool.page_bytes + off * self.layouts[tier].nbytes
+        from hfkv.kernels.reserve import reserve_slots
+
+        _, k, old, _, _, ids = self._take_pages(tier, b, h)
+        if ids is None:
+            ids = torch.empty(0, dtype=torch.int32, device=self.device)
+        offsets = reserve_slots(self.pool.data, self.tables[tier], old, k, ids, self.tpp[tier],
+                                self.layouts[tier].nbytes, b.numel())  # fmt: skip
+        self._count_appended(tier, old + k)
+        return offsets
+
+    def _count_appended(self, tier: int, new: torch.Tensor) -> None:
+        self.counts[..., tier] = new.view(self.batch, self.heads)
+        self.versions[tier] += 1
 
     def remove(self, tier: int, keep: torch.Tensor) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.

@@ -1,0 +1,83 @@
+"""Slots for appended records in one launch: :meth:`hfkv.storage.paged.PagedTiers._reserve`'s contract on the
+Triton backend (its torch path is the twin).
+
+Appending ``n`` records to a tier takes each head's next slots: new pages where a head's last one is full (their
+ids written into the page table, their bytes zeroed: a reused page may hold another tier's tags), and each
+record's byte offset. The torch path is some twenty tensor operations (a repeat-interleave of page owners,
+cumulative sums, scattered table writes, gathered page ids); a policy run appends once per destination tier, and
+on a GPU a run is bound by its launches (docs/kernels.md, "Runs on a GPU"). Here one program per head does its
+share: the host only counts the pages needed (one read, which the pool's free-page stack needs anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.kernels.encode import check_pool
+
+__all__ = ["reserve_slots"]
+
+_BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["table_w", "n_heads", "tpp", "page_words", "rec_bytes"])
+def _reserve_kernel(
+    words_ptr, table_ptr, table_w, old_ptr, k_ptr, ids_ptr, out_ptr, n_heads, tpp, page_words, rec_bytes,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    # This head's first record and first new page: exclusive prefix sums over the heads before it.
+    first = tl.full((), 0, tl.int64)
+    start = tl.full((), 0, tl.int64)
+    for base in range(0, n_heads, BLOCK):
+        i = base + tl.arange(0, BLOCK)
+        before = i < bh
+        o = tl.load(old_ptr + i, mask=before, other=0)
+        n = tl.load(k_ptr + i, mask=before, other=0)
+        first += tl.sum(n, 0)
+        start += tl.sum((o + n + tpp - 1) // tpp - (o + tpp - 1) // tpp, 0)
+    old = tl.load(old_ptr + bh)
+    k = tl.load(k_ptr + bh)
+    have = (old + tpp - 1) // tpp  # pages the head owns
+    need = (old + k + tpp - 1) // tpp - have
+    row = table_ptr + bh.to(tl.int64) * table_w
+    for c0 in range(0, need, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        fresh = c < need
+        tl.store(row + have + c, tl.load(ids_ptr + start + c, mask=fresh), mask=fresh)
+    for c in range(0, need):
+        page = words_ptr + tl.load(ids_ptr + start + c).to(tl.int64) * page_words
+        for w0 in range(0, page_words, BLOCK):
+            w = w0 + tl.arange(0, BLOCK)
+            tl.store(page + w, tl.zeros((BLOCK,), tl.int32), mask=w < page_words)
+    for j0 in range(0, k, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        live = j < k
+        s = old + j
+        col = s // tpp
+        is_new = col >= have
+        owned = tl.load(row + col, mask=live & ~is_new, other=0)
+        added = tl.load(ids_ptr + start + (col - have), mask=live & is_new, other=0)
+        page = tl.where(is_new, added, owned).to(tl.int64)
+        tl.store(out_ptr + first + j, page * (page_words * 4) + (s % tpp) * rec_bytes, mask=live)
+
+
+def reserve_slots(
+    pool: torch.Tensor, table: torch.Tensor, old: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tpp: int,
+    record_bytes: int, n: int,
+) -> torch.Tensor:  # fmt: skip
+    """Byte offsets ``[n]`` int64 of the next ``k[j]`` slots of every head ``j`` (``old [B*H]`` records held,
+    ``k [B*H]`` appended, records grouped by head in head order); the new pages ``ids`` (int32, as many as the
+    heads need, taken in head order) are written into ``table [B, H, W]`` (wide enough) and zeroed."""
+    check_pool(pool, "reserve_slots")
+    out = torch.empty(n, dtype=torch.int64, device=pool.device)
+    heads = old.numel()
+    if heads == 0 or n == 0 and ids.numel() == 0:
+        return out
+    _reserve_kernel[(heads,)](
+        pool.view(torch.int32), table, table.shape[-1], old.to(torch.int64).contiguous(), k.contiguous(), ids, out,
+        heads, tpp, pool.shape[1] // 4, record_bytes, BLOCK=_BLOCK,
+    )  # fmt: skip
+    return out
