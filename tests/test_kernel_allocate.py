@@ -23,11 +23,11 @@ def test_triton_allocation_equals_the_torch_twin(case):
     assert got.tolist() == reference_allocate(**case)
 
 
-def test_a_run_of_policy_steps_stays_equal_within_the_room_and_never_promotes():
+def test_triton_allocation_over_a_run_of_policy_steps():
     run_of_policy_steps(allocate_triton, n=300, steps=6)
 
 
-def test_decode_sized_rows_are_equal():
+def test_triton_allocation_of_decode_sized_rows():
     for seed, (head_adaptive, cap) in enumerate(((False, True), (True, False))):
         case = _step_case(seed, 3000, head_adaptive, cap)
         case["state"] = torch.randint(0, 4, case["scores"].shape, generator=torch.Generator().manual_seed(seed))

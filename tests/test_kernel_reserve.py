@@ -32,7 +32,7 @@ def _same_storage(a: PagedTiers, b: PagedTiers) -> None:
     (528, (0, 33), [[1, 1, 1, 1, 1, 1], [7, 0, 7, 0, 7, 0]]),
     (4096, (17, 1), [[0, 0, 0, 0, 0, 0], [90, 3, 2, 1, 0, 40]]),
 ])  # fmt: skip
-def test_reserve_kernel_equals_the_torch_path(page_bytes, counts, rounds):
+def test_triton_reserve_equals_the_torch_path(page_bytes, counts, rounds):
     dim, bsz, heads = 64, 2, 3
     layouts = (_layout("model", "model", dim, torch.float32), _layout("int4", "int2", dim, torch.float32))
     base: PagedTiers = _storage(layouts, bsz, heads, dim, 160, counts, page_bytes, seed=len(rounds))
