@@ -35,3 +35,13 @@ def test_triton_allocation_of_decode_sized_rows():
         want = allocate(**case)
         assert not torch.equal(want, case["state"])  # the scan decided something
         assert torch.equal(allocate_triton(**case), want)
+
+
+def test_triton_allocation_with_a_prior_that_is_not_a_power_of_two():
+    """The prior term at lengths and a prior where rounding matters (the kernel rounds ``prior / N`` as torch does,
+    reciprocal then product); decisions equal the twin's."""
+    for seed in range(4):
+        case = _step_case(seed, 500, seed % 2 == 1, seed >= 2)
+        case["prior"] = 0.3
+        case["logical_len"] = torch.tensor([997, 3001])
+        assert torch.equal(allocate_triton(**case), allocate(**case))

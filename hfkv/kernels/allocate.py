@@ -8,9 +8,9 @@ row holds) is one launch, the scan after it (exact cap, bytes spent, items taken
 decision per token one more. The sort stays torch's (a stable radix sort of int64 keys); so does the one host
 read of the fast path (everything fits: nothing moves).
 
-Exactness: every number the decisions compare is computed by the same fp32 / int64 operations as in the twin
-(the thresholds ``alpha / N`` and the prior's ``prior / N`` by torch itself, on the host's tensors), and the
-items are ordered by the same keys, so the states are equal bit for bit (``tests/test_kernel_allocate.py``).
+Exactness: every number the decisions compare is computed by the same IEEE-rounded fp32 / int64 operations as
+in the twin (divisions by ``div_rn``, not the approximate fp32 division Triton emits for ``/``), and the items are
+ordered by the same keys, so the states are equal bit for bit (``tests/test_kernel_allocate.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import _check_shapes, _lengths, _per_head
+from hfkv.policy.unified import _check_shapes, _per_head
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate_triton"]
@@ -35,9 +35,9 @@ _EVICTED = tl.constexpr(EVICTED)  # the kernels' copies of the states
 _ORIGINAL = tl.constexpr(ORIGINAL)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "prior"])
 def _items_kernel(
-    scores_ptr, state_ptr, sink_ptr, lo_ptr, hi_ptr, add_ptr, present_ptr, rate_ptr, cost_ptr,
+    scores_ptr, state_ptr, sink_ptr, len_ptr, alpha_l_ptr, alpha_h_ptr, prior, present_ptr, rate_ptr, cost_ptr,
     new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, n,
     H: tl.constexpr, K: tl.constexpr, ADAPTIVE: tl.constexpr, EXACT_ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -49,9 +49,11 @@ def _items_kernel(
     s = tl.load(scores_ptr + at, mask=inside, other=0.0)
     state = tl.load(state_ptr + at, mask=inside, other=_EVICTED).to(tl.int32)
     sink = tl.load(sink_ptr + at, mask=inside, other=1) != 0
-    lo = tl.load(lo_ptr + bh)
-    hi = tl.load(hi_ptr + bh)
-    add = tl.load(add_ptr + bh // H)
+    # The twin's thresholds alpha / N and prior term (prior / N = reciprocal(N) * prior in torch), IEEE-rounded.
+    length = tl.maximum(tl.load(len_ptr + bh // H), 1).to(tl.float32)
+    lo = tl.math.div_rn(tl.load(alpha_l_ptr + bh % H), length)
+    hi = tl.math.div_rn(tl.load(alpha_h_ptr + bh % H), length)
+    add = tl.math.div_rn(1.0, length) * prior
     movable = (~sink) & inside
     new = tl.where(movable & (s < lo), _EVICTED, state)
     cand = movable & (new != _EVICTED)
@@ -179,18 +181,15 @@ def allocate_triton(
     state = state.to(torch.int8).contiguous()
     if n == 0:
         return state.clone()
-    # The thresholds and the prior by the twin's own torch operations: equal fp32 values.
-    length = _lengths(logical_len, device)
-    lo = (_per_head(alpha_l, h, device) / length).expand(b, h, 1).contiguous()
-    hi = (_per_head(alpha_h, h, device) / length).expand(b, h, 1).contiguous()
-    add = (prior / length).reshape(b).contiguous() if prior else torch.zeros(b, dtype=torch.float32, device=device)
+    alpha_l, alpha_h = (_per_head(a, h, device).reshape(h).contiguous() for a in (alpha_l, alpha_h))
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
     sink8 = sink.to(torch.uint8).contiguous()
     grid = (b * h, triton.cdiv(n, _BLOCK))
     _items_kernel[grid](
-        scores.to(torch.float32).contiguous(), state, sink8, lo, hi, add, present_t, rate_t, state_cost,
+        scores.to(torch.float32).contiguous(), state, sink8, logical_len.to(device=device, dtype=torch.int64).reshape(b),
+        alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost,
         new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES),
         BLOCK=_BLOCK,
     )  # fmt: skip
