@@ -72,7 +72,10 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 # Kernels whose results the host reads (a policy run classifies from the metadata read_meta returns and moves
 # what the allocation decides): they run as well as being recorded, or a policy run would decide from
 # uninitialised memory.
-RUN_WHILE_RECORDING = frozenset({"_read_meta_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel"})
+INTERPRETING = [False]  # a recorded kernel runs in the interpreter now: its tensor copies are not counted
+RUN_WHILE_RECORDING = frozenset(
+    {"_read_meta_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel", "_changes_kernel"}
+)
 
 
 @contextmanager
@@ -87,7 +90,11 @@ def recorded_triton_launches():
         name = getattr(getattr(self, "fn", None), "__name__", str(self))
         names.append(name)
         if name in RUN_WHILE_RECORDING:  # its outputs are read on the host: empty tensors would steer the policy
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            INTERPRETING[0] = True  # the interpreter's copies in and out are not the launch's device work
+            try:
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                INTERPRETING[0] = False
 
     InterpretedFunction.run = record
     try:
@@ -106,6 +113,8 @@ class DeviceOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if INTERPRETING[0]:
+            return func(*args, **(kwargs or {}))
         if not (func.is_view or name in ALLOCATIONS or name in METADATA):
             self.ops[name] += 1
         if name in HOST_SYNCS:

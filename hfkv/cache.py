@@ -355,7 +355,8 @@ class TriStateLayer(CacheLayerMixin):
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
-        self._apply(news, [meta[2] for meta in metas], (ek, ev, epos, escore, new_exits) if m else None)
+        changes = self._tier_changes(new, valid, sizes)
+        self._apply(news, [meta[2] for meta in metas], changes, (ek, ev, epos, escore, new_exits) if m else None)
         self._refresh_tier_peak()
 
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
@@ -386,7 +387,24 @@ class TriStateLayer(CacheLayerMixin):
         rho = self.cache.rho(self.layer_idx)
         return rho is None or bool((exact <= self._exact_cap(rho, heads)).all())
 
-    def _apply(self, news: list[torch.Tensor], valids: list[torch.Tensor], exits: tuple | None = None) -> None:
+    def _tier_changes(self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
+        """Per tier: tokens demoted into a tier they stay in, and tokens leaving (one launch and one wait on the
+        Triton backend)."""
+        if self.backend == "triton":
+            from hfkv.kernels.changes import tier_changes
+
+            return tier_changes(new, valid, sizes)
+        from hfkv.kernels.changes import tier_changes_reference
+
+        return tier_changes_reference(new, valid, sizes)
+
+    def _apply(
+        self,
+        news: list[torch.Tensor],
+        valids: list[torch.Tensor],
+        changes: list[tuple[int, int]],
+        exits: tuple | None = None,
+    ) -> None:
         """Move tokens whose state changed: drop the evicted, re-encode the demoted into their new tier, and
         write the classified window exits (``(k, v, pos, score, new)``, as :meth:`_admit` takes them).
 
@@ -398,16 +416,17 @@ class TriStateLayer(CacheLayerMixin):
         tiers = self.tiers
         moving = []  # (dest [n], b, h, k, v, pos, score)
         for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
+            if not changes[tier][0]:
+                continue
             b, h, s = (valid & (new > tier) & (new != EVICTED)).nonzero(as_tuple=True)
-            if s.numel():
-                rec = tiers.gather(tier, b, h, s)
-                lay = self.layouts[tier]
-                k, v = lay.decode_kv(rec, torch.float32)
-                moving.append((new[b, h, s], b, h, k, v, lay.positions(rec).long(), lay.scores(rec)))
+            rec = tiers.gather(tier, b, h, s)
+            lay = self.layouts[tier]
+            k, v = lay.decode_kv(rec, torch.float32)
+            moving.append((new[b, h, s], b, h, k, v, lay.positions(rec).long(), lay.scores(rec)))
         # Free the old slots before the demoted copies take new ones: the pool's peak (its capacity,
         # which is held) never has to hold a token twice.
-        for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
-            if bool((valid & (new != tier)).any()):
+        for tier, new in enumerate(news):
+            if changes[tier][1]:
                 tiers.remove(tier, new == tier)
         if exits is not None:
             ek, ev, epos, escore, new_exits = exits

@@ -13,9 +13,9 @@ from hfkv.states import EVICTED
 from tests.models import left_padded_batch, tiny_model
 
 
-def _apply_tier_by_tier(self, news, valids, exits=None):
+def _apply_tier_by_tier(self, news, valids, changes, exits=None):
     """The relocation as it was written before: one append per (source tier, destination tier), then one
-    per destination tier for the exits."""
+    per destination tier for the exits; what changed asked tier by tier (``changes`` unused)."""
     tiers = self.tiers
     moved = []
     for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
@@ -44,10 +44,11 @@ def _run(model, ids, mask, overrides, reference: bool, monkeypatch):
     moves = []
     apply = TriStateLayer._apply
 
-    def spy(self, news, valids, exits=None):
-        pairs = enumerate(zip(news, valids, strict=True))
+    def spy(self, news, valids, changes, exits=None):
+        pairs = list(enumerate(zip(news, valids, strict=True)))
         moves.append(sum(int((v & (n > t) & (n != EVICTED)).sum()) for t, (n, v) in pairs))
-        return apply(self, news, valids, exits)
+        assert [c[0] for c in changes] == [int((v & (n > t) & (n != EVICTED)).sum()) for t, (n, v) in pairs]
+        return apply(self, news, valids, changes, exits)
 
     monkeypatch.setattr(TriStateLayer, "_apply", spy)
     cache = TriStateCache(model, "hfkv", **overrides)

@@ -186,12 +186,12 @@ def allocate_triton(
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
     sink8 = sink.to(torch.uint8).contiguous()
+    lengths = logical_len.to(device=device, dtype=torch.int64).reshape(b)
     grid = (b * h, triton.cdiv(n, _BLOCK))
     _items_kernel[grid](
-        scores.to(torch.float32).contiguous(), state, sink8, logical_len.to(device=device, dtype=torch.int64).reshape(b),
-        alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost,
-        new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES),
-        BLOCK=_BLOCK,
+        scores.to(torch.float32).contiguous(), state, sink8, lengths, alpha_l, alpha_h, float(prior), present_t,
+        rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive,
+        EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK,
     )  # fmt: skip
     if head_adaptive:
         sums = sums.sum(-1)

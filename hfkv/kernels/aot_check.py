@@ -156,7 +156,12 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                               lay[t].nbytes, 2)  # fmt: skip
         calls += got
     calls += _allocate_calls()
-    return calls
+    from hfkv.kernels.changes import tier_changes
+
+    with captured_launches() as got:
+        for sizes in ([3], [3, 2], [3, 2, 1]):
+            tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
+    return calls + got
 
 
 def _allocate_calls() -> list[tuple[Any, tuple, dict]]:

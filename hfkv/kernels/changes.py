@@ -1,0 +1,67 @@
+"""What a policy run's decisions change, per tier, in one launch and one host read.
+
+After the allocation, a run must know for each tier whether any of its tokens moves to a lower tier (those are
+decoded and re-encoded) and whether any leaves it (the tier is compacted). Asked tier by tier in torch, that is
+four operations and one host read per question and tier, two dozen launches and six waits per run; on a GPU a
+run is bound by its launches (docs/kernels.md, "Runs on a GPU"). :func:`tier_changes_reference` is the twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.states import EVICTED
+
+__all__ = ["tier_changes", "tier_changes_reference"]
+
+_BLOCK = 512
+_EVICTED = tl.constexpr(EVICTED)
+
+
+def tier_changes_reference(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Per tier ``t`` (slots ``[sum(sizes[:t]), sum(sizes[:t + 1]))`` of ``new, valid [B, H, N]``): how many
+    valid slots move to a lower tier they are kept in (``t < new != EVICTED``), and how many leave (``new != t``)."""
+    out, start = [], 0
+    for tier, n in enumerate(sizes):
+        nw, ok = new[..., start : start + n], valid[..., start : start + n]
+        out.append((int((ok & (nw > tier) & (nw != EVICTED)).sum()), int((ok & (nw != tier)).sum())))
+        start += n
+    return out
+
+
+@triton.jit(do_not_specialize=["n", "end0", "end1", "end2"])
+def _changes_kernel(new_ptr, valid_ptr, out_ptr, n, end0, end1, end2, NT: tl.constexpr, BLOCK: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    new = tl.load(new_ptr + bh * n + i, mask=inside, other=0).to(tl.int32)
+    ok = inside & (tl.load(valid_ptr + bh * n + i, mask=inside, other=0) != 0)
+    tier = tl.where(i < end0, 0, tl.where(i < end1, 1, 2))
+    ok = ok & (i < end2)  # the last tier's end (ends past the tiers repeat it): the window's exits are not asked
+    for t in tl.static_range(NT):
+        mine = ok & (tier == t)
+        demoted = tl.sum((mine & (new > t) & (new != _EVICTED)).to(tl.int32), 0)
+        leaving = tl.sum((mine & (new != t)).to(tl.int32), 0)
+        tl.atomic_add(out_ptr + 2 * t, demoted)
+        tl.atomic_add(out_ptr + 2 * t + 1, leaving)
+
+
+def tier_changes(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """:func:`tier_changes_reference` in one launch (``new`` int8, ``valid`` bool, both ``[B, H, N]`` contiguous;
+    slots past the tiers' are ignored); at most three tiers."""
+    if not 1 <= len(sizes) <= 3:
+        raise ValueError(f"tier_changes: between 1 and 3 tiers, got sizes={list(sizes)}")
+    bsz, heads, n = new.shape
+    out = torch.zeros(2 * len(sizes), dtype=torch.int32, device=new.device)
+    if n and bsz * heads:
+        ends = [sum(sizes[: t + 1]) for t in range(len(sizes))]
+        ends += [ends[-1]] * (3 - len(ends))
+        _changes_kernel[(bsz * heads, triton.cdiv(n, _BLOCK))](
+            new.contiguous(), valid.contiguous().view(torch.uint8), out, n, *ends, NT=len(sizes), BLOCK=_BLOCK
+        )
+    flat = out.tolist()  # the run's one wait for what changed
+    return [(flat[2 * t], flat[2 * t + 1]) for t in range(len(sizes))]
