@@ -60,6 +60,10 @@ RULER_KEY = ("model", "dtype", "task", "length", "doc_id", "method")
 SOLVED = 0.3  # a RULER task enters the average when the full cache (dynamic) scores at least this
 RULER_LEVELS = (0.075, 0.15, 0.30)  # memory ceilings of RULER's "best score per memory level" table
 DASH = "—"
+CALIB_DOC = "docs/calibration.md"
+CALIB_LONG = "calibration/studies/smollm2-math-long"  # the long-generation study (issue 22's setup)
+CALIB_GRANULARITY = "calibration/studies/smollm2-math-long-*/summary.json"  # its layer / head twins
+CALIB_START, CALIB_END = "<!-- results:calibration:start -->", "<!-- results:calibration:end -->"
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -937,6 +941,64 @@ python eval/make_tables.py
 """
 
 
+def _calib_row(r: dict[str, Any]) -> list[str]:
+    return [f"`{r['config']}`", r.get("kind", ""), fmt(r.get("budget"), "d") if r.get("budget") else DASH,
+            fmt(r.get("kl"), ".4f"), fmt(r.get("top1"), ".3f"), fmt(r.get("memory_ratio"), ".3f")]  # fmt: skip
+
+
+def _base_vs_best(summary: dict[str, Any]) -> list[list[str]]:
+    """Each base point of a study against its best other complete trial at equal or lower memory."""
+    done = [t for t in summary["trials"] if t["state"] == "COMPLETE" and t.get("metrics")]
+    rows = []
+    for base in sorted((t for t in done if t.get("base_point")), key=lambda t: t["metrics"]["memory_ratio"]):
+        mem = base["metrics"]["memory_ratio"]
+        rivals = [t for t in done if not t.get("base_point") and t["metrics"]["memory_ratio"] <= mem]
+        best = min(rivals, key=lambda t: t["metrics"]["kl"], default=None)
+        b = (
+            f"trial {best['number']}: {best['metrics']['kl']:.4f} at {best['metrics']['memory_ratio']:.3f}"
+            if best
+            else DASH
+        )
+        wins = best is None or base["metrics"]["kl"] <= best["metrics"]["kl"]
+        rows.append([summary["spec"]["space"]["granularity"], fmt(base["params"].get("budget"), "d"),
+                     f"{base['metrics']['kl']:.4f}", f"{mem:.3f}", b, "base" if wins else "trial"])  # fmt: skip
+    return rows
+
+
+def calibration_block(holdout: dict[str, Any] | None, summaries: list[dict[str, Any]]) -> str:
+    """The long study's held-out comparison and, per granularity, its base points against the best trials."""
+    if holdout is None:
+        return "_No committed held-out comparison of the long study._"
+    n = holdout["holdout"]["n"]
+    lines = [f"Held-out comparison (`{CALIB_LONG}/holdout.json`, {n} problems none of the trials saw; "
+             f"KL and top-1 agreement with the full cache, memory as a fraction of DynamicCache's):", ""]  # fmt: skip
+    header = ["config", "kind", "budget", "kl", "top-1", "memory"]
+    sections = [("at the selected config's memory", holdout["rows"], {})]
+    sections += [(f"at {lv['level']:.0%} of DynamicCache's memory", lv["rows"], lv.get("missing", {}))
+                 for lv in holdout.get("levels", [])]  # fmt: skip
+    for title, rows, missing in sections:
+        lines += [
+            f"**{title[0].upper() + title[1:]}**",
+            "",
+            md_table(header, [_calib_row(r) for r in rows], "llrrrr"),
+            "",
+        ]
+        lines += [f"- `{name}`: {m['message']}" for name, m in sorted(missing.items())]
+        lines += [""] if missing else []
+    if summaries:
+        lines += ["Per granularity, on the calibration problems: each base point (the preset's own thresholds "
+                  "at a budget the search spans) against the best other trial at equal or lower memory "
+                  "(`summary.json` of each study):", ""]  # fmt: skip
+        head = ["granularity", "base budget", "base kl", "memory", "best other trial (kl at memory)", "better"]
+        rows = [r for sm in summaries for r in _base_vs_best(sm)]
+        lines += [md_table(head, rows, "lrrrll"), ""]
+        for sm in summaries:
+            counts, verdict = sm["counts"], sm.get("verdict", {}).get("message", DASH)
+            lines.append(f"- `{sm['study']}`: {counts.get('complete', 0)} complete and {counts.get('pruned', 0)} "
+                         f"pruned trials; verdict: {verdict}")  # fmt: skip
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def replace_block(text: str, block: str, start: str = DEMO_START, end: str = DEMO_END) -> str:
     """``text`` with the lines between the ``start`` / ``end`` markers replaced by ``block``."""
     i, j = text.find(start), text.find(end)
@@ -963,6 +1025,13 @@ def main(argv: list[str] | None = None) -> int:
         load = lambda pattern: [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(pattern))]  # noqa: E731
         gpu = gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS), load(GPU_POLICY))
         targets[kernels] = replace_block(text, gpu, GPU_START, GPU_END)
+    calib = root / CALIB_DOC
+    if calib.exists() and CALIB_START in calib.read_text(encoding="utf-8"):
+        hold = root / CALIB_LONG / "holdout.json"
+        summaries = [json.loads((root / CALIB_LONG / "summary.json").read_text(encoding="utf-8"))]
+        summaries += [json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob(CALIB_GRANULARITY))]
+        block = calibration_block(json.loads(hold.read_text(encoding="utf-8")) if hold.exists() else None, summaries)
+        targets[calib] = replace_block(calib.read_text(encoding="utf-8"), block, CALIB_START, CALIB_END)
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:

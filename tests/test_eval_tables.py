@@ -272,3 +272,28 @@ def test_wilson_interval():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     lo, hi = wilson_interval(2.5, 5)  # fractional successes: symmetric about 0.5
     assert lo == pytest.approx(1 - hi)
+
+
+def test_calibration_block_compares_each_base_point_with_the_best_trial_at_or_below_its_memory():
+    def trial(number, kl, mem, base=False, state="COMPLETE"):
+        t = {"number": number, "state": state, "params": {"budget": 10 * number + 10},
+             "metrics": {"kl": kl, "memory_ratio": mem}}  # fmt: skip
+        return t | ({"base_point": "hfkv"} if base else {})
+
+    summary = {
+        "study": "s", "spec": {"space": {"granularity": "head"}}, "counts": {"complete": 5, "pruned": 1},
+        "verdict": {"message": "no calibrated config beats the base"},
+        "trials": [trial(0, 0.30, 0.2, base=True), trial(1, 0.01, 0.5, base=True), trial(2, 0.20, 0.19),
+                   trial(3, 0.02, 0.45), trial(4, 0.001, 0.6), trial(5, 0.0, 0.1, state="PRUNED")],
+    }  # fmt: skip
+    rows = mt._base_vs_best(summary)
+    assert [r[1] for r in rows] == ["10", "20"]
+    assert rows[0][4].startswith("trial 2: 0.2000") and rows[0][5] == "trial"  # 0.20 at 0.19 beats 0.30 at 0.2
+    assert rows[1][4].startswith("trial 3: 0.0200") and rows[1][5] == "base"  # trial 4 uses more memory
+    full = {"config": "full", "kind": "reference", "kl": 0.0, "top1": 1.0, "memory_ratio": 1.0}
+    level = {"level": 0.15, "rows": [], "missing": {"hfkv": {"message": "none"}}}
+    hold = {"holdout": {"n": 3}, "rows": [full], "levels": [level]}
+    block = mt.calibration_block(hold, [summary])
+    assert "At 15% of DynamicCache's memory" in block and "- `hfkv`: none" in block
+    assert "no calibrated config beats the base" in block
+    assert mt.calibration_block(None, []).startswith("_No committed")
