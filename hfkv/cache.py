@@ -419,10 +419,7 @@ class TriStateLayer(CacheLayerMixin):
             if not changes[tier][0]:
                 continue
             b, h, s = (valid & (new > tier) & (new != EVICTED)).nonzero(as_tuple=True)
-            rec = tiers.gather(tier, b, h, s)
-            lay = self.layouts[tier]
-            k, v = lay.decode_kv(rec, torch.float32)
-            moving.append((new[b, h, s], b, h, k, v, lay.positions(rec).long(), lay.scores(rec)))
+            moving.append((new[b, h, s], b, h, *tiers.gather_decoded(tier, b, h, s)))
         # Free the old slots before the demoted copies take new ones: the pool's peak (its capacity,
         # which is held) never has to hold a token twice.
         for tier, new in enumerate(news):

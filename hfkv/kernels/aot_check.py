@@ -116,6 +116,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         raise RuntimeError("aot_check compiles GPU kernels: run it without TRITON_INTERPRET=1")
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.kernels.encode import encode_write
+    from hfkv.kernels.gather import gather_decode
     from hfkv.kernels.meta import read_meta_triton
     from hfkv.kernels.move import clear_tags, compact, move_records
     from hfkv.kernels.reserve import reserve_slots
@@ -151,6 +152,8 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
                 compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
                         lay[t].nbytes, lay[t].pos_offset)  # fmt: skip
+                one = torch.zeros(1, dtype=torch.long)
+                gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one)
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
                               lay[t].nbytes, 2)  # fmt: skip

@@ -375,6 +375,18 @@ class PagedTiers:
         """Records of the given live slots, ``[len(s), record_bytes]``."""
         return self.pool.tier_view(self.layouts[tier].nbytes)[self._locate(tier, b, h, s)]
 
+    def gather_decoded(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor):
+        """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the given live slots (one launch on the Triton
+        backend, equal values)."""
+        lay = self.layouts[tier]
+        if self.backend == "triton":
+            from hfkv.kernels.gather import gather_decode
+
+            return gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s)
+        rec = self.gather(tier, b, h, s)
+        k, v = lay.decode_kv(rec, torch.float32)
+        return k, v, lay.positions(rec).long(), lay.scores(rec)
+
     # --------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         """Return every page (a finished request); the pool keeps its capacity for reuse."""

@@ -1,0 +1,92 @@
+"""Records of given slots, decoded, in one launch: what a policy run reads of the tokens it demotes.
+
+A demoted token is read from its slot, decoded to fp32 and re-encoded into its new tier. In torch the read is a
+page lookup and a gather, the decode a score of operations per integer field (planes, scales, zeros, the
+interleave back to natural order); a run demotes from up to two tiers, and on a GPU a run is bound by its
+launches (docs/kernels.md, "Runs on a GPU"). Here one program decodes a block of slots, finding each record
+through the page table, with ``load_field`` (the decode kernel's reader). The arithmetic is torch's, operation by
+operation (the launch turns off the compiler's fused multiply-add), so the values are equal bit for bit:
+:func:`gather_decode_reference` is the twin (``PagedTiers.gather`` and ``RecordLayout.decode_kv``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.kernels.dequant import format_constants, load_field
+from hfkv.kernels.encode import check_pool
+from hfkv.storage.record import RecordLayout
+
+__all__ = ["gather_decode", "gather_decode_reference"]
+
+_BLOCK_N = 16
+
+
+@triton.jit(do_not_specialize=["n", "table_w", "heads", "tpp", "page_bytes"])
+def _gather_decode_kernel(
+    pool_ptr, table_ptr, table_w, heads, b_ptr, h_ptr, s_ptr, n, tpp, page_bytes, k_ptr, v_ptr, pos_ptr, score_ptr,
+    K_FAM: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_DTYPE: tl.constexpr,
+    V_FAM: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_DTYPE: tl.constexpr,
+    V_OFF: tl.constexpr, REC: tl.constexpr, TAG_OFF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = i < n
+    b = tl.load(b_ptr + i, mask=live, other=0).to(tl.int64)
+    h = tl.load(h_ptr + i, mask=live, other=0).to(tl.int64)
+    s = tl.load(s_ptr + i, mask=live, other=0).to(tl.int64)
+    page = tl.load(table_ptr + (b * heads + h) * table_w + s // tpp, mask=live, other=0).to(tl.int64)
+    rec = page * page_bytes + (s % tpp) * REC
+    d = tl.arange(0, BLOCK_D)
+    out = i[:, None] * D + d[None, :]
+    m = live[:, None] & (d < D)[None, :]
+    k = load_field(pool_ptr, rec, live, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, N=BLOCK_N)
+    tl.store(k_ptr + out, k, mask=m)
+    v = load_field(pool_ptr, rec, live, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, N=BLOCK_N)
+    tl.store(v_ptr + out, v, mask=m)
+    words = pool_ptr.to(tl.pointer_type(tl.int32))
+    tag = tl.load(words + (rec + TAG_OFF) // 4, mask=live, other=0)
+    tl.store(pos_ptr + i, (tag - 1).to(tl.int64), mask=live)
+    score = tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + TAG_OFF + 4) // 4, mask=live, other=0.0)
+    tl.store(score_ptr + i, score, mask=live)
+
+
+def gather_decode(
+    pool: torch.Tensor, table: torch.Tensor, tpp: int, layout: RecordLayout, b: torch.Tensor, h: torch.Tensor,
+    s: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the live slots ``(b, h, s)`` of one tier
+    (``table [B, H, W]`` its page table, ``tpp`` records per page), equal to :func:`gather_decode_reference`."""
+    check_pool(pool, "gather_decode")
+    n, dim = s.numel(), layout.key.head_dim
+    k = torch.empty(n, dim, dtype=torch.float32, device=pool.device)
+    v = torch.empty(n, dim, dtype=torch.float32, device=pool.device)
+    pos = torch.empty(n, dtype=torch.int64, device=pool.device)
+    score = torch.empty(n, dtype=torch.float32, device=pool.device)
+    if n == 0:
+        return k, v, pos, score
+    kc, vc = format_constants(layout.key), format_constants(layout.value)
+    _gather_decode_kernel[(triton.cdiv(n, _BLOCK_N),)](
+        pool, table.contiguous(), table.shape[-1], table.shape[1], b.contiguous(), h.contiguous(), s.contiguous(), n,
+        tpp, pool.shape[1], k, v, pos, score,
+        K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"],
+        V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"],
+        V_OFF=layout.key.nbytes, REC=layout.nbytes, TAG_OFF=layout.pos_offset, D=dim,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
+        enable_fp_fusion=False,  # code * scale + zero rounded twice, as torch computes it
+    )  # fmt: skip
+    return k, v, pos, score
+
+
+def gather_decode_reference(
+    pool: torch.Tensor, table: torch.Tensor, tpp: int, layout: RecordLayout, b: torch.Tensor, h: torch.Tensor,
+    s: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch twin of :func:`gather_decode`: the records gathered through the page table, then
+    ``RecordLayout.decode_kv``, ``positions`` and ``scores``."""
+    pages = pool.as_strided((pool.shape[0], tpp, layout.nbytes), (pool.shape[1], layout.nbytes, 1))
+    rec = pages[table[b, h, s // tpp].long(), s % tpp]
+    k, v = layout.decode_kv(rec, torch.float32)
+    return k, v, layout.positions(rec).long(), layout.scores(rec)
