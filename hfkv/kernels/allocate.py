@@ -192,6 +192,7 @@ def allocate_triton(
         scores.to(torch.float32).contiguous(), state, sink8, lengths, alpha_l, alpha_h, float(prior), present_t,
         rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive,
         EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK,
+        enable_fp_fusion=False,  # score + reciprocal(N) * prior rounded twice, as torch computes it (no FMA)
     )  # fmt: skip
     if head_adaptive:
         sums = sums.sum(-1)
