@@ -1,13 +1,14 @@
-"""The Triton gather-and-decode of given slots against its torch twin (the records gathered through the page
-table, ``RecordLayout.decode_kv``, positions, scores): equal bit for bit for every tier format and model dtype,
-over ragged storage with holes filled by compaction, and through ``PagedTiers.gather_decoded``'s dispatch."""
+"""The Triton gather-and-decode of given slots against its torch twin (``PagedTiers.gather_decoded`` on the torch
+backend: the records gathered through the page table, ``RecordLayout.decode_kv``, positions, scores): equal bit
+for bit for every tier format and model dtype, over ragged storage with holes filled by compaction, and through
+``PagedTiers.gather_decoded``'s dispatch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hfkv.kernels.gather import gather_decode, gather_decode_reference
+from hfkv.kernels.gather import gather_decode
 from hfkv.storage import PagedTiers
 from tests.test_kernel_decode_attention import _layout, _storage
 
@@ -28,7 +29,8 @@ def test_triton_gather_decode_equals_the_torch_twin(key, value, dim, dtype):
             as_tuple=True
         )
         assert s.numel() > 0
-        want = gather_decode_reference(tiers.pool.data, tiers.tables[tier], tiers.tpp[tier], lay, b, h, s)
+        assert tiers.backend == "torch"
+        want = tiers.gather_decoded(tier, b, h, s)
         got = gather_decode(tiers.pool.data, tiers.tables[tier], tiers.tpp[tier], lay, b, h, s)
         for x, y in zip(got, want, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape

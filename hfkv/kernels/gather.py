@@ -5,8 +5,9 @@ page lookup and a gather, the decode a score of operations per integer field (pl
 interleave back to natural order); a run demotes from up to two tiers, and on a GPU a run is bound by its
 launches (docs/kernels.md, "Runs on a GPU"). Here one program decodes a block of slots, finding each record
 through the page table, with ``load_field`` (the decode kernel's reader). The arithmetic is torch's, operation by
-operation (the launch turns off the compiler's fused multiply-add), so the values are equal bit for bit:
-:func:`gather_decode_reference` is the twin (``PagedTiers.gather`` and ``RecordLayout.decode_kv``).
+operation (the launch turns off the compiler's fused multiply-add), so the values are equal bit for bit: the
+torch path of :meth:`hfkv.storage.paged.PagedTiers.gather_decoded` (``gather``, then ``RecordLayout.decode_kv``)
+is the twin.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hfkv.kernels.dequant import format_constants, load_field
 from hfkv.kernels.encode import check_pool
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["gather_decode", "gather_decode_reference"]
+__all__ = ["gather_decode"]
 
 _BLOCK_N = 16
 
@@ -58,7 +59,8 @@ def gather_decode(
     s: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the live slots ``(b, h, s)`` of one tier
-    (``table [B, H, W]`` its page table, ``tpp`` records per page), equal to :func:`gather_decode_reference`."""
+    (``table [B, H, W]`` its page table, ``tpp`` records per page), equal to ``PagedTiers.gather_decoded``'s torch
+    path."""
     check_pool(pool, "gather_decode")
     n, dim = s.numel(), layout.key.head_dim
     k = torch.empty(n, dim, dtype=torch.float32, device=pool.device)
@@ -78,15 +80,3 @@ def gather_decode(
         enable_fp_fusion=False,  # code * scale + zero rounded twice, as torch computes it
     )  # fmt: skip
     return k, v, pos, score
-
-
-def gather_decode_reference(
-    pool: torch.Tensor, table: torch.Tensor, tpp: int, layout: RecordLayout, b: torch.Tensor, h: torch.Tensor,
-    s: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Torch twin of :func:`gather_decode`: the records gathered through the page table, then
-    ``RecordLayout.decode_kv``, ``positions`` and ``scores``."""
-    pages = pool.as_strided((pool.shape[0], tpp, layout.nbytes), (pool.shape[1], layout.nbytes, 1))
-    rec = pages[table[b, h, s // tpp].long(), s % tpp]
-    k, v = layout.decode_kv(rec, torch.float32)
-    return k, v, layout.positions(rec).long(), layout.scores(rec)
