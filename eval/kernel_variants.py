@@ -7,6 +7,14 @@ output compared with the default launch's, and one call of the default launch is
 with ``torch.profiler`` (partial, combine, score: which one to work on). Rows are appended to the
 JSON after each case, so a run stopped from outside keeps what it measured.
 
+The storage varies too, to tell the paged addressing's cost from the loop's: ``--page-records`` (records
+per page; the library's pages hold ~10 of Llama's bf16 records), ``--record-align 16`` (records padded
+to 16 bytes, so every field can be one 16-byte copy) and the case kind ``dense`` (the whole context in
+one dense part, the window ring's path: no page table, what flash SDPA reads). The same seed draws the
+same tokens for every storage, so each row's output is also compared with the case's first storage.
+
+    python eval/kernel_variants.py --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 --record-align 4,16
+
     python eval/kernel_variants.py --out eval/results/gpu/kernel_variants_DEVICE.json
     python eval/kernel_variants.py --dry-run --out /tmp/v.json     # a CPU, Triton's interpreter, toy sizes
 """
@@ -14,6 +22,7 @@ JSON after each case, so a run stopped from outside keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -31,6 +40,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_bench as kb  # noqa: E402
 
 from hfkv.atomic import write_atomic  # noqa: E402
+from hfkv.storage.record import META_BYTES, RecordLayout  # noqa: E402
+
+# ``dense``: the context in one DenseSlots part (the window ring's path: rows of [B, H, S, D], no page table,
+# 16-byte aligned), what flash SDPA reads, through this kernel: is the paged addressing or the loop the cost?
+CASE_KINDS = (*kb.KINDS, "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class Aligned16Layout(RecordLayout):
+    """A record padded to a multiple of 16 bytes (the tag and score at its end), so every field of every record
+    can be a 16-byte load (``cp.async.cg``); the library's records are 4-aligned (8 for Llama's bf16)."""
+
+    @property
+    def pos_offset(self) -> int:
+        return -(-(self.kv_bytes + META_BYTES) // 16) * 16 - META_BYTES
+
+
+def variant_plan(kind: str, context: int, batch: int, shape, page_records: int, align: int):
+    """kernel_bench's plan for ``kind``, its pages holding ``page_records`` of its largest record (0: the library's
+    size) and its records padded to ``align`` bytes (4: the library's records; 16: ``Aligned16Layout``)."""
+    if kind == "dense":
+        plan = kb.make_plan("full", context, batch, shape)
+        paged = min(128, context // 2)
+        return dataclasses.replace(plan, kind="dense", window=context - paged, tier_tokens=(paged, 0))
+    plan = kb.make_plan(kind, context, batch, shape)
+    if align == 16:
+        lays = tuple(Aligned16Layout(lay.key, lay.value) for lay in plan.layouts)
+        plan = dataclasses.replace(plan, layouts=lays, page_bytes=kb.auto_page_bytes([lay.nbytes for lay in lays]))
+    elif align != 4:
+        raise ValueError(f"--record-align: {align} is not 4 or 16")
+    if page_records:
+        plan = dataclasses.replace(plan, page_bytes=page_records * max(lay.nbytes for lay in plan.layouts))
+    return plan
 
 
 def _ints(text: str) -> list[int]:
@@ -44,8 +86,8 @@ def _cases(text: str) -> list[tuple[str, int, int]]:
     out = []
     for item in text.split(","):
         kind, *nums = item.split(":")
-        if kind not in kb.KINDS or len(nums) != 2:
-            raise argparse.ArgumentTypeError(f"--cases: {item!r} is not KIND:CONTEXT:BATCH with KIND in {kb.KINDS}")
+        if kind not in CASE_KINDS or len(nums) != 2:
+            raise argparse.ArgumentTypeError(f"--cases: {item!r} is not KIND:CONTEXT:BATCH with KIND in {CASE_KINDS}")
         out.append((kind, int(nums[0]), int(nums[1])))
     return out
 
@@ -85,8 +127,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     deadline = time.monotonic() + args.budget_s
     grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages, args.int_tile, args.split_slots))
-    for kind, context, batch in args.cases:
-        plan = kb.make_plan(kind, context, batch, shape)
+    storages = list(itertools.product(args.page_records, args.record_align))
+    case_ref: dict[tuple, torch.Tensor] = {}
+    for (kind, context, batch), (page_records, align) in itertools.product(args.cases, storages):
+        if kind == "dense" and (page_records, align) != storages[0]:
+            continue  # no pages, no records
+        plan = variant_plan(kind, context, batch, shape, page_records, align)
         st = kb.build_storage(plan, device)
         parts = st.parts(plan)
         pad_end = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -97,6 +143,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return paged_attention(st.query, parts, plan.context, pad_end, scale, "max", add_scores=False, **launch)[0]
 
         ref = call({})
+        if kind != "dense":  # the same seed draws the same tokens whatever the pages and records look like
+            first = case_ref.setdefault((kind, context, batch), ref)
+            storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         split = kernel_split(lambda call=call: call({}), device)
         for block_n, warps, stages, tile, split in grid:
             if time.monotonic() > deadline:
@@ -108,6 +157,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
+            row |= {"page_bytes": plan.page_bytes, "record_bytes": [lay.nbytes for lay in plan.layouts]}
+            if kind != "dense":
+                row["rel_diff_vs_first_storage"] = storage_diff
             try:
                 out = call(launch)
                 row["rel_diff_vs_default"] = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -117,9 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-        result.setdefault("kernel_split_ms", {})[f"{kind}:{context}:{batch}"] = split
-        print(f"{kind}:{context}:{batch} kernel split (ms per call): {split}", flush=True)
+        name = f"{kind}:{context}:{batch}:page{plan.page_bytes}:align{align}"
+        result.setdefault("kernel_split_ms", {})[name] = split
+        print(f"{name} kernel split (ms per call): {split}", flush=True)
         del st, parts, ref
+        case_ref = {k: v for k, v in case_ref.items() if k == (kind, context, batch)}
         kb._free_cuda() if device.type == "cuda" else None
         write_atomic(args.out, json.dumps(result, indent=1))
     write_atomic(args.out, json.dumps(result, indent=1))
@@ -136,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
+    p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
+    p.add_argument("--record-align", type=_ints, default=[4], help="4: the library's records; 16: padded records")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=120.0, help="variants past this are skipped (default 120)")
     args = p.parse_args(argv)
@@ -144,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.block_n, args.num_warps, args.num_stages, args.int_tile, args.repeats = [16, 32], [4], [2], [0, 1], 1
         args.split_slots = [0, 32]
+        args.page_records, args.record_align = [0], [4, 16]
     run(args)
     return 0
 

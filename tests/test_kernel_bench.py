@@ -239,8 +239,11 @@ def test_kernel_variants_dry_run_times_every_launch_shape_with_the_default_resul
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    shapes = {(r["block_n"], r["int_tile"], r.get("split_slots", 0)) for r in rows}
-    assert shapes == {(b, t, s) for b in (16, 32) for t in (False, True) for s in (0, 32)}
+    shapes = {(r["block_n"], r["int_tile"], r.get("split_slots", 0), tuple(r["record_bytes"])) for r in rows}
+    records = {tuple(r["record_bytes"]) for r in rows}
+    assert len(records) == 2 and all(n % 16 == 0 for n in max(records))  # the library's records, padded ones
+    assert shapes == {(b, t, s, n) for b in (16, 32) for t in (False, True) for s in (0, 32) for n in records}
     for r in rows:
         assert "error" not in r and r["ms"] > 0
         assert r["rel_diff_vs_default"] < 1e-5  # fp32 toy shape: IEEE products, any block size
+        assert r["rel_diff_vs_first_storage"] == 0.0  # the same tokens, read from padded records
