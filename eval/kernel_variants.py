@@ -13,7 +13,8 @@ to 16 bytes, so every field can be one 16-byte copy) and the case kind ``dense``
 one dense part, the window ring's path: no page table, what flash SDPA reads). The same seed draws the
 same tokens for every storage, so each row's output is also compared with the case's first storage.
 
-    python eval/kernel_variants.py --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 --record-align 4,16
+    python eval/kernel_variants.py --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 \
+        --record-align 4,16
 
     python eval/kernel_variants.py --out eval/results/gpu/kernel_variants_DEVICE.json
     python eval/kernel_variants.py --dry-run --out /tmp/v.json     # a CPU, Triton's interpreter, toy sizes
