@@ -787,9 +787,33 @@ def gpu_runs_block(
             for case, r in best.items()
         ]
         lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
+        if any("page_bytes" in r for r in res["rows"]):
+            lines += ["", storage_variants_table(name, res)]
     if policy:
         lines += ["", policy_profile_table(policy)]
     return "\n".join(lines)
+
+
+def storage_variants_table(name: str, res: dict[str, Any]) -> str:
+    """The fastest launch per storage of a ``kernel_variants`` file that varied the storage (pages, records,
+    ``dense``): what the paged addressing costs against the same bytes read densely."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in res["rows"]:
+        key = (r["kind"], r["context"], r["batch"], r.get("page_bytes"), tuple(r.get("record_bytes", ())))
+        if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    rows = [
+        [
+            f"{kind} {ctx:,} x {bsz}",
+            "one dense part" if kind == "dense" else f"{page:,} B pages, records {' / '.join(map(str, recs))} B",
+            f"{r['block_n']} / {r['num_warps']} / {r['num_stages']}",
+            fmt(r["ms"], ".3f"),
+            fmt(r["gbps"], ".0f"),
+        ]
+        for (kind, ctx, bsz, page, recs), r in best.items()
+    ]
+    header = ["case", "storage", "block_n / warps / stages", "ms", "read GB/s"]
+    return f"Storages in `{name}` ({res['device']}), fastest launch of each:\n\n" + md_table(header, rows, "lllrr")
 
 
 def _split_text(row: dict[str, Any]) -> str:
