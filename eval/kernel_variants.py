@@ -127,7 +127,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [],
     }
     deadline = time.monotonic() + args.budget_s
-    grid = list(itertools.product(args.block_n, args.num_warps, args.num_stages, args.int_tile, args.split_slots))
+    grid = list(
+        itertools.product(
+            args.block_n, args.num_warps, args.num_stages, args.int_tile, args.split_slots, args.int_pieces
+        )
+    )
     storages = list(itertools.product(args.page_records, args.record_align))
     case_ref: dict[tuple, torch.Tensor] = {}
     for (kind, context, batch), (page_records, align) in itertools.product(args.cases, storages):
@@ -148,13 +152,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             first = case_ref.setdefault((kind, context, batch), ref)
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         split = kernel_split(lambda call=call: call({}), device)
-        for block_n, warps, stages, tile, split in grid:
+        for block_n, warps, stages, tile, split, pieces in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
-                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}"
+                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
+            launch["int_pieces"] = bool(pieces)
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
@@ -190,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
+    p.add_argument(
+        "--int-pieces", type=_ints, default=[1], help="integer fields read in pieces (1) or by load_field (0)"
+    )
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
     p.add_argument("--record-align", type=_ints, default=[4], help="4: the library's records; 16: padded records")

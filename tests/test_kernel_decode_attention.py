@@ -17,9 +17,12 @@ from hfkv.quant.formats import QuantFormat
 from hfkv.storage import PagedTiers, RecordLayout
 
 KERNELS = {
-    # several splits and blocks; integer codes read as rows (the default) and per element
-    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_tile=True, **kw),
-    "triton-per-element": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_tile=False, **kw),
+    # several splits and blocks; integer fields read in pieces (the default), as rows, per element
+    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, **kw),
+    "triton-rows": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_pieces=False, **kw),
+    "triton-per-element": lambda *a, **kw: paged_attention(
+        *a, split_slots=32, block_n=16, int_tile=False, int_pieces=False, **kw
+    ),
     "cpu": paged_attention_cpu,
 }
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))
@@ -351,11 +354,11 @@ def test_field_alignment_hint_holds_for_every_record(key, value, dim, dtype):
     pool = torch.zeros(3, page_bytes, dtype=torch.uint8)
     for lay in lays:
         fmt = _paged_constants(lay, _page_align(pool))
-        k_align, v_align = fmt[-2:]
+        k_align, v_align = fmt[13:15]
         tpp = page_bytes // lay.nbytes
         starts = torch.tensor([p * page_bytes + s * lay.nbytes for p in range(3) for s in range(tpp)])
         base = pool.data_ptr()
         assert ((base + starts) % k_align == 0).all() and ((base + starts + lay.key.nbytes) % v_align == 0).all()
     # the bf16 records of Llama's head size are at least 8-byte aligned: the hint is not a trivial 1
     if dim == 128 and key == "model":
-        assert _paged_constants(lays[0], _page_align(pool))[-2:] == (8, 8)
+        assert _paged_constants(lays[0], _page_align(pool))[13:15] == (8, 8)

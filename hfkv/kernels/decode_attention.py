@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
-from hfkv.kernels.dequant import format_constants, load_field, tl_dtype
+from hfkv.kernels.dequant import format_constants, load_field, load_int_pieces, piece_columns, piece_width, tl_dtype
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
@@ -68,6 +68,9 @@ BLOCK_N = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 INT_TILE = True
+# Integer fields read in pieces, their columns in the pieces' order (``load_int_pieces``): sm_90 code
+# without the per-element trips through shared memory of ``load_field``'s rows.
+INT_PIECES = True
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
 # not as integer arguments: Triton specialises every integer it is handed inside a tuple (equal to 1, a
@@ -97,7 +100,9 @@ def _paged_constants(lay, page_align: int) -> tuple:
     kc, vc = format_constants(lay.key), format_constants(lay.value)
     fields = [(c["fam"], c["bits"], c["group"], c["dtype"]) for c in (kc, vc)]
     aligns = (field_align(lay.nbytes, page_align, 0), field_align(lay.nbytes, page_align, lay.key.nbytes))
-    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns)
+    # Pieces are read as 32-bit words: a field that may start off a 4-byte boundary keeps load_field's read.
+    pieces = tuple(piece_width(f) if a >= 4 else 0 for f, a in zip((lay.key, lay.value), aligns, strict=True))
+    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns, *pieces)
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -117,7 +122,7 @@ def _page_align(pool: torch.Tensor) -> int:
 def _dense_constants(part: DenseSlots, dim: int, write: bool) -> tuple:
     """A dense part's ``FMT``: full-precision rows in the model dtype; ``write``: it takes the ring's new token."""
     dt, bits = tl_dtype(part.k.dtype), 8 * part.k.element_size()
-    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt, 1, 1)
+    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt, 1, 1, 0, 0)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -160,6 +165,7 @@ def _partial_part(
     BLOCK_N: tl.constexpr,
     DOT_T: tl.constexpr,
     INT_TILE: tl.constexpr,
+    INT_PIECES: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -188,6 +194,8 @@ def _partial_part(
     V_DTYPE: tl.constexpr = FMT[12]
     K_ALIGN: tl.constexpr = FMT[13]
     V_ALIGN: tl.constexpr = FMT[14]
+    K_PC: tl.constexpr = FMT[15] if INT_PIECES and K_FAM == 1 else 0  # piece width, 0: load_field
+    V_PC: tl.constexpr = FMT[16] if INT_PIECES and V_FAM == 1 else 0
     bh = tl.program_id(0)
     qb = tl.program_id(2)
     b = bh // H
@@ -199,7 +207,11 @@ def _partial_part(
     blk = bh * NQB + qb  # this program's block of query rows
     d = tl.arange(0, BLOCK_D)
     q_rows = ((b * HQ + h * G + gi) * QLEN + qi).to(tl.int64) * D
-    qf = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    if K_PC:  # the keys' columns come in the pieces' order: the queries are read in it
+        q_cols = piece_columns(K_BITS, D, K_PC)
+    else:
+        q_cols = d
+    qf = tl.load(q_ptr + q_rows[:, None] + q_cols[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
     qf = qf.to(tl.float32) * scaling
     pad_end = tl.load(pad_end_ptr + b)
     qpos = q_start + qi
@@ -230,12 +242,19 @@ def _partial_part(
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
-            k = load_field(
-                pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
-            )
-            v = load_field(
-                pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, V_ALIGN
-            )
+            if K_PC:
+                k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN)
+            else:
+                k = load_field(
+                    pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
+                )
+            if V_PC:
+                v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN)
+            else:
+                v = load_field(
+                    pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE,
+                    V_ALIGN,
+                )  # fmt: skip
         else:
             tag = tl.load(pos_ptr + s, mask=in_range, other=-1).to(tl.int32) + 1
             rows = (bh.to(tl.int64) * n_slots + s) * D
@@ -269,7 +288,11 @@ def _partial_part(
     out = (blk * ns_total + split0 + sp).to(tl.int64) * BLOCK_R + r
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out[:, None] * BLOCK_D + d[None, :], acc)
+    if V_PC:  # the values' columns came in the pieces' order: each goes back to its element
+        acc_cols = piece_columns(V_BITS, D, V_PC)
+    else:
+        acc_cols = d
+    tl.store(acc_ptr + out[:, None] * BLOCK_D + acc_cols[None, :], acc)
 
 
 # Integers that change between steps or policy runs stay runtime values (not specialised on value or
@@ -316,6 +339,7 @@ def _partial_kernel(
     BLOCK_N: tl.constexpr,
     DOT_T: tl.constexpr,
     INT_TILE: tl.constexpr,
+    INT_PIECES: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
     parts in order, and each part's code (its formats are constants) runs for its own splits."""
@@ -330,6 +354,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_slot, w_pos, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
+                INT_PIECES,
             )  # fmt: skip
 
 
@@ -617,6 +642,7 @@ def plan_attention(
     num_stages: int | None = None,
     int_tile: bool = INT_TILE,
     window_write: bool = False,
+    int_pieces: bool = INT_PIECES,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -703,7 +729,8 @@ def plan_attention(
         meta_host = meta_host.pin_memory()
     meta = meta_host.to(device, non_blocking=True)
     constants = dict(
-        FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t, INT_TILE=tile
+        FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t, INT_TILE=tile,
+        INT_PIECES=bool(int_pieces) and dim == block_d,
     )
     score_constants = dict(
         FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
@@ -806,6 +833,7 @@ def paged_attention(
     num_stages: int | None = None,
     int_tile: bool = INT_TILE,
     window_write=None,
+    int_pieces: bool = INT_PIECES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -821,8 +849,9 @@ def paged_attention(
     whose tl.dot misreads bf16 operands, bf16 queries keep the fp32 products.
     ``block_n`` / ``num_warps`` / ``num_stages`` set the partial pass's launch shape (defaults: the
     fastest measured, see ``BLOCK_N``); ``int_tile`` reads integer codes as rows (the default; a
-    power-of-two ``head_dim``, else per element) or, False, per element (``load_field``):
-    ``eval/kernel_variants.py`` sweeps them.
+    power-of-two ``head_dim``, else per element) or, False, per element (``load_field``), unless
+    ``int_pieces`` (the default) reads them in pieces with their columns in the pieces' order
+    (``load_int_pieces``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -831,6 +860,6 @@ def paged_attention(
     """
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
-        int_tile, window_write is not None,
+        int_tile, window_write is not None, int_pieces,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

@@ -125,3 +125,102 @@ def load_field(
         w = w | (tl.load(pool_ptr + sb + 3, mask=live, other=0).to(tl.int32) << 24)
         x = codes * w.to(tl.float32, bitcast=True)[:, None]
     return x
+
+
+def piece_width(fmt: QuantFormat) -> int:
+    """Elements per *piece* of an integer field for ``load_int_pieces`` (0: not read in pieces).
+
+    A piece is the format's chunk (``QuantFormat.chunk``: a run of elements inside one code plane and
+    one group), so its codes come from contiguous bytes with one shift, and one scale and one zero
+    serve all of them.
+    """
+    if fmt.name not in INT_BITS:
+        return 0
+    c, d = fmt.chunk, fmt.head_dim
+    return c if c >= 16 and not c & (c - 1) and not d & (d - 1) else 0
+
+
+@triton.jit
+def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
+    """``[D]``: the element of the field each column of ``load_int_pieces``' tile holds."""
+    PER: tl.constexpr = 8 // BITS
+    H: tl.constexpr = D // PER // C  # pieces per code plane
+    NSUB: tl.constexpr = D // C * 4  # (piece, byte of a word) sub-tiles, joined in a tree
+    f = tl.arange(0, D)
+    r = f % NSUB
+    s = r * 0
+    for bit in tl.static_range(8):  # the join tree puts sub-tile s at column w * NSUB + bitreverse(s)
+        if (NSUB >> (bit + 1)) > 0:
+            s = s * 2 + (r & 1)
+            r = r >> 1
+    k = s % 4
+    pl = s // 4 % PER
+    h = s // (4 * PER)
+    return (pl * H + h) * C + 4 * (f // NSUB) + k
+
+
+@triton.jit
+def _piece_bytes(word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):
+    # the four bytes of each word, each one code of the plane at SHIFT, dequantised; joined lowest byte first
+    if COUNT == 1:
+        return ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
+    else:
+        a = _piece_bytes(word, scale, zero, SHIFT, MASK, LO, COUNT // 2)
+        return tl.join(a, _piece_bytes(word, scale, zero, SHIFT, MASK, LO + COUNT // 2, COUNT // 2))
+
+
+@triton.jit
+def _piece_planes(word, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                  C: tl.constexpr, H: tl.constexpr, h: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    # planes LO .. LO + COUNT - 1 of the bytes at h * C: piece j = plane * H + h, with its group's scale and zero
+    if COUNT == 1:
+        g: tl.constexpr = (LO * H + h) * C // GROUP
+        scale = tl.load(half + meta + g, mask=live, other=0.0).to(tl.float32)
+        zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0).to(tl.float32)
+        return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4)
+    else:
+        a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2)
+        return tl.join(a, _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO + COUNT // 2, COUNT // 2))
+
+
+@triton.jit
+def _piece_words(words, w0, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                 C: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    # the code bytes h * C .. h * C + C - 1 for h in LO .. LO + COUNT - 1, read once as words
+    PER: tl.constexpr = 8 // BITS
+    H: tl.constexpr = D // PER // C
+    if COUNT == 1:
+        word = tl.load(words + w0[:, None] + (LO * C // 4 + tl.arange(0, C // 4))[None, :], mask=live[:, None], other=0)
+        return _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, LO, 0, PER)
+    else:
+        a = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO, COUNT // 2)
+        return tl.join(a, _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO + COUNT // 2, COUNT // 2))
+
+
+@triton.jit
+def load_int_pieces(
+    pool_ptr,
+    rec,  # [N] int64: byte offset of each record
+    live,  # [N] bool: records to read (others give 0)
+    OFF: tl.constexpr,  # byte offset of the field inside the record
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    C: tl.constexpr,  # piece width (``piece_width``)
+    ALIGN: tl.constexpr,  # a power of two (4 or more) dividing every ``rec + OFF``
+):
+    """``[N, D]`` fp32 values of an integer field (``code * scale + zero``, as ``load_field``), its columns in
+    the order ``piece_columns`` gives: each piece's codes are read as words and spread by shifts alone, and
+    the pieces and bytes are put side by side with ``tl.join`` (a new innermost dimension, held by the
+    same thread), so no reshape moves an element between threads. ``load_field``'s rows and groups went to
+    element order through shared memory, per element and at 255 registers, on sm_90 (docs/kernels.md).
+    The caller multiplies in this order: the queries are read in it, the output columns stored from it."""
+    PER: tl.constexpr = 8 // BITS
+    H: tl.constexpr = D // PER // C
+    base = tl.multiple_of(rec + OFF, ALIGN)
+    words = pool_ptr.to(tl.pointer_type(tl.int32))
+    w0 = tl.multiple_of(base // 4, ALIGN // 4)
+    half = pool_ptr.to(tl.pointer_type(tl.float16))
+    meta = (base + D // PER) // 2  # the halves follow the D / PER code bytes
+    x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H)
+    return tl.reshape(x, [rec.shape[0], D])
