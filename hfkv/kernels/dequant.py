@@ -170,8 +170,20 @@ def _piece_bytes(word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO:
 
 
 @triton.jit
-def _piece_planes(word, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                  C: tl.constexpr, H: tl.constexpr, h: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+def _piece_planes(
+    word,
+    half,
+    meta,
+    live,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    H: tl.constexpr,
+    h: tl.constexpr,
+    LO: tl.constexpr,
+    COUNT: tl.constexpr,
+):
     # planes LO .. LO + COUNT - 1 of the bytes at h * C: piece j = plane * H + h, with its group's scale and zero
     if COUNT == 1:
         g: tl.constexpr = (LO * H + h) * C // GROUP
@@ -184,8 +196,19 @@ def _piece_planes(word, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexp
 
 
 @triton.jit
-def _piece_words(words, w0, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                 C: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+def _piece_words(
+    words,
+    w0,
+    half,
+    meta,
+    live,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    LO: tl.constexpr,
+    COUNT: tl.constexpr,
+):
     # the code bytes h * C .. h * C + C - 1 for h in LO .. LO + COUNT - 1, read once as words
     PER: tl.constexpr = 8 // BITS
     H: tl.constexpr = D // PER // C
