@@ -782,12 +782,15 @@ def gpu_runs_block(
                 best[case] = r
         cells = [
             f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
-            f"{', integer rows' if r.get('int_tile') else ''}{_split_text(r)}, "
+            f"{', integer rows' if r.get('int_tile') and not r.get('int_pieces') else ''}"
+            f"{', integer pieces' if r.get('int_pieces') else ''}{_split_text(r)}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]
         lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
-        if any("page_bytes" in r for r in res["rows"]):
+        rows_paged = [r for r in res["rows"] if r["kind"] != "dense"]
+        storages = {(r.get("page_bytes"), tuple(r.get("record_bytes", ()))) for r in rows_paged}
+        if len(storages) > 1 or any(r["kind"] == "dense" for r in res["rows"]):
             lines += ["", storage_variants_table(name, res)]
     if policy:
         lines += ["", policy_profile_table(policy)]

@@ -60,16 +60,19 @@ __all__ = [
 ]
 
 
-# The partial pass's launch shape: slots per loop iteration, warps, pipeline stages, and integer codes read
-# as rows (``int_tile``). On an H200 (bf16, Llama-3.1-8B's shape, 32k x 8) 128 / 4 / 2 with rows was the
-# fastest or within 2% of it for full, quant and hfkv storage; reading codes per element was 4x slower
-# for every shape (eval/results/gpu/kernel_variants_h200_run2.json; 64 beat 32 everywhere in run 1's).
-BLOCK_N = 128
-NUM_WARPS = 4
+# The partial pass's launch shape: slots per loop iteration, warps, pipeline stages, and how integer codes
+# are read. On an H100 (bf16, Llama-3.1-8B's shape, 32k x 8; eval/results/gpu/kernel_variants_h100_pieces.json)
+# 64 / 8 / 2 with integer fields read in pieces was the fastest or within 1% of the old 128 / 4 / 2 rows for
+# every storage (hfkv 0.735 vs 0.754 ms, quant 0.741 vs 0.745, hfkv at batch 1 0.128 vs 0.129) and 64 / 8
+# was the fastest for full-precision pages (0.623 ms; H200 run 3 and the H100 storage sweep). Reading codes
+# per element was 4x slower for every shape (kernel_variants_h200_run2.json).
+BLOCK_N = 64
+NUM_WARPS = 8
 NUM_STAGES = 2
 INT_TILE = True
 # Integer fields read in pieces, their columns in the pieces' order (``load_int_pieces``): sm_90 code
-# without the per-element trips through shared memory of ``load_field``'s rows.
+# without the per-element trips through shared memory of ``load_field``'s rows (118 -> 72 warp
+# instructions per slot in the loop).
 INT_PIECES = True
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
@@ -729,7 +732,13 @@ def plan_attention(
         meta_host = meta_host.pin_memory()
     meta = meta_host.to(device, non_blocking=True)
     constants = dict(
-        FMTS=tuple(p_fmts), NP=len(p_args), D=dim, BLOCK_D=block_d, BLOCK_N=block_n, DOT_T=dot_t, INT_TILE=tile,
+        FMTS=tuple(p_fmts),
+        NP=len(p_args),
+        D=dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DOT_T=dot_t,
+        INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
     )
     score_constants = dict(
