@@ -129,7 +129,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = time.monotonic() + args.budget_s
     grid = list(
         itertools.product(
-            args.block_n, args.num_warps, args.num_stages, args.int_tile, args.split_slots, args.int_pieces
+            args.block_n,
+            args.num_warps,
+            args.num_stages,
+            args.int_tile,
+            args.split_slots,
+            args.int_pieces,
+            args.table_ahead,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -152,14 +158,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             first = case_ref.setdefault((kind, context, batch), ref)
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         split = kernel_split(lambda call=call: call({}), device)
-        for block_n, warps, stages, tile, split, pieces in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
-                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}"
+                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
             launch["int_pieces"] = bool(pieces)
+            launch["table_ahead"] = ahead
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--int-pieces", type=_ints, default=[1], help="integer fields read in pieces (1) or by load_field (0)"
     )
+    p.add_argument("--table-ahead", type=_ints, default=[1], help="iterations ahead the page table is read")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
     p.add_argument("--record-align", type=_ints, default=[4], help="4: the library's records; 16: padded records")

@@ -17,11 +17,14 @@ from hfkv.quant.formats import QuantFormat
 from hfkv.storage import PagedTiers, RecordLayout
 
 KERNELS = {
-    # several splits and blocks; integer fields read in pieces (the default), as rows, per element
+    # several splits and blocks; integer fields read in pieces (the default), as rows, per element; the page
+    # table read one block ahead (the default), where it is used, two blocks ahead
     "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, **kw),
-    "triton-rows": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, int_pieces=False, **kw),
+    "triton-rows": lambda *a, **kw: paged_attention(
+        *a, split_slots=32, block_n=16, int_pieces=False, table_ahead=0, **kw
+    ),
     "triton-per-element": lambda *a, **kw: paged_attention(
-        *a, split_slots=32, block_n=16, int_tile=False, int_pieces=False, **kw
+        *a, split_slots=32, block_n=16, int_tile=False, int_pieces=False, table_ahead=2, **kw
     ),
     "cpu": paged_attention_cpu,
 }
@@ -246,6 +249,9 @@ def test_bad_input_is_named(kernel):
         fn(q, [win], 3, torch.zeros(2, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="query must be"):
         fn(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
+    if kernel == "triton":
+        with pytest.raises(ValueError, match="table_ahead=3; allowed: 0, 1, 2"):
+            fn(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, table_ahead=3)
 
 
 @kernels
@@ -353,7 +359,7 @@ def test_field_alignment_hint_holds_for_every_record(key, value, dim, dtype):
     page_bytes = auto_page_bytes([lay.nbytes for lay in lays])
     pool = torch.zeros(3, page_bytes, dtype=torch.uint8)
     for lay in lays:
-        fmt = _paged_constants(lay, _page_align(pool))
+        fmt = _paged_constants(lay, _page_align(pool), page_bytes // lay.nbytes)
         k_align, v_align = fmt[13:15]
         tpp = page_bytes // lay.nbytes
         starts = torch.tensor([p * page_bytes + s * lay.nbytes for p in range(3) for s in range(tpp)])
@@ -361,4 +367,4 @@ def test_field_alignment_hint_holds_for_every_record(key, value, dim, dtype):
         assert ((base + starts) % k_align == 0).all() and ((base + starts + lay.key.nbytes) % v_align == 0).all()
     # the bf16 records of Llama's head size are at least 8-byte aligned: the hint is not a trivial 1
     if dim == 128 and key == "model":
-        assert _paged_constants(lays[0], _page_align(pool))[13:15] == (8, 8)
+        assert _paged_constants(lays[0], _page_align(pool), 1)[13:15] == (8, 8)

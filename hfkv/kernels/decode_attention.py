@@ -74,6 +74,8 @@ INT_TILE = True
 # without the per-element trips through shared memory of ``load_field``'s rows (118 -> 72 warp
 # instructions per slot in the loop).
 INT_PIECES = True
+# Iterations ahead of its use that the page table is read (0: where it is used).
+TABLE_AHEAD = 1
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
 # not as integer arguments: Triton specialises every integer it is handed inside a tuple (equal to 1, a
@@ -92,7 +94,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _paged_constants(lay, page_align: int) -> tuple:
+def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     """A paged part's ``FMT`` for the partial kernel (``_partial_part``), built once per layout.
 
     The last two entries are the byte alignment every record's key and value field start is known to
@@ -105,7 +107,9 @@ def _paged_constants(lay, page_align: int) -> tuple:
     aligns = (field_align(lay.nbytes, page_align, 0), field_align(lay.nbytes, page_align, lay.key.nbytes))
     # Pieces are read as 32-bit words: a field that may start off a 4-byte boundary keeps load_field's read.
     pieces = tuple(piece_width(f) if a >= 4 else 0 for f, a in zip((lay.key, lay.value), aligns, strict=True))
-    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns, *pieces)
+    # Records per page last: a constant of the storage (never of a policy run), so a slot's page and place in
+    # it are a multiply and a shift, not a division by a loaded value (two per slot and iteration).
+    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns, *pieces, tpp)
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -125,7 +129,7 @@ def _page_align(pool: torch.Tensor) -> int:
 def _dense_constants(part: DenseSlots, dim: int, write: bool) -> tuple:
     """A dense part's ``FMT``: full-precision rows in the model dtype; ``write``: it takes the ring's new token."""
     dt, bits = tl_dtype(part.k.dtype), 8 * part.k.element_size()
-    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt, 1, 1, 0, 0)
+    return (False, write, 4, 0, 0, 0, bits, dim, dt, 0, bits, dim, dt, 1, 1, 0, 0, 1)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -138,7 +142,7 @@ def _partial_part(
     pool_ptr,
     page_bytes,
     part,  # (k, v, pos, table): pointers only (see _meta)
-    meta_ptr,  # this part's row of the plan's meta: table_sb, table_sh, tpp, n_slots, split_slots, col0, split0
+    meta_ptr,  # this part's row of the plan's meta: table_sb, table_sh, (tpp: FMTS), n_slots, split_slots, col0, split0
     sp,  # this program's split within the part
     logits_ptr,
     s_total,
@@ -169,12 +173,12 @@ def _partial_part(
     DOT_T: tl.constexpr,
     INT_TILE: tl.constexpr,
     INT_PIECES: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
     table_sb = tl.load(meta_ptr + 0)
     table_sh = tl.load(meta_ptr + 1)
-    tpp = tl.load(meta_ptr + 2).to(tl.int32)
     n_slots = tl.load(meta_ptr + 3).to(tl.int32)
     split_slots = tl.load(meta_ptr + 4).to(tl.int32)
     col0 = tl.load(meta_ptr + 5)
@@ -199,6 +203,7 @@ def _partial_part(
     V_ALIGN: tl.constexpr = FMT[14]
     K_PC: tl.constexpr = FMT[15] if INT_PIECES and K_FAM == 1 else 0  # piece width, 0: load_field
     V_PC: tl.constexpr = FMT[16] if INT_PIECES and V_FAM == 1 else 0
+    tpp: tl.constexpr = FMT[17]  # records per page
     bh = tl.program_id(0)
     qb = tl.program_id(2)
     b = bh // H
@@ -237,11 +242,30 @@ def _partial_part(
         tl.store(v_ptr + w_row + d, wv, mask=d_ok & mine)
         first = (d == 0) & mine & (d * 0 + bh == 0)  # positions are one row for all: one lane of one program
         tl.store(pos_ptr + slot_v, (w_pos + d * 0).to(tl.int64), mask=first)
+    if PAGED and TABLE_AHEAD > 0:  # the pages of the first TABLE_AHEAD blocks
+        s_ahead = lo + tl.arange(0, BLOCK_N)
+        page_next = tl.load(table_ptr + table_row + s_ahead // tpp, mask=s_ahead < hi, other=0)
+        if TABLE_AHEAD > 1:
+            s_ahead += BLOCK_N
+            page_after = tl.load(table_ptr + table_row + s_ahead // tpp, mask=s_ahead < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         in_range = s < hi
         if PAGED:
-            page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
+            # TABLE_AHEAD > 0: the page table is read that many iterations ahead. Read where it is used, each
+            # record's copy waited on its table entry's load, one memory latency after another (sm_90: eight
+            # per iteration); the compiler itself issues a block's copies an iteration early (num_stages 2).
+            if TABLE_AHEAD == 0:
+                page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
+            elif TABLE_AHEAD == 1:
+                page = page_next
+                s_ahead = s + BLOCK_N
+                page_next = tl.load(table_ptr + table_row + s_ahead // tpp, mask=s_ahead < hi, other=0)
+            else:
+                page = page_next
+                page_next = page_after
+                s_ahead = s + 2 * BLOCK_N
+                page_after = tl.load(table_ptr + table_row + s_ahead // tpp, mask=s_ahead < hi, other=0)
             rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
@@ -343,6 +367,7 @@ def _partial_kernel(
     DOT_T: tl.constexpr,
     INT_TILE: tl.constexpr,
     INT_PIECES: tl.constexpr,
+    TABLE_AHEAD: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
     parts in order, and each part's code (its formats are constants) runs for its own splits."""
@@ -357,7 +382,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_slot, w_pos, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES,
+                INT_PIECES, TABLE_AHEAD,
             )  # fmt: skip
 
 
@@ -646,6 +671,7 @@ def plan_attention(
     int_tile: bool = INT_TILE,
     window_write: bool = False,
     int_pieces: bool = INT_PIECES,
+    table_ahead: int = TABLE_AHEAD,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -679,6 +705,8 @@ def plan_attention(
     if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
+    if table_ahead not in (0, 1, 2):
+        raise ValueError(f"paged_attention: table_ahead={table_ahead!r}; allowed: 0, 1, 2")
     launch = {
         "num_warps": NUM_WARPS if num_warps is None else num_warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
@@ -715,7 +743,7 @@ def plan_attention(
             _, table, t_sb, t_sh, tpp, _ = _table_args(part)
             p_args.append((table, table, table, table))
             p_meta.append((t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
-            p_fmts.append(_paged_constants(part.layout, _page_align(pool)))
+            p_fmts.append(_paged_constants(part.layout, _page_align(pool), tpp))
             score, table_args = None, (table, t_sb, t_sh, tpp)
             s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
         nblk = _cdiv(n, block_s)
@@ -740,6 +768,7 @@ def plan_attention(
         DOT_T=dot_t,
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
+        TABLE_AHEAD=int(table_ahead),
     )
     score_constants = dict(
         FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
@@ -843,6 +872,7 @@ def paged_attention(
     int_tile: bool = INT_TILE,
     window_write=None,
     int_pieces: bool = INT_PIECES,
+    table_ahead: int = TABLE_AHEAD,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -860,7 +890,8 @@ def paged_attention(
     fastest measured, see ``BLOCK_N``); ``int_tile`` reads integer codes as rows (the default; a
     power-of-two ``head_dim``, else per element) or, False, per element (``load_field``), unless
     ``int_pieces`` (the default) reads them in pieces with their columns in the pieces' order
-    (``load_int_pieces``): ``eval/kernel_variants.py`` sweeps them.
+    (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records:
+    ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -869,6 +900,6 @@ def paged_attention(
     """
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
-        int_tile, window_write is not None, int_pieces,
+        int_tile, window_write is not None, int_pieces, table_ahead,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)
