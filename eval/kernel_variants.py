@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--int-pieces", type=_ints, default=[1], help="integer fields read in pieces (1) or by load_field (0)"
     )
-    p.add_argument("--table-ahead", type=_ints, default=[1], help="iterations ahead the page table is read")
+    p.add_argument("--table-ahead", type=_ints, default=[1, 2], help="iterations ahead the page table is read")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
     p.add_argument("--record-align", type=_ints, default=[4], help="4: the library's records; 16: padded records")
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.block_n, args.num_warps, args.num_stages, args.int_tile, args.repeats = [16, 32], [4], [2], [0, 1], 1
         args.split_slots = [0, 32]
-        args.page_records, args.record_align = [0], [4, 16]
+        args.page_records, args.record_align, args.table_ahead = [0], [4, 16], [1]
     run(args)
     return 0
 

@@ -783,7 +783,8 @@ def gpu_runs_block(
         cells = [
             f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
             f"{', integer rows' if r.get('int_tile') and not r.get('int_pieces') else ''}"
-            f"{', integer pieces' if r.get('int_pieces') else ''}{_split_text(r)}, "
+            f"{', integer pieces' if r.get('int_pieces') else ''}"
+            f"{', table ' + str(r['table_ahead']) + ' ahead' if 'table_ahead' in r else ''}{_split_text(r)}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]

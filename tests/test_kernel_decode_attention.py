@@ -18,8 +18,8 @@ from hfkv.storage import PagedTiers, RecordLayout
 
 KERNELS = {
     # several splits and blocks; integer fields read in pieces (the default), as rows, per element; the page
-    # table read one block ahead (the default), where it is used, two blocks ahead
-    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, **kw),
+    # table read one block ahead, where it is used, two blocks ahead (by default two where a tier is quantized)
+    "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, table_ahead=1, **kw),
     "triton-rows": lambda *a, **kw: paged_attention(
         *a, split_slots=32, block_n=16, int_pieces=False, table_ahead=0, **kw
     ),
@@ -250,8 +250,8 @@ def test_bad_input_is_named(kernel):
     with pytest.raises(ValueError, match="query must be"):
         fn(q[0], [win], 3, torch.zeros(1, dtype=torch.long), 1.0)
     if kernel == "triton":
-        with pytest.raises(ValueError, match="table_ahead=3; allowed: 0, 1, 2"):
-            fn(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, table_ahead=3)
+        with pytest.raises(ValueError, match="table_ahead=3; allowed: None, 0, 1, 2"):
+            paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, table_ahead=3)
 
 
 @kernels
@@ -368,3 +368,19 @@ def test_field_alignment_hint_holds_for_every_record(key, value, dim, dtype):
     # the bf16 records of Llama's head size are at least 8-byte aligned: the hint is not a trivial 1
     if dim == 128 and key == "model":
         assert _paged_constants(lays[0], _page_align(pool), 1)[13:15] == (8, 8)
+
+
+def test_page_table_read_ahead_by_default_follows_the_measured_fastest():
+    """Two blocks ahead where a paged part has an integer field, one where every field is full precision or fp8
+    (the H100 sweep behind ``TABLE_AHEAD``)."""
+    from hfkv.kernels.decode_attention import _table_ahead
+
+    def parts(key, value):
+        lay = _layout(key, value, 64, torch.float16)
+        tiers = PagedTiers((lay,), 1, 1, None)
+        return [PagedSlots(tiers.pool.data, tiers.tables[0], tiers.tpp[0], lay)]
+
+    assert _table_ahead(parts("model", "model")) == 1
+    assert _table_ahead(parts("fp8", "fp8")) == 1
+    assert _table_ahead(parts("int4", "fp8")) == 2
+    assert _table_ahead(parts("fp8", "int2")) == 2

@@ -74,8 +74,11 @@ INT_TILE = True
 # without the per-element trips through shared memory of ``load_field``'s rows (118 -> 72 warp
 # instructions per slot in the loop).
 INT_PIECES = True
-# Iterations ahead of its use that the page table is read (0: where it is used).
-TABLE_AHEAD = 1
+# Iterations ahead of its use that the page table is read (0: where it is used). None: two where a paged
+# part has an integer field, else one (H100, 64 / 8 / 2, 32k x 8; kernel_variants_h100_ahead.json: hfkv
+# storage 0.720 / 0.717 / 0.698 ms at 0 / 1 / 2 ahead, quant 0.722 / 0.718 / 0.680, full pages 0.664 /
+# 0.641 / 0.727).
+TABLE_AHEAD = None
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
 # not as integer arguments: Triton specialises every integer it is handed inside a tuple (equal to 1, a
@@ -110,6 +113,13 @@ def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     # Records per page last: a constant of the storage (never of a policy run), so a slot's page and place in
     # it are a multiply and a shift, not a division by a loaded value (two per slot and iteration).
     return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns, *pieces, tpp)
+
+
+def _table_ahead(parts: Sequence[Part]) -> int:
+    """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``)."""
+    integer = any(isinstance(p, PagedSlots) and (piece_width(p.layout.key) or piece_width(p.layout.value))
+                  for p in parts)  # fmt: skip
+    return 2 if integer else 1
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -671,7 +681,7 @@ def plan_attention(
     int_tile: bool = INT_TILE,
     window_write: bool = False,
     int_pieces: bool = INT_PIECES,
-    table_ahead: int = TABLE_AHEAD,
+    table_ahead: int | None = TABLE_AHEAD,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -705,8 +715,8 @@ def plan_attention(
     if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
-    if table_ahead not in (0, 1, 2):
-        raise ValueError(f"paged_attention: table_ahead={table_ahead!r}; allowed: 0, 1, 2")
+    if table_ahead not in (None, 0, 1, 2):
+        raise ValueError(f"paged_attention: table_ahead={table_ahead!r}; allowed: None, 0, 1, 2")
     launch = {
         "num_warps": NUM_WARPS if num_warps is None else num_warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
@@ -768,7 +778,7 @@ def plan_attention(
         DOT_T=dot_t,
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
-        TABLE_AHEAD=int(table_ahead),
+        TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
         FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
@@ -872,7 +882,7 @@ def paged_attention(
     int_tile: bool = INT_TILE,
     window_write=None,
     int_pieces: bool = INT_PIECES,
-    table_ahead: int = TABLE_AHEAD,
+    table_ahead: int | None = TABLE_AHEAD,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -890,7 +900,8 @@ def paged_attention(
     fastest measured, see ``BLOCK_N``); ``int_tile`` reads integer codes as rows (the default; a
     power-of-two ``head_dim``, else per element) or, False, per element (``load_field``), unless
     ``int_pieces`` (the default) reads them in pieces with their columns in the pieces' order
-    (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records:
+    (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records
+    (None: as measured fastest, ``TABLE_AHEAD``):
     ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
