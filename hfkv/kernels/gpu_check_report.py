@@ -155,8 +155,8 @@ def _e2e_lines(body: dict[str, Any]) -> list[str]:
             if e.get("predicted") is None:
                 parts.append(f"{_short(label)} -")
                 continue
-            how = {True: "confirmed", False: "did NOT fit", None: "predicted"}[e.get("confirmed")]
-            parts.append(f"{_short(label)} {e['predicted']} ({how})")
+            how = {True: "confirmed", False: "predicted; a trial there ran out of memory", None: "predicted"}
+            parts.append(f"{_short(label)} {e['predicted']} ({how[e.get('confirmed')]})")
         context = next(iter(mb.values())).get("context")
         lines.append(f"  largest batch at {context}: " + ", ".join(parts))
     q = body.get("quantized_cache")
