@@ -100,7 +100,7 @@ def _cdiv(a: int, b: int) -> int:
 def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     """A paged part's ``FMT`` for the partial kernel (``_partial_part``), built once per layout.
 
-    The last two entries are the byte alignment every record's key and value field start is known to
+    Entries 13 and 14 are the byte alignment every record's key and value field start is known to
     have (``field_align``): the compiler cannot see it through a page number loaded from the table and
     a page size it is not allowed to specialise on, and without it every load is one element wide
     (the third H200 run: full-precision storage at half the speed of the run before).
