@@ -44,9 +44,22 @@ _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
 # The CPU kernel loops over slots with every query row of a KV head per record: right for decode steps
 # (g rows), while a long chunk's thousands of rows belong to the torch path's batched matmuls.
 CPU_KERNEL_MAX_ROWS = 64
+# The Triton partial pass keeps a call's logits (4 bytes per query row and slot) for its score pass: one
+# 4,096-token chunk over 6,000 slots at batch 8 and 8 KV heads x 4 would hold 25 GB (a chunked 32k prefill
+# of Llama-3.1-8B ran out of memory at a third of the batch its cache would fit). Larger calls go through
+# in query tiles that keep the logits under this.
+CHUNK_LOGITS_BYTES = 256 * 2**20
 
 
 _KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
+def _chunk_tile(query: torch.Tensor, parts) -> int:
+    """Queries per Triton call for ``query [B, Hq, q, D]`` over ``parts`` that keep the call's logits under
+    ``CHUNK_LOGITS_BYTES`` (at least one)."""
+    bsz, hq = query.shape[:2]
+    per_query = 4 * bsz * hq * sum(p.slots for p in parts)  # g query rows per KV head: hq rows per query
+    return max(1, CHUNK_LOGITS_BYTES // max(1, per_query))
 
 
 def _kernel_module(backend: str) -> ModuleType:
@@ -581,6 +594,10 @@ class TriStateLayer(CacheLayerMixin):
             parts += [
                 PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(self.layouts)
             ]
+            if self.backend == "triton" and q > 1:
+                tile = _chunk_tile(query, parts)
+                if tile < q:
+                    return self._attend_tiles(kernels, query, parts, tile, scaling, exits)
             # The launch plan depends only on the storage's tensors: it is rebuilt when a policy run, a
             # grown table or pool, or a new query shape changes them, not every step.
             key = plan_key(query, parts, write is not None)
@@ -606,6 +623,23 @@ class TriStateLayer(CacheLayerMixin):
         if exits is not None:
             self.run_policy(exits)
         return out
+
+    def _attend_tiles(self, kernels, query, parts, tile: int, scaling, exits) -> torch.Tensor:
+        """A chunk's attention in query tiles of ``tile`` queries (``CHUNK_LOGITS_BYTES``): each tile's softmax
+        is whole (every slot is read for it), and the scores each tile adds to the slots sum to the chunk's."""
+        q = query.shape[2]
+        outs = []
+        for t0 in range(0, q, tile):
+            part_q = query[:, :, t0 : t0 + tile]
+            out, _ = kernels.paged_attention(
+                part_q, parts, self.length - q + t0, self.pad_end, scaling, self.cfg.score_reduction,
+                return_delta=False,
+            )  # fmt: skip
+            outs.append(out)
+        self._plan = None  # the kept plan was made for another storage; the next step plans its own
+        if exits is not None:
+            self.run_policy(exits)
+        return torch.cat(outs, dim=1)
 
     # ------------------------------------------------------- batch surgery
     def _select_rows(self, index: torch.Tensor) -> None:

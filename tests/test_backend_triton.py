@@ -82,6 +82,49 @@ def test_second_generate_call_goes_through_the_chunk_path():
         assert results[backend][1] == results["torch"][1]
 
 
+@pytest.mark.slow
+def test_long_chunks_go_through_the_triton_kernels_in_query_tiles(monkeypatch):
+    """A chunk whose logits would pass ``CHUNK_LOGITS_BYTES`` is attended in query tiles: the same tokens and
+    statistics as the torch backend (a chunked prefill, then a second turn)."""
+    import hfkv.cache as cache_module
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(30, 21))
+    tiles = []
+    attend = cache_module.TriStateLayer._attend_tiles
+
+    def watched(self, kernels, query, parts, tile, scaling, exits):
+        tiles.append((query.shape[2], tile))
+        return attend(self, kernels, query, parts, tile, scaling, exits)
+
+    results = {}
+    for backend in ("torch", "triton"):
+        if backend == "triton":  # two tiles a chunk
+            monkeypatch.setattr(cache_module, "_chunk_tile", lambda query, parts: max(1, query.shape[2] // 2))
+            monkeypatch.setattr(cache_module.TriStateLayer, "_attend_tiles", watched)
+        cache = TriStateCache(model, "hfkv", backend=backend, budget=16, window=4)
+        with torch.no_grad():  # a chunked prefill: the second chunk lands on a non-empty cache
+            model(ids[:, :14], attention_mask=mask[:, :14], past_key_values=cache)
+            model(ids[:, 14:26], attention_mask=mask[:, :26], past_key_values=cache)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        results[backend] = (out, _stats_key(cache))
+    assert tiles and all(tile < q for q, tile in tiles)
+    assert torch.equal(results["triton"][0], results["torch"][0])
+    assert results["triton"][1] == results["torch"][1]
+
+
+def test_chunk_tiles_keep_the_logits_under_the_cap(monkeypatch):
+    import hfkv.cache as cache_module
+    from hfkv.kernels.parts import DenseSlots
+
+    parts = [DenseSlots(torch.zeros(2, 2, n, 16), torch.zeros(2, 2, n, 16), torch.arange(n)) for n in (60, 40)]
+    query = torch.zeros(2, 8, 10, 16)  # 4 bytes x 2 rows x 8 query heads x 100 slots = 6,400 bytes a query
+    monkeypatch.setattr(cache_module, "CHUNK_LOGITS_BYTES", 6400 * 3 + 6399)
+    assert cache_module._chunk_tile(query, parts) == 3
+    monkeypatch.setattr(cache_module, "CHUNK_LOGITS_BYTES", 100)
+    assert cache_module._chunk_tile(query, parts) == 1  # at least one query a call
+
+
 def test_backend_selection(monkeypatch):
     assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend("cpu", "cpu") == "cpu"
