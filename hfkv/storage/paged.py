@@ -275,10 +275,15 @@ class PagedTiers:
         table = self.tables[tier]
         col = torch.arange(table.shape[-1], device=self.device)
         freed = (col >= new_pages.unsqueeze(-1)) & (col < old_pages.unsqueeze(-1))
-        self.pool.release(table[freed])
+        # One host read for both numbers (a boolean index would be a second): the freed pages, in the order
+        # a boolean index gives them, are the first n_freed of a stable sort putting freed entries first.
+        n_freed, width = torch.stack([freed.sum(), new_pages.max()]).tolist() if new_pages.numel() else (0, 0)
+        if n_freed:
+            first = torch.argsort((~freed).view(-1).to(torch.uint8), stable=True)[:n_freed]
+            self.pool.release(table.view(-1)[first])
         table.masked_fill_(freed, NULL_PAGE)
         self.counts[..., tier] = new
-        self._set_width(tier, int(new_pages.max()) if new_pages.numel() else 0)
+        self._set_width(tier, width)
         self.versions[tier] += 1
 
     def _move(self, tier: int, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
