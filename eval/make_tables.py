@@ -934,6 +934,8 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
     --name cpu_small_fp32_chunked
+# the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
+env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
 python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")

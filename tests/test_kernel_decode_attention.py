@@ -375,12 +375,15 @@ def test_page_table_read_ahead_by_default_follows_the_measured_fastest():
     (the H100 sweep behind ``TABLE_AHEAD``)."""
     from hfkv.kernels.decode_attention import _table_ahead
 
-    def parts(key, value):
+    def parts(key, value, tokens=3):
         lay = _layout(key, value, 64, torch.float16)
         tiers = PagedTiers((lay,), 1, 1, None)
+        if tokens:
+            tiers.append(0, torch.zeros(1, 1, tokens, lay.nbytes, dtype=torch.uint8), torch.ones(1, 1, tokens).bool())
         return [PagedSlots(tiers.pool.data, tiers.tables[0], tiers.tpp[0], lay)]
 
     assert _table_ahead(parts("model", "model")) == 1
     assert _table_ahead(parts("fp8", "fp8")) == 1
     assert _table_ahead(parts("int4", "fp8")) == 2
     assert _table_ahead(parts("fp8", "int2")) == 2
+    assert _table_ahead(parts("model", "model") + parts("int4", "int2", tokens=0)) == 1  # an empty tier runs nothing

@@ -43,3 +43,35 @@ def test_aot_check_refuses_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):
         representative_calls()
+
+
+@pytest.mark.slow
+def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
+    """eval/kernel_sass.py (registers, spills and the loop's instructions of the sm_90 code, no GPU): the integer
+    pieces read keeps its codes out of two-byte shared-memory stores and costs fewer instructions per slot than
+    the rows read it replaced, the reason it is the default (docs/kernels.md, the H100 lease)."""
+    import json
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parents[1] / "eval" / "kernel_sass.py"
+    out = tmp_path / "sass.json"
+    cmd = [
+        sys.executable,
+        str(script),
+        "--kinds",
+        "quant",
+        "--launch",
+        "",
+        "--launch",
+        "int_pieces=0",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces, rows = json.loads(out.read_text())["rows"]
+    for r in (pieces, rows):
+        assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
+    assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
+    assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]

@@ -117,8 +117,11 @@ def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
 
 def _table_ahead(parts: Sequence[Part]) -> int:
     """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``)."""
-    integer = any(isinstance(p, PagedSlots) and (piece_width(p.layout.key) or piece_width(p.layout.value))
-                  for p in parts)  # fmt: skip
+    # An empty tier launches no program, so only tiers holding slots count.
+    integer = any(
+        isinstance(p, PagedSlots) and p.slots and (piece_width(p.layout.key) or piece_width(p.layout.value))
+        for p in parts
+    )
     return 2 if integer else 1
 
 

@@ -1,0 +1,149 @@
+"""What the decode kernel's partial pass compiles to on sm_90, read on a machine without a GPU.
+
+A GPU lease is minutes; a kernel change can be judged before one. Triton ships the CUDA tools
+(``ptxas``, ``cuobjdump``), so this compiles the partial pass exactly as a decode step of
+``eval/kernel_bench.py``'s storage would launch it (``hfkv.kernels.aot_check``'s capture) and reads
+the machine code: registers and stack per thread (spills), shared memory per program, and the main
+loop's instructions by opcode, per warp and iteration and per slot (``instructions x warps /
+block_n``). On the H100 lease this located the quantized read's per-element trips through shared
+memory (``STS.U16`` / ``LDS.U16``) and the page-table loads each record copy waited on (docs/kernels.md).
+It says nothing about time: stalls are the GPU's to show.
+
+    python eval/kernel_sass.py --kinds full,quant,hfkv --launch "" --launch "block_n=128;num_warps=4"
+    env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py   # the device image's Triton 3.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_bench as kb  # noqa: E402
+
+from hfkv.atomic import write_atomic  # noqa: E402
+
+# Opcode families worth a column: global loads and copies, shared-memory traffic, spills, barriers, products.
+KEY_OPS = ("LDG", "LDGSTS", "LDS", "STS", "LDSM", "STL", "LDL", "BAR", "HMMA", "SHFL")
+
+
+def _launch(text: str) -> dict[str, int]:
+    try:
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(";") if item.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--launch: {text!r} is not 'name=int;name=int'") from None
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: this Triton wheel ships no {name}")
+    return str(path)
+
+
+def compile_partial(kind: str, launch: dict[str, int]):
+    """The partial pass of one decode call over ``kind``'s storage (Llama-3.1-8B's shape, 2k tokens, batch 1),
+    compiled for sm_90: the compiled kernel (its ``asm['cubin']``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    from hfkv.kernels.aot_check import _specialized, captured_launches
+    from hfkv.kernels.decode_attention import paged_attention
+
+    plan = kb.make_plan(kind, 2048, 1, kb.AttnShape.like("llama-3.1-8b"))
+    st = kb.build_storage(plan, "cpu")
+    with captured_launches() as calls:
+        paged_attention(st.query, st.parts(plan), plan.context, torch.zeros(1, dtype=torch.long), 0.088, "max",
+                        return_delta=False, **launch)  # fmt: skip
+    fn, args, kwargs = next(c for c in calls if c[0].__name__ == "_partial_kernel")
+    target = GPUTarget("cuda", 90, 32)
+    sig, consts, attrs, options = _specialized(fn, make_backend(target), args, kwargs)
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def read_sass(cubin: bytes) -> dict[str, Any]:
+    """Registers, stack and the largest loop's instruction mix of a cubin (``cuobjdump``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    insts = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?);", sass)]
+    loop: list[str] = []
+    for addr, text in insts:  # the longest backward branch: the loop over a program's slots
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if m and m.group(1) and int(m.group(1), 16) < addr:
+            body = [t for a, t in insts if int(m.group(1), 16) <= a <= addr]
+            loop = body if len(body) > len(loop) else loop
+    ops: dict[str, int] = {}
+    for text in loop:
+        op = _opcode(text)
+        ops[op] = ops.get(op, 0) + 1
+    return {
+        "registers": int(res.group(1)) if res else None,
+        "stack_bytes": int(res.group(2)) if res else None,
+        "instructions": len(insts),
+        "loop_instructions": len(loop),
+        "loop_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "loop_families": {
+            fam: sum(n for op, n in ops.items() if op == fam or op.startswith(fam + ".")) for fam in KEY_OPS
+        },
+    }
+
+
+def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
+    from hfkv.kernels.decode_attention import BLOCK_N, NUM_WARPS
+
+    kernel = compile_partial(kind, launch)
+    row = {"kind": kind, "launch": launch, "shared_bytes": kernel.metadata.shared, **read_sass(kernel.asm["cubin"])}
+    warps, block_n = launch.get("num_warps", NUM_WARPS), launch.get("block_n", BLOCK_N)
+    row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="full,quant,hfkv", help="kernel_bench storage kinds (default full,quant,hfkv)")
+    p.add_argument("--launch", type=_launch, action="append", help="paged_attention options, 'name=int;...'")
+    p.add_argument("--out", type=Path, help="JSON to write (rows)")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("kernel_sass compiles for sm_90: run it without TRITON_INTERPRET=1")
+    kinds = [k for k in args.kinds.split(",") if k]
+    if bad := [k for k in kinds if k not in kb.KINDS]:
+        p.error(f"--kinds: {bad} not in {kb.KINDS}")
+    rows = []
+    for kind in kinds:
+        for launch in args.launch or [{}]:
+            row = analyse(kind, launch)
+            rows.append(row)
+            fam = " ".join(f"{k} {v}" for k, v in row["loop_families"].items() if v)
+            print(f"{kind:<6} {json.dumps(launch):<40} regs {row['registers']} stack {row['stack_bytes']} "
+                  f"shared {row['shared_bytes']}  loop {row['loop_instructions']} "
+                  f"({row['loop_warp_instructions_per_slot']:.1f} per slot)  {fam}", flush=True)  # fmt: skip
+    if args.out:
+        write_atomic(args.out, json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
