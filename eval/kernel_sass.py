@@ -55,11 +55,7 @@ def _tool(name: str) -> str:
 def compile_partial(kind: str, launch: dict[str, int]):
     """The partial pass of one decode call over ``kind``'s storage (Llama-3.1-8B's shape, 2k tokens, batch 1),
     compiled for sm_90: the compiled kernel (its ``asm['cubin']``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-
-    from hfkv.kernels.aot_check import _specialized, captured_launches
+    from hfkv.kernels.aot_check import captured_launches, compile_launch
     from hfkv.kernels.decode_attention import paged_attention
 
     plan = kb.make_plan(kind, 2048, 1, kb.AttnShape.like("llama-3.1-8b"))
@@ -67,10 +63,7 @@ def compile_partial(kind: str, launch: dict[str, int]):
     with captured_launches() as calls:
         paged_attention(st.query, st.parts(plan), plan.context, torch.zeros(1, dtype=torch.long), 0.088, "max",
                         return_delta=False, **launch)  # fmt: skip
-    fn, args, kwargs = next(c for c in calls if c[0].__name__ == "_partial_kernel")
-    target = GPUTarget("cuda", 90, 32)
-    sig, consts, attrs, options = _specialized(fn, make_backend(target), args, kwargs)
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+    return compile_launch(*next(c for c in calls if c[0].__name__ == "_partial_kernel"))
 
 
 def _opcode(text: str) -> str:

@@ -636,7 +636,7 @@ class TriStateLayer(CacheLayerMixin):
                 return_delta=False,
             )  # fmt: skip
             outs.append(out)
-        self._plan = None  # the kept plan was made for another storage; the next step plans its own
+        self._plan_sig = None  # as after an untiled chunk: the next step finds no kept plan by signature
         if exits is not None:
             self.run_policy(exits)
         return torch.cat(outs, dim=1)
