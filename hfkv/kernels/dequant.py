@@ -170,6 +170,13 @@ def _piece_bytes(word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO:
 
 
 @triton.jit
+def _half_at(quads, q0, live, I: tl.constexpr):
+    # half I of a field's scale/zero halves, from the 64-bit words holding four each (little-endian)
+    w = tl.load(quads + q0 + I // 4, mask=live, other=0)
+    return ((w >> (16 * (I % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _piece_planes(
     word,
     half,
@@ -183,16 +190,22 @@ def _piece_planes(
     h: tl.constexpr,
     LO: tl.constexpr,
     COUNT: tl.constexpr,
+    QUADS: tl.constexpr,
 ):
     # planes LO .. LO + COUNT - 1 of the bytes at h * C: piece j = plane * H + h, with its group's scale and zero
     if COUNT == 1:
         g: tl.constexpr = (LO * H + h) * C // GROUP
-        scale = tl.load(half + meta + g, mask=live, other=0.0).to(tl.float32)
-        zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0).to(tl.float32)
+        if QUADS:  # `half` points at 64-bit words, `meta` is the first one's index: one load per four halves
+            scale = _half_at(half, meta, live, g)
+            zero = _half_at(half, meta, live, D // GROUP + g)
+        else:
+            scale = tl.load(half + meta + g, mask=live, other=0.0).to(tl.float32)
+            zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0).to(tl.float32)
         return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4)
     else:
-        a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2)
-        return tl.join(a, _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO + COUNT // 2, COUNT // 2))
+        a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2, QUADS)
+        b = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO + COUNT // 2, COUNT // 2, QUADS)
+        return tl.join(a, b)
 
 
 @triton.jit
@@ -208,16 +221,18 @@ def _piece_words(
     C: tl.constexpr,
     LO: tl.constexpr,
     COUNT: tl.constexpr,
+    QUADS: tl.constexpr,
 ):
     # the code bytes h * C .. h * C + C - 1 for h in LO .. LO + COUNT - 1, read once as words
     PER: tl.constexpr = 8 // BITS
     H: tl.constexpr = D // PER // C
     if COUNT == 1:
         word = tl.load(words + w0[:, None] + (LO * C // 4 + tl.arange(0, C // 4))[None, :], mask=live[:, None], other=0)
-        return _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, LO, 0, PER)
+        return _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, LO, 0, PER, QUADS)
     else:
-        a = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO, COUNT // 2)
-        return tl.join(a, _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO + COUNT // 2, COUNT // 2))
+        a = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO, COUNT // 2, QUADS)
+        b = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO + COUNT // 2, COUNT // 2, QUADS)
+        return tl.join(a, b)
 
 
 @triton.jit
@@ -243,7 +258,16 @@ def load_int_pieces(
     base = tl.multiple_of(rec + OFF, ALIGN)
     words = pool_ptr.to(tl.pointer_type(tl.int32))
     w0 = tl.multiple_of(base // 4, ALIGN // 4)
-    half = pool_ptr.to(tl.pointer_type(tl.float16))
-    meta = (base + D // PER) // 2  # the halves follow the D / PER code bytes
-    x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H)
+    # The scale/zero halves follow the D / PER code bytes. Where they start on 8 bytes they are read four
+    # at a time (64-bit words): on sm_90 one 16-bit load per half was two thirds of the sectors the
+    # quantized loop asked of L1 (ncu, H100). A field's halves are 2 * D / GROUP; a last word reaching
+    # past them reads the record's next bytes (another field, or the tag and score that end it).
+    QUADS: tl.constexpr = ALIGN >= 8 and (D // PER) % 8 == 0
+    if QUADS:
+        half = pool_ptr.to(tl.pointer_type(tl.int64))
+        meta = (base + D // PER) // 8
+    else:
+        half = pool_ptr.to(tl.pointer_type(tl.float16))
+        meta = (base + D // PER) // 2
+    x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H, QUADS)
     return tl.reshape(x, [rec.shape[0], D])

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Nsight Compute's view of one call of the paged decode kernel's partial pass: stall reasons, memory
+# workload and per-instruction (SASS) stall samples, for kernel_variants' cases at their default launch.
+# The dense case reads the same bytes at 80% of copy; the paged ones at ~55%: the diff says why.
+#
+#   bash eval/ncu_decode.sh OUT_DIR [KIND:CONTEXT:BATCH:TABLE_AHEAD ...]
+#
+# Needs a CUDA machine with ncu (Firecracker leases; `--clock-control none` leaves the clocks alone).
+# Writes OUT_DIR/ncu_decode.tar.gz (details text and a SASS csv per case) and prints the headline sections.
+set -u
+out=${1:?usage: ncu_decode.sh OUT_DIR [KIND:CONTEXT:BATCH:AHEAD ...]}
+shift
+cases=("$@")
+[ ${#cases[@]} -eq 0 ] && cases=(full:32768:8:1 dense:32768:8:1 quant:32768:8:2)
+work=$(mktemp -d)
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 2; }
+for c in "${cases[@]}"; do
+    IFS=: read -r kind ctx batch ahead <<<"$c"
+    name=${kind}_${ctx}_${batch}
+    timeout 240 "$ncu" --clock-control none --target-processes all --kernel-name regex:_partial_kernel \
+        --launch-skip 0 --launch-count 1 --set full --import-source no -f -o "$work/$name" \
+        python3 eval/kernel_variants.py --out "$work/$name.json" --cases "$kind:$ctx:$batch" --block-n 64 \
+        --num-warps 8 --num-stages 2 --int-tile 0 --int-pieces 1 --table-ahead "$ahead" --repeats 3 \
+        >"$work/$name.log" 2>&1
+    echo "== $c: ncu rc $?"
+    "$ncu" -i "$work/$name.ncu-rep" --page details >"$work/${name}_details.txt" 2>&1
+    "$ncu" -i "$work/$name.ncu-rep" --page source --print-source sass --csv >"$work/${name}_sass.csv" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Issued Ipc|Stall|L1/TEX Hit|L2 Hit|Block Limit|Waves Per SM|Grid Size|Block Size" \
+        "$work/${name}_details.txt" | head -40
+    rm -f "$work/$name.ncu-rep"
+done
+tar -czf "$out/ncu_decode.tar.gz" -C "$work" .
+ls -la "$out"
