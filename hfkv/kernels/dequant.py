@@ -170,10 +170,10 @@ def _piece_bytes(word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO:
 
 
 @triton.jit
-def _half_at(quads, q0, live, I: tl.constexpr):
-    # half I of a field's scale/zero halves, from the 64-bit words holding four each (little-endian)
-    w = tl.load(quads + q0 + I // 4, mask=live, other=0)
-    return ((w >> (16 * (I % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _half_at(quads, q0, live, IDX: tl.constexpr):
+    # half IDX of a field's scale/zero halves, from the 64-bit words holding four each (little-endian)
+    w = tl.load(quads + q0 + IDX // 4, mask=live, other=0)
+    return ((w >> (16 * (IDX % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
