@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.split_slots,
             args.int_pieces,
             args.table_ahead,
+            args.score_block,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -163,15 +164,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )[0]
 
         kernels_ms = kernel_split(timed, device)
-        for block_n, warps, stages, tile, split, pieces, ahead in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead, score_block in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
-                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}"
+                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/{score_block}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
             launch["int_pieces"] = bool(pieces)
             launch["table_ahead"] = ahead
+            launch["score_block"] = score_block
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "--int-pieces", type=_ints, default=[1], help="integer fields read in pieces (1) or by load_field (0)"
     )
     p.add_argument("--table-ahead", type=_ints, default=[1, 2], help="iterations ahead the page table is read")
+    p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
     p.add_argument("--record-align", type=_ints, default=[4], help="4: the library's records; 16: padded records")

@@ -79,6 +79,9 @@ INT_PIECES = True
 # storage 0.720 / 0.717 / 0.698 ms at 0 / 1 / 2 ahead, quant 0.722 / 0.718 / 0.680, full pages 0.664 /
 # 0.641 / 0.727).
 TABLE_AHEAD = None
+# Slots per program of the score pass (eval/kernel_variants.py --score-block): the pass reads the logits and adds
+# each slot's share to its record's score field, a scattered 4 bytes.
+SCORE_BLOCK = 64
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
 # not as integer arguments: Triton specialises every integer it is handed inside a tuple (equal to 1, a
@@ -492,6 +495,21 @@ def _score_part(
     bh = tl.program_id(0)
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = s < n_slots
+    if ADD:
+        # The slots' score fields are found and read first, so the page table's latency and then the
+        # records' run beside the logits' read, not after it (a record's score is a scattered 4 bytes).
+        # Every slot of the table's pages gets its delta, as in the torch path: empty slots (the null
+        # page, vacated slots, page tails) were masked, so they receive exact zeros and stay as they
+        # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
+        # once, which stores the same zeros whatever the order.
+        if PAGED:
+            table_row = (bh // H).to(tl.int64) * table_sb + (bh % H).to(tl.int64) * table_sh
+            page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
+            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
+            sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
+        else:
+            sc = score_ptr + bh.to(tl.int64) * n_slots + s
+        old = tl.load(sc, mask=in_range, other=0.0)
     r = tl.arange(0, BLOCK_R)
     delta = tl.zeros([BLOCK_S], tl.float32)
     for qb in range(0, NQB):
@@ -519,18 +537,7 @@ def _score_part(
     if WRITE_DELTA:
         tl.store(delta_ptr + bh.to(tl.int64) * s_total + col0 + s, delta, mask=in_range)
     if ADD:
-        # Every slot of the table's pages gets its delta, as in the torch path: empty slots (the null
-        # page, vacated slots, page tails) were masked, so they receive exact zeros and stay as they
-        # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
-        # once, which stores the same zeros whatever the order.
-        if PAGED:
-            table_row = (bh // H).to(tl.int64) * table_sb + (bh % H).to(tl.int64) * table_sh
-            page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
-            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
-            sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
-        else:
-            sc = score_ptr + bh.to(tl.int64) * n_slots + s
-        tl.store(sc, tl.load(sc, mask=in_range, other=0.0) + delta, mask=in_range)
+        tl.store(sc, old + delta, mask=in_range)
 
 
 @triton.jit(do_not_specialize=["s_total", "page_bytes", "H"])
@@ -685,6 +692,7 @@ def plan_attention(
     window_write: bool = False,
     int_pieces: bool = INT_PIECES,
     table_ahead: int | None = TABLE_AHEAD,
+    score_block: int = SCORE_BLOCK,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -737,7 +745,9 @@ def plan_attention(
     page_bytes = pool.shape[1] if paged else 0
     p_args, p_fmts, s_args, s_fmts, p_meta, s_meta = [], [], [], [], [], []
     col0 = split0 = block0 = 0
-    block_s = 64
+    block_s = int(score_block)
+    if block_s < 16 or block_s & (block_s - 1):
+        raise ValueError(f"paged_attention: score_block={score_block!r}; allowed: a power of two >= 16")
     for idx, (part, n, sp, nsp) in enumerate(zip(parts, sizes, splits, n_splits, strict=True)):
         if nsp == 0:
             continue
@@ -886,6 +896,7 @@ def paged_attention(
     window_write=None,
     int_pieces: bool = INT_PIECES,
     table_ahead: int | None = TABLE_AHEAD,
+    score_block: int = SCORE_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -904,7 +915,7 @@ def paged_attention(
     power-of-two ``head_dim``, else per element) or, False, per element (``load_field``), unless
     ``int_pieces`` (the default) reads them in pieces with their columns in the pieces' order
     (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records
-    (None: as measured fastest, ``TABLE_AHEAD``):
+    (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program:
     ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
@@ -914,6 +925,6 @@ def paged_attention(
     """
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
-        int_tile, window_write is not None, int_pieces, table_ahead,
+        int_tile, window_write is not None, int_pieces, table_ahead, score_block,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)
