@@ -138,6 +138,8 @@ class TriStateLayer(CacheLayerMixin):
         )
         self.alpha_h = self.cache.alpha_h[self.layer_idx].to(self.device)
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
+        # Host-side, once: asked at every policy run (_nothing_competes), and a device read there is a sync.
+        self._has_floor = bool((self.cache.alpha_l[self.layer_idx] > 0).any())
         self.is_initialized = True
 
     def _init_memory_budget(self, dim: int) -> None:
@@ -385,7 +387,7 @@ class TriStateLayer(CacheLayerMixin):
         room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
         and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and reading every tier's
         metadata to ask it would be the run's whole cost: at short contexts most runs are these."""
-        if not self.memory_budget or bool((self.alpha_l > 0).any()):
+        if not self.memory_budget or self._has_floor:
             return False
         counts = self.tiers.counts
         entering = self._not_padding(exit_pos).sum(-1)  # [B, H] exits that would be held exact
@@ -395,10 +397,11 @@ class TriStateLayer(CacheLayerMixin):
         heads = held.shape[1]
         if self.cfg.head_adaptive:
             held, exact = held.sum(-1), exact.sum(-1)
-        if not bool((held <= self.room * (heads if self.cfg.head_adaptive else 1)).all()):
-            return False
+        fits = (held <= self.room * (heads if self.cfg.head_adaptive else 1)).all()
         rho = self.cache.rho(self.layer_idx)
-        return rho is None or bool((exact <= self._exact_cap(rho, heads)).all())
+        if rho is not None:  # both conditions in one host read
+            fits = fits & (exact <= self._exact_cap(rho, heads)).all()
+        return bool(fits)
 
     def _tier_changes(self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
         """Per tier: tokens demoted into a tier they stay in, and tokens leaving (one launch and one wait on the
@@ -451,7 +454,9 @@ class TriStateLayer(CacheLayerMixin):
         # Grouped by destination, then head; a stable sort keeps each head's tokens in their order above.
         order = torch.sort(dest.long() * (self.window.shape[0] * self.window.shape[1]) + b * self.window.shape[1] + h,
                            stable=True).indices  # fmt: skip
-        counts = torch.bincount(dest.long(), minlength=tiers.num_tiers).tolist()  # the one host read here
+        # the one host read here (a bincount would read the largest destination first: two waits on a GPU)
+        counts = torch.zeros(tiers.num_tiers, dtype=torch.int64, device=dest.device)
+        counts = counts.index_add_(0, dest.long(), torch.ones_like(dest, dtype=torch.int64)).tolist()
         start = 0
         for tier, n in enumerate(counts[: tiers.num_tiers]):
             if n:

@@ -195,7 +195,9 @@ class PagedTiers:
         widened for them. One host read: the pool hands out pages by count."""
         tpp = self.tpp[tier]
         bh = b * self.heads + h
-        k = torch.bincount(bh, minlength=self.batch * self.heads)
+        # index_add, not bincount: on a GPU bincount reads its input's largest value back first (a wait)
+        k = torch.zeros(self.batch * self.heads, dtype=torch.int64, device=self.device)
+        k = k.index_add_(0, bh, torch.ones_like(bh, dtype=torch.int64))
         old = self.counts[..., tier].reshape(-1)
         old_pages, new_pages = _ceil_div(old, tpp), _ceil_div(old + k, tpp)
         need = new_pages - old_pages
@@ -343,16 +345,19 @@ class PagedTiers:
         return self.pool.tier_view(self.layouts[tier].nbytes)[torch.where(valid, page, NULL_PAGE), off], valid
 
     def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``."""
+        """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``.
+
+        ``m`` slots a head (default: the table's pages, known on the host; the largest count would be a
+        device read, a wait on a GPU at every policy run); slots past a head's count are not valid."""
         lay = self.layouts[tier]
         if self.backend in ("cpu", "triton"):  # one pass over the tables (the torch path below is the twin)
             if self.backend == "cpu":
                 from hfkv.kernels.cpu.meta import read_meta_cpu as read_meta
             else:
                 from hfkv.kernels.meta import read_meta_triton as read_meta
-            m = self.max_count(tier) if m is None else m
+            m = self.max_slots(tier) if m is None else m
             return read_meta(self.pool.data, self.tables[tier], self.counts[..., tier], self.tpp[tier], lay, m)
-        page, off = self._slot_pages(tier, self.max_count(tier) if m is None else m)
+        page, off = self._slot_pages(tier, self.max_slots(tier) if m is None else m)
         valid = page >= 0
         page = torch.where(valid, page, NULL_PAGE)
         pos = self._field(tier, lay.pos_offset, torch.int32)[page, off] - 1
