@@ -784,11 +784,19 @@ def gpu_runs_block(
             f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
             f"{', integer rows' if r.get('int_tile') and not r.get('int_pieces') else ''}"
             f"{', integer pieces' if r.get('int_pieces') else ''}"
-            f"{', table ' + str(r['table_ahead']) + ' ahead' if 'table_ahead' in r else ''}{_split_text(r)}, "
+            f"{', table ' + str(r['table_ahead']) + ' ahead' if 'table_ahead' in r else ''}{_split_text(r)}"
+            f"{', score blocks of ' + str(r['score_block']) if 'score_block' in r else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]
         lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
+        # Files before the split was fixed hold the split-slots loop variable there (an int), not a split.
+        splits = {case: ms for case, ms in res.get("kernel_split_ms", {}).items() if isinstance(ms, dict) and ms}
+        if splits:
+            text = "; ".join(f"{_case_name(case)}: {_kernels_ms(ms)}" for case, ms in splits.items())
+            # Files before 2026-11-26's sixth lease split the untimed call, which adds no scores.
+            call = "the timed call, scores added" if "kernel_split_call" in res else "scores not added"
+            lines += ["", f"Device ms per call by kernel ({call}) in `{name}`: {text}."]
         rows_paged = [r for r in res["rows"] if r["kind"] != "dense"]
         storages = {(r.get("page_bytes"), tuple(r.get("record_bytes", ()))) for r in rows_paged}
         if len(storages) > 1 or any(r["kind"] == "dense" for r in res["rows"]):
@@ -822,6 +830,16 @@ def storage_variants_table(name: str, res: dict[str, Any]) -> str:
 
 def _split_text(row: dict[str, Any]) -> str:
     return f", {row['split_slots']:,} slots per program" if row.get("split_slots") else ""
+
+
+def _case_name(case: str) -> str:
+    """``full:32768:8:page5200:align4`` -> ``full 32768 x 8``."""
+    kind, context, batch = case.split(":")[:3]
+    return f"{kind} {int(context):,} x {batch}"
+
+
+def _kernels_ms(ms: dict[str, float]) -> str:
+    return ", ".join(f"{k.strip('_').removesuffix('_kernel')} {v:.3f}" for k, v in ms.items() if k.endswith("_kernel"))
 
 
 def policy_profile_table(profiles: list[tuple[str, dict[str, Any]]]) -> str:
