@@ -1,4 +1,4 @@
-"""The Triton gather-and-decode of given slots against its torch twin (``PagedTiers.gather_decoded`` on the torch
+"""The Triton and C++ gather-and-decode of given slots against their torch twin (``PagedTiers.gather_decoded`` on the torch
 backend: the records gathered through the page table, ``RecordLayout.decode_kv``, positions, scores): equal bit
 for bit for every tier format and model dtype, over ragged storage with holes filled by compaction, and through
 ``PagedTiers.gather_decoded``'s dispatch."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfkv.kernels.cpu.gather import gather_decode_cpu
 from hfkv.kernels.gather import gather_decode
 from hfkv.storage import PagedTiers
 from tests.test_kernel_decode_attention import _layout, _storage
@@ -20,7 +21,9 @@ from tests.test_kernel_decode_attention import _layout, _storage
     ("fp8", "fp8", 64, torch.float32),
     ("int2", "int8", 96, torch.float32),
 ])  # fmt: skip
-def test_triton_gather_decode_equals_the_torch_twin(key, value, dim, dtype):
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_gather_decode_equals_the_torch_twin(backend, key, value, dim, dtype):
+    fn = gather_decode if backend == "triton" else gather_decode_cpu
     layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
     tiers: PagedTiers = _storage(layouts, 2, 3, dim, 200, (30, 90), 2048, seed=dim)
     for tier, lay in enumerate(layouts):
@@ -31,17 +34,17 @@ def test_triton_gather_decode_equals_the_torch_twin(key, value, dim, dtype):
         assert s.numel() > 0
         assert tiers.backend == "torch"
         want = tiers.gather_decoded(tier, b, h, s)
-        got = gather_decode(tiers.pool.data, tiers.tables[tier], tiers.tpp[tier], lay, b, h, s)
+        got = fn(tiers.pool.data, tiers.tables[tier], tiers.tpp[tier], lay, b, h, s)
         for x, y in zip(got, want, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert torch.equal(x, y)
         assert torch.equal(got[2], lay.positions(tiers.gather(tier, b, h, s)).long())
-        tiers.backend = "triton"  # and through the storage's dispatch
+        tiers.backend = backend  # and through the storage's dispatch
         try:
             through = tiers.gather_decoded(tier, b, h, s)
         finally:
             tiers.backend = "torch"
         assert all(torch.equal(x, y) for x, y in zip(through, tiers.gather_decoded(tier, b, h, s), strict=True))
     empty = torch.zeros(0, dtype=torch.long)
-    none = gather_decode(tiers.pool.data, tiers.tables[0], tiers.tpp[0], layouts[0], empty, empty, empty)
+    none = fn(tiers.pool.data, tiers.tables[0], tiers.tpp[0], layouts[0], empty, empty, empty)
     assert none[0].shape == (0, dim) and none[2].shape == (0,)

@@ -387,11 +387,13 @@ class PagedTiers:
 
     def gather_decoded(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor):
         """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the given live slots (one launch on the Triton
-        backend, equal values)."""
+        backend, one C++ call on the CPU one; equal values)."""
         lay = self.layouts[tier]
-        if self.backend == "triton":
-            from hfkv.kernels.gather import gather_decode
-
+        if self.backend in ("triton", "cpu"):
+            if self.backend == "cpu":
+                from hfkv.kernels.cpu.gather import gather_decode_cpu as gather_decode
+            else:
+                from hfkv.kernels.gather import gather_decode
             return gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s)
         rec = self.gather(tier, b, h, s)
         k, v = lay.decode_kv(rec, torch.float32)

@@ -723,4 +723,30 @@ int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32
 
 int hfkv_part_size(void) { return static_cast<int>(sizeof(HfkvPart)); }
 
+// The records of slots (b[j], h[j], s[j]) of one paged part, decoded: k, v [n, dim] fp32, pos [n] int64, score [n]
+// fp32: what a policy run reads of the tokens it demotes (PagedTiers.gather_decoded's contract). The torch path
+// is a page lookup, a gather and a score of tensor operations per integer field; here each record is decoded
+// where it lies by decode_field, whose operations are torch's (code * scale, then + zero: two roundings, no
+// contraction under -std=c++17), so the values are equal bit for bit. Returns 0, or -1 for a head dim past 512.
+int hfkv_gather_decode(const HfkvPart* part, int32_t heads, int64_t n, const int64_t* b, const int64_t* h,
+                       const int64_t* s, int32_t dim, float* k, float* v, int64_t* pos, float* score) {
+    if (dim > 512) return -1;
+#pragma omp parallel for schedule(static) if (n > 256)
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t bh = b[j] * heads + h[j];
+        const int64_t page = part->table[bh * part->table_w + s[j] / part->tpp];
+        const uint8_t* rec = part->pool + page * part->page_bytes + (s[j] % part->tpp) * part->record;
+        alignas(64) float buf[512];
+        const float* x = decode_field<0>(rec, part->key, dim, buf);
+        std::memcpy(k + j * dim, x, sizeof(float) * dim);
+        x = decode_field<0>(rec, part->value, dim, buf);
+        std::memcpy(v + j * dim, x, sizeof(float) * dim);
+        int32_t tag;
+        std::memcpy(&tag, rec + part->tag_offset, 4);
+        pos[j] = static_cast<int64_t>(tag) - 1;
+        std::memcpy(score + j, rec + part->score_offset, 4);
+    }
+    return 0;
+}
+
 }  // extern "C"
