@@ -1,7 +1,7 @@
-"""The Triton and C++ gather-and-decode of given slots against their torch twin (``PagedTiers.gather_decoded`` on the torch
-backend: the records gathered through the page table, ``RecordLayout.decode_kv``, positions, scores): equal bit
-for bit for every tier format and model dtype, over ragged storage with holes filled by compaction, and through
-``PagedTiers.gather_decoded``'s dispatch."""
+"""The Triton and C++ gather-and-decode of given slots against their torch twin (``PagedTiers.gather_decoded``
+on the torch backend: the records gathered through the page table, ``RecordLayout.decode_kv``, positions,
+scores): equal bit for bit for every tier format and model dtype, over ragged storage with holes filled by
+compaction, and through ``PagedTiers.gather_decoded``'s dispatch."""
 
 from __future__ import annotations
 
