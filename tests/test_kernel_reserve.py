@@ -1,6 +1,6 @@
-"""The Triton slot reservation against its torch twin (``PagedTiers._reserve`` on the torch backend): the same
-byte offsets, page tables, counts, free pages and pool bytes (new pages zeroed, reused ones included) for
-appends into partly filled pages, heads that need several pages or none, and an empty tier."""
+"""The Triton and C++ slot reservations against their torch twin (``PagedTiers._reserve`` on the torch backend):
+the same byte offsets, page tables, counts, free pages and pool bytes (new pages zeroed, reused ones included)
+for appends into partly filled pages, heads that need several pages or none, and an empty tier."""
 
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def _same_storage(a: PagedTiers, b: PagedTiers) -> None:
     (528, (0, 33), [[1, 1, 1, 1, 1, 1], [7, 0, 7, 0, 7, 0]]),
     (4096, (17, 1), [[0, 0, 0, 0, 0, 0], [90, 3, 2, 1, 0, 40]]),
 ])  # fmt: skip
-def test_triton_reserve_equals_the_torch_path(page_bytes, counts, rounds):
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_reserve_equals_the_torch_path(backend, page_bytes, counts, rounds):
     dim, bsz, heads = 64, 2, 3
     layouts = (_layout("model", "model", dim, torch.float32), _layout("int4", "int2", dim, torch.float32))
     base: PagedTiers = _storage(layouts, bsz, heads, dim, 160, counts, page_bytes, seed=len(rounds))
     # Dirty the free pages: a reused page must come back zeroed.
     base.pool.data[base.pool.free_stack[: base.pool.n_free].long()] = 0xAB
     torch_side, triton_side = copy.deepcopy(base), copy.deepcopy(base)
-    triton_side.backend = "triton"
+    triton_side.backend = backend
     for per_head in rounds:
         for tier in range(len(layouts)):
             b, h = _appends(bsz, heads, per_head)

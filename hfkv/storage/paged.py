@@ -225,11 +225,15 @@ class PagedTiers:
         return self._locate(tier, b, h, s)
 
     def _reserve_offsets(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """:meth:`_reserve`'s slots as byte offsets into the pool; one launch on the Triton backend."""
-        if self.backend != "triton":
+        """:meth:`_reserve`'s slots as byte offsets into the pool; one launch on the Triton backend, one C++ call
+        on the CPU one."""
+        if self.backend == "torch":
             page, off = self._reserve(tier, b, h)
             return page * self.pool.page_bytes + off * self.layouts[tier].nbytes
-        from hfkv.kernels.reserve import reserve_slots
+        if self.backend == "cpu":
+            from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
+        else:
+            from hfkv.kernels.reserve import reserve_slots
 
         _, k, old, _, _, ids = self._take_pages(tier, b, h)
         if ids is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_decode.cpp", "allocate.cpp", "encode.cpp", "meta.cpp", "compact.cpp")
+    for name in ("paged_decode.cpp", "allocate.cpp", "encode.cpp", "meta.cpp", "compact.cpp", "reserve.cpp")
 )
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fPIC", "-shared", "-fno-math-errno")
 ARCH_FLAGS = ("-march=native",)

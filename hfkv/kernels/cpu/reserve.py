@@ -1,0 +1,53 @@
+"""Slots for appended records on CPU tensors: :func:`hfkv.kernels.reserve.reserve_slots`'s contract, by the C++ of
+``reserve.cpp`` (why: that file's header). The torch path of :meth:`hfkv.storage.paged.PagedTiers._reserve` is its
+twin; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from hfkv.kernels.cpu.build import library
+
+__all__ = ["reserve_slots_cpu"]
+
+
+@cache
+def _kernel():
+    fn = library().hfkv_reserve
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, i32, ptr, ptr, ptr, i64, i32, i32, ptr]
+    fn.restype = None
+    return fn
+
+
+def reserve_slots_cpu(
+    pool: torch.Tensor, table: torch.Tensor, old: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tpp: int,
+    record_bytes: int, n: int,
+) -> torch.Tensor:  # fmt: skip
+    """Byte offsets ``[n]`` int64 of the next ``k[j]`` slots of every head ``j`` (``old [B*H]`` records held,
+    ``k [B*H]`` appended, records grouped by head in head order); the new pages ``ids`` (int32, as many as the
+    heads need, taken in head order) are written into ``table [B, H, W]`` (wide enough) and zeroed."""
+    if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
+        raise ValueError(
+            f"reserve_slots_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got {pool.dtype}"
+        )
+    if not (table.dtype == torch.int32 and table.is_contiguous()):
+        raise ValueError(
+            f"reserve_slots_cpu: table must be a contiguous int32 tensor (written in place), got {table.dtype}"
+        )
+    out = torch.empty(n, dtype=torch.int64)
+    heads = old.numel()
+    if heads == 0 or n == 0 and ids.numel() == 0:
+        return out
+    old = old.to(torch.int64).contiguous()
+    k = k.to(torch.int64).contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    _kernel()(
+        pool.data_ptr(), pool.shape[1], table.data_ptr(), table.shape[-1], old.data_ptr(), k.data_ptr(),
+        ids.data_ptr(), heads, tpp, record_bytes, out.data_ptr(),
+    )  # fmt: skip
+    return out
