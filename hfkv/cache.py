@@ -405,11 +405,15 @@ class TriStateLayer(CacheLayerMixin):
 
     def _tier_changes(self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
         """Per tier: tokens demoted into a tier they stay in, and tokens leaving (one launch and one wait on the
-        Triton backend)."""
+        Triton backend, one C++ pass on the CPU one)."""
         if self.backend == "triton":
             from hfkv.kernels.changes import tier_changes
 
             return tier_changes(new, valid, sizes)
+        if self.backend == "cpu":
+            from hfkv.kernels.cpu.meta import tier_changes_cpu
+
+            return tier_changes_cpu(new, valid, sizes)
         from hfkv.kernels.changes import tier_changes_reference
 
         return tier_changes_reference(new, valid, sizes)

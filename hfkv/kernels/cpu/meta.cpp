@@ -39,3 +39,32 @@ void hfkv_read_meta(const uint8_t* pool, int64_t page_bytes, const int32_t* tabl
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// What a policy run's decisions change, per tier (hfkv.kernels.changes.tier_changes_reference's contract, its torch
+// twin: four tensor operations and a host read per tier and question): for tier t, the slots [ends[t-1], ends[t])
+// of each of the `rows` rows of new / valid [rows, n]: how many valid ones move to a lower tier they are kept in
+// (t < new != evicted) and how many leave (new != t). out [2 * tiers]: (demoted, leaving) per tier.
+void hfkv_tier_changes(const int8_t* fresh, const uint8_t* valid, int64_t rows, int64_t n, const int64_t* ends,
+                       int32_t tiers, int32_t evicted, int64_t* out) {
+    for (int32_t t = 0; t < 2 * tiers; ++t) out[t] = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* nw = fresh + r * n;
+        const uint8_t* ok = valid + r * n;
+        int64_t i = 0;
+        for (int32_t t = 0; t < tiers; ++t) {
+            int64_t demoted = 0, leaving = 0;
+            for (; i < ends[t]; ++i) {
+                const int32_t x = nw[i];
+                const bool live = ok[i] != 0;
+                demoted += live && x > t && x != evicted;
+                leaving += live && x != t;
+            }
+            out[2 * t] += demoted;
+            out[2 * t + 1] += leaving;
+        }
+    }
+}
+
+}  // extern "C"

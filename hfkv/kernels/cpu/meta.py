@@ -5,14 +5,16 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 
 import torch
 
 from hfkv.kernels.cpu.build import library
+from hfkv.states import EVICTED
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["read_meta_cpu"]
+__all__ = ["read_meta_cpu", "tier_changes_cpu"]
 
 
 @cache
@@ -47,3 +49,34 @@ def read_meta_cpu(
             valid.data_ptr(),
         )  # fmt: skip
     return pos, score, valid
+
+
+@cache
+def _changes_kernel():
+    fn = library().hfkv_tier_changes
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32, ptr]
+    fn.restype = None
+    return fn
+
+
+def tier_changes_cpu(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """:func:`hfkv.kernels.changes.tier_changes_reference` in one C++ pass (``new`` int8, ``valid`` bool, both
+    ``[B, H, N]`` CPU tensors; slots past the tiers' are ignored): per tier, its valid slots moving to a lower
+    tier they are kept in, and its valid slots leaving it."""
+    if new.device.type != "cpu" or new.shape != valid.shape or new.dim() != 3:
+        raise ValueError(
+            f"tier_changes_cpu: new {tuple(new.shape)} and valid {tuple(valid.shape)}: [B, H, N] CPU tensors"
+        )
+    ends = torch.tensor([sum(sizes[: t + 1]) for t in range(len(sizes))], dtype=torch.int64)
+    if len(sizes) and int(ends[-1]) > new.shape[-1]:
+        raise ValueError(f"tier_changes_cpu: sizes {list(sizes)} cover more than the {new.shape[-1]} slots given")
+    out = torch.zeros(2 * len(sizes), dtype=torch.int64)
+    fresh = new.to(torch.int8).contiguous()
+    ok = valid.to(torch.uint8).contiguous()
+    _changes_kernel()(
+        fresh.data_ptr(), ok.data_ptr(), new.shape[0] * new.shape[1], new.shape[-1], ends.data_ptr(), len(sizes),
+        EVICTED, out.data_ptr(),
+    )  # fmt: skip
+    flat = out.tolist()
+    return [(flat[2 * t], flat[2 * t + 1]) for t in range(len(sizes))]
