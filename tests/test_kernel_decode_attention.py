@@ -253,6 +253,8 @@ def test_bad_input_is_named(kernel):
     if kernel == "triton":
         with pytest.raises(ValueError, match="table_ahead=3; allowed: None, 0, 1, 2"):
             paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, table_ahead=3)
+        with pytest.raises(ValueError, match="score_block=48; allowed: a power of two >= 16"):
+            paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, score_block=48)
 
 
 @kernels

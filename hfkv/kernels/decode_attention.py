@@ -80,7 +80,8 @@ INT_PIECES = True
 # 0.641 / 0.727).
 TABLE_AHEAD = None
 # Slots per program of the score pass (eval/kernel_variants.py --score-block): the pass reads the logits and adds
-# each slot's share to its record's score field, a scattered 4 bytes.
+# each slot's share to its record's score field, a scattered 4 bytes. H100, 32k x 8: 64 / 128 / 256 slots made
+# no difference (full 0.646 / 0.657 / 0.667 ms a call): the pass is bound by the score fields' sectors.
 SCORE_BLOCK = 64
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
@@ -497,7 +498,8 @@ def _score_part(
     in_range = s < n_slots
     if ADD:
         # The slots' score fields are found and read first, so the page table's latency and then the
-        # records' run beside the logits' read, not after it (a record's score is a scattered 4 bytes).
+        # records' can run beside the logits' read (a record's score is a scattered 4 bytes); on the H100
+        # that bought nothing measurable: the pass is bound by those sectors (docs/kernels.md).
         # Every slot of the table's pages gets its delta, as in the torch path: empty slots (the null
         # page, vacated slots, page tails) were masked, so they receive exact zeros and stay as they
         # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
