@@ -954,6 +954,8 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
     --name cpu_small_fp32_chunked
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
+# on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
+bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
 python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
