@@ -537,13 +537,24 @@ def bench_kernel_case(
         except Exception as exc:  # noqa: BLE001 - a failed check is reported; the timing still runs
             result["check"] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
+    result["timing"] = time_fn(decode_call(st, parts, plan, launch), device, repeats, warmup, graph)
+    return result
+
+
+def decode_call(st: Storage, parts, plan: Plan, launch: dict[str, int] | None = None):
+    """The decode call this benchmark times: one new token over the storage, scores added, no delta returned."""
+    from hfkv.kernels.decode_attention import paged_attention
+
+    pad_end = torch.zeros(plan.batch, dtype=torch.int64, device=st.query.device)
+    scaling = plan.shape.head_dim**-0.5
+    launch = launch or {}
+
     def call():
         return paged_attention(
             st.query, parts, plan.context, pad_end, scaling, "max", add_scores=True, return_delta=False, **launch
         )
 
-    result["timing"] = time_fn(call, device, repeats, warmup, graph)
-    return result
+    return call
 
 
 def bench_sdpa(context: int, batch: int, shape: AttnShape, repeats: int, free_bytes: int) -> dict[str, Any]:

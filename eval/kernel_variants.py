@@ -158,13 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if kind != "dense":  # the same seed draws the same tokens whatever the pages and records look like
             first = case_ref.setdefault((kind, context, batch), ref)
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
-
-        def timed(st=st, parts=parts, pad_end=pad_end, scale=scale, plan=plan):  # the call bench_kernel_case times
-            return paged_attention(
-                st.query, parts, plan.context, pad_end, scale, "max", add_scores=True, return_delta=False
-            )[0]
-
-        kernels_ms = kernel_split(timed, device)
+        kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
         for block_n, warps, stages, tile, split, pieces, ahead, score_block in grid:
             if time.monotonic() > deadline:

@@ -56,31 +56,40 @@ def _specialized(fn, backend, args: tuple, kwargs: dict) -> tuple[dict, dict, di
     return signature, constexprs, attrs, options
 
 
-def compile_launch(fn, args: tuple, kwargs: dict, arch: int = 90):
-    """One captured launch compiled for ``cuda:sm_<arch>``: the compiled kernel (``asm['cubin']``, ``metadata``)."""
-    import triton
+def _target(arch: int):
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
 
     target = GPUTarget("cuda", arch, 32)
-    sig, consts, attrs, options = _specialized(fn, make_backend(target), args, kwargs)
+    return target, make_backend(target)
+
+
+def _compile(fn, specialized: tuple, target):
+    import triton
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs, options = specialized
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options.__dict__)
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int = 90):
+    """One captured launch compiled for ``cuda:sm_<arch>``: the compiled kernel (``asm['cubin']``, ``metadata``)."""
+    target, backend = _target(arch)
+    return _compile(fn, _specialized(fn, backend, args, kwargs), target)
 
 
 def compile_calls(calls: list[tuple[Any, tuple, dict]], arch: int = 90) -> list[dict]:
     """Compile captured launches for ``cuda:sm_<arch>``; one record per distinct configuration."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
-    backend = make_backend(GPUTarget("cuda", arch, 32))
+    target, backend = _target(arch)
     seen, out = set(), []
     for fn, args, kwargs in calls:
-        sig, consts, attrs, _ = _specialized(fn, backend, args, kwargs)
+        specialized = _specialized(fn, backend, args, kwargs)
+        sig, consts, attrs, _ = specialized
         key = (fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(sorted(attrs.items())))
         if key in seen:
             continue
         seen.add(key)
-        kernel = compile_launch(fn, args, kwargs, arch)
+        kernel = _compile(fn, specialized, target)
         names = dict(enumerate(fn.arg_names))
         out.append(
             {

@@ -28,9 +28,8 @@ def reserve_slots_cpu(
     pool: torch.Tensor, table: torch.Tensor, old: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tpp: int,
     record_bytes: int, n: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Byte offsets ``[n]`` int64 of the next ``k[j]`` slots of every head ``j`` (``old [B*H]`` records held,
-    ``k [B*H]`` appended, records grouped by head in head order); the new pages ``ids`` (int32, as many as the
-    heads need, taken in head order) are written into ``table [B, H, W]`` (wide enough) and zeroed."""
+    """:func:`hfkv.kernels.reserve.reserve_slots` on CPU tensors (same arguments and result); ``table`` must be
+    contiguous int32, since it is written in place."""
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
         raise ValueError(
             f"reserve_slots_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got {pool.dtype}"
