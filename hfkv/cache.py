@@ -551,10 +551,10 @@ class TriStateLayer(CacheLayerMixin):
             tags.append((exits[2] + 1).to(torch.int32).expand(bsz, heads, -1))
             sizes.append(exits[2].numel())
         for tier, lay in enumerate(self.layouts):
-            rec = self.tiers.read_slots(tier)  # whole pages; empty slots have tag 0 and decode finite
+            rec, tag = self.tiers.read_slots(tier)  # whole pages; empty slots have tag 0 and decode finite
             if rec.shape[2]:  # an empty tier (evict below budget, nothing quantized yet) costs nothing
                 parts.append(lay.decode_kv_for_attention(rec))
-                tags.append(lay.tags(rec))
+                tags.append(tag)
             sizes.append(rec.shape[2])
         # A slot's tag (position + 1, 0 = empty) is its column in the logical mask: no index to build.
         slot_index = torch.cat(tags, -1)
@@ -569,7 +569,7 @@ class TriStateLayer(CacheLayerMixin):
             exit_delta, *rest = rest
             exits = (*exits[:3], exits[3] + exit_delta)
         for tier, d in enumerate(rest):
-            if d.shape[-1]:  # straight into the records' score fields: masked slots received exact zeros
+            if d.shape[-1]:  # straight into the pages' score regions: masked slots received exact zeros
                 self.tiers.add_scores(tier, d)
         if exits is not None:
             self.run_policy(exits)

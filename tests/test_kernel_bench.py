@@ -32,8 +32,8 @@ def _independent_bytes(plan, st) -> dict[str, int]:
     tiers, esz = st.tiers, TOY.esize
     got = {"live": [], "tails": 0, "records_kv": 0, "tags": 0, "held": 0, "tables": 0}
     for t, lay in enumerate(plan.layouts):
-        rec = tiers.read_slots(t)  # every slot the kernel walks: whole pages, tails included
-        live = int((lay.tags(rec) > 0).sum())
+        rec, tags = tiers.read_slots(t)  # every slot the kernel walks: whole pages, tails included
+        live = int((tags > 0).sum())
         got["live"].append(live)
         walked = rec.shape[0] * rec.shape[1] * rec.shape[2]
         got["tails"] += (walked - live) * (lay.key.nbytes + lay.value.nbytes + 4)

@@ -86,19 +86,25 @@ def _inputs(fmt: QuantFormat, n: int, dtype: torch.dtype, g: torch.Generator, sh
     return torch.stack([_row((i + shift) % ROW_KINDS, fmt, d, g) for i in range(n)]).to(dtype)
 
 
-def _pool_and_dest(nbytes: int, n: int, g: torch.Generator, tpp: int = 3, pages: int = 6):
+def _pool_and_dest(layout: RecordLayout, n: int, g: torch.Generator, tpp: int = 3, pages: int = 6):
     """A random-byte pool (with slack bytes after each page's records) and ``n`` distinct scattered slots."""
-    page_bytes = tpp * nbytes + 12
+    page_bytes = tpp * layout.nbytes + 12
+    assert layout.records_per_page(page_bytes) == tpp
     pool = torch.randint(0, 256, (pages, page_bytes), generator=g, dtype=torch.uint8)
     slot = torch.randperm(pages * tpp, generator=g)[:n]
-    dest = (slot // tpp) * page_bytes + (slot % tpp) * nbytes
+    dest = (slot // tpp) * page_bytes + (slot % tpp) * layout.stride
     return pool, dest
 
 
-def _covered(pool: torch.Tensor, dest: torch.Tensor, nbytes: int) -> torch.Tensor:
+def _covered(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros(pool.numel(), dtype=torch.bool)
-    mask[dest[:, None] + torch.arange(nbytes)] = True
+    mask[index] = True
     return mask.view_as(pool)
+
+
+def _records(pool: torch.Tensor, dest: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """Whole records (body, tag, score) of the slots at ``dest``, read back from their page regions."""
+    return pool.view(-1)[layout.record_index(dest, pool.shape[1])]
 
 
 def _layout(key: str, value: str, dim: int, group: int, dtype: torch.dtype) -> RecordLayout:
@@ -117,7 +123,7 @@ def _check_decoded(fmt: QuantFormat, got: torch.Tensor, x: torch.Tensor) -> None
 
 
 def _run_both(layout, k, v, pos, score, g, tpp=3, pages=6):
-    pool, dest = _pool_and_dest(layout.nbytes, k.shape[0], g, tpp, pages)
+    pool, dest = _pool_and_dest(layout, k.shape[0], g, tpp, pages)
     got, want = pool.clone(), pool.clone()
     encode_write(got, dest, layout, k, v, pos, score)
     encode_write_reference(want, dest, layout, k, v, pos, score)
@@ -158,10 +164,10 @@ def test_encode_write_matches_twin_and_decodes(key, value, model_dtype, in_dtype
     pool, dest, got, want = _run_both(layout, k, v, pos, score, g)
 
     assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ from the twin"
-    outside = ~_covered(pool, dest, layout.nbytes)
+    outside = ~_covered(pool, layout.record_index(dest, pool.shape[1]))
     assert torch.equal(got[outside], pool[outside])
     # The semantic check: what was written decodes to the inputs, with the right tags and scores.
-    rec = got.view(-1)[dest[:, None] + torch.arange(layout.nbytes)]
+    rec = _records(got, dest, layout)
     kd, vd = layout.decode_kv(rec, torch.float32)
     _check_decoded(layout.key, kd, k)
     _check_decoded(layout.value, vd, v)
@@ -198,7 +204,7 @@ def test_encode_write_odd_field_offsets_strided_inputs_and_other_dtypes():
     score = torch.rand(n, generator=g, dtype=torch.float64)
     pool, dest, got, want = _run_both(layout, kt, v, pos, score, g, tpp=2, pages=5)
     assert torch.equal(got, want)
-    rec = got.view(-1)[dest[:, None] + torch.arange(layout.nbytes)]
+    rec = _records(got, dest, layout)
     _check_decoded(layout.value, layout.decode_kv(rec, torch.float32)[1], v)
 
 
@@ -223,7 +229,7 @@ def test_encode_write_rejects_bad_inputs(fn):
     layout = _layout("int4", "int2", 64, 32, F16)
     n = 3
     pool = torch.zeros(2, layout.nbytes * 4, dtype=torch.uint8)
-    dest = torch.arange(n) * layout.nbytes
+    dest = torch.arange(n) * layout.stride
     k = torch.randn(n, 64, dtype=F16)
     pos, score = torch.arange(n), torch.rand(n)
     ok = dict(pool=pool, dest=dest, layout=layout, k=k, v=k, pos=pos, score=score)
@@ -260,7 +266,7 @@ def test_move_records_matches_twin(record_bytes, n):
     e = torch.arange(record_bytes)
     flat, orig = got.view(-1), pool.view(-1)
     assert torch.equal(flat[dst[:, None] + e], orig[src[:, None] + e])
-    untouched = ~_covered(pool, dst, record_bytes)
+    untouched = ~_covered(pool, dst[:, None] + torch.arange(record_bytes))
     assert torch.equal(got[untouched], pool[untouched])
 
 
@@ -279,7 +285,7 @@ def test_clear_tags_matches_twin(m):
     assert torch.equal(got, want)
     words = got.view(torch.int32).view(-1)
     assert not words[at // 4].any()
-    untouched = ~_covered(pool, at, 4)
+    untouched = ~_covered(pool, at[:, None] + torch.arange(4))
     assert torch.equal(got[untouched], pool[untouched])
     assert int((got != pool).sum()) == (4 * m if m else 0)  # pool bytes are never 0 before, so every tag changes
 

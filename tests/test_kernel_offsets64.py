@@ -96,12 +96,12 @@ def test_the_construction_catches_a_32_bit_offset():
 
 
 # -------------------------------------------------------------------------------------- decode attention
-def _place(pool: torch.Tensor, rec: torch.Tensor, pages: torch.Tensor, page_bytes: int, tpp: int, shift: int = 0):
+def _place(pool: torch.Tensor, rec: torch.Tensor, pages: torch.Tensor, page_bytes: int, lay, shift: int = 0):
     """Write records ``rec [B, H, n, nbytes]`` into their pages ``pages [B, H, W]`` (slot i: page i // tpp)."""
-    n, nbytes = rec.shape[2], rec.shape[3]
+    n, tpp = rec.shape[2], lay.records_per_page(page_bytes)
     i = torch.arange(n)
-    at = pages.long()[..., i // tpp] * page_bytes + (i % tpp) * nbytes + shift  # [B, H, n]
-    pool[at.unsqueeze(-1) + torch.arange(nbytes)] = rec
+    at = pages.long()[..., i // tpp] * page_bytes + (i % tpp) * lay.stride  # [B, H, n]
+    pool[lay.record_index(at.reshape(-1), page_bytes) + shift] = rec.reshape(-1, lay.nbytes)
 
 
 def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
@@ -144,9 +144,9 @@ def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
         real = torch.arange(next_page, next_page + bsz * heads * w, dtype=torch.int32).view(bsz, heads, w)
         fake = real + n_pages  # pages a wrapped table row names: same tags, other keys and values
         next_page += bsz * heads * w
-        _place(pool_flat, records(), real, page_bytes, tpp)
-        _place(pool_flat, records(), fake, page_bytes, tpp)
-        _place(pool_flat, records(), real, page_bytes, tpp, shift=-FAR)  # where a wrapped pool offset lands
+        _place(pool_flat, records(), real, page_bytes, lay)
+        _place(pool_flat, records(), fake, page_bytes, lay)
+        _place(pool_flat, records(), real, page_bytes, lay, shift=-FAR)  # where a wrapped pool offset lands
         base = TABLE_BASE + 64 * t
         table = table_flat.as_strided((bsz, heads, w), (sb, sh, 1), base)
         table.copy_(real)
@@ -167,9 +167,7 @@ def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
 
 
 def _scores(part) -> torch.Tensor:
-    offs = part.record_offsets()
-    rec = part.pool.view(-1)[offs.unsqueeze(-1) + torch.arange(part.layout.nbytes)]
-    return part.layout.scores(rec)
+    return part.pool.view(torch.float32).view(-1)[part.score_offsets() // 4]
 
 
 @pytest.mark.parametrize("axis", ["batch", "head"])
@@ -205,11 +203,12 @@ def test_encode_write_past_2_to_the_34(key, value, dtype):
     from hfkv.kernels.encode import encode_write
 
     layout = _layout(key, value, 64, dtype)
-    n, step = 5, -(-layout.nbytes // 4) * 4 + 8
+    n = 5
     pool = _sparse(FAR + (1 << 20), torch.uint8).view(-1, 4096)
     flat = pool.view(-1)
-    dest = FAR + 4 + step * torch.arange(n)
-    span = dest[:, None] + torch.arange(layout.nbytes)
+    assert layout.records_per_page(4096) > 2 * n
+    dest = FAR + layout.stride * (1 + 2 * torch.arange(n))  # every other slot of the page at 2^34
+    span = layout.record_index(dest, 4096)
     flat[span - FAR] = 0xA5  # sentinels where a wrapped destination would write
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(n, 64, generator=g) * 3).to(dtype), torch.randn(n, 64, generator=g).to(dtype)

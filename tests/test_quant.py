@@ -286,6 +286,12 @@ def test_record_layout_roundtrip(lay, lead, seed):
     assert lay.pos_offset % 4 == 0 and kv <= lay.pos_offset < kv + 4
     assert lay.score_offset == lay.pos_offset + 4
     assert lay.nbytes % 4 == 0 and lay.nbytes == lay.pos_offset + 8
+    # in a page: bodies, then tags, then scores, in exactly the bytes of tpp whole records
+    assert lay.stride == lay.pos_offset
+    for tpp in (1, 7):
+        assert lay.tag_region(tpp) == tpp * lay.stride and lay.score_region(tpp) == lay.tag_region(tpp) + 4 * tpp
+        assert lay.score_region(tpp) + 4 * tpp == tpp * lay.nbytes
+        assert lay.records_per_page(tpp * lay.nbytes + 3) == tpp
     gen = torch.Generator().manual_seed(seed)
     d = lay.key.head_dim
     k = torch.randn(*lead, d, generator=gen, dtype=torch.float32)

@@ -67,7 +67,7 @@ def check_page_accounting(pt: PagedTiers) -> None:
         lead = col[None, None, :] < npages[..., None]
         assert (table[lead] != NULL_PAGE).all()
         assert (table[~lead] == NULL_PAGE).all()
-        tags = pt.layouts[t].tags(pt.read_slots(t)).numpy()
+        tags = pt.read_slots(t)[1].numpy()
         beyond = np.arange(tags.shape[-1])[None, None, :] >= counts[..., t][..., None]
         assert (tags[beyond] == 0).all(), "a slot past the count must read as empty"
         assert (tags[~beyond] > 0).all()
@@ -479,8 +479,8 @@ def test_read_slots_and_meta_agree_with_records_and_pad_with_finite_values():
         # compare with the slot-by-slot gather, which caches nothing.
         lay = LAYOUTS[tier]
         rows, valid = pt.read(tier)
-        rec = pt.read_slots(tier)
-        pos = pt.slot_positions(tier, rec)
+        rec, tags = pt.read_slots(tier)
+        pos = tags - 1
         m = rows.shape[2]
         assert torch.equal(pos[..., :m] >= 0, valid) and not (pos[..., m:] >= 0).any()
         assert torch.equal(rec[..., :m, :][valid][:, : lay.kv_bytes], rows[valid][:, : lay.kv_bytes])
@@ -505,5 +505,5 @@ def test_read_slots_and_meta_agree_with_records_and_pad_with_finite_values():
         assert torch.equal(mscore[valid], lay.scores(rows)[valid])
         # padding (null page, zeroed pages, stale records of the same tier) decodes to finite values;
         # 0 * NaN in the attention's probs @ V would leak otherwise
-        k, v = lay.decode_kv(pt.read_slots(tier), torch.float32)
+        k, v = lay.decode_kv(pt.read_slots(tier)[0], torch.float32)
         assert torch.isfinite(k).all() and torch.isfinite(v).all()

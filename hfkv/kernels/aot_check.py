@@ -169,12 +169,12 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 read_meta_triton(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], tiers.tpp[t], lay[t], 5)
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
                 compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
-                        lay[t].nbytes, lay[t].pos_offset)  # fmt: skip
+                        lay[t])  # fmt: skip
                 one = torch.zeros(1, dtype=torch.long)
                 gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one)
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
-                              lay[t].nbytes, 2)  # fmt: skip
+                              lay[t].stride, 2)  # fmt: skip
         calls += got
     calls += _allocate_calls()
     from hfkv.kernels.changes import tier_changes

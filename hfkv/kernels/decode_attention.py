@@ -15,10 +15,11 @@ materialises dense keys. The work is three small kernels (flash-decoding):
    the output in the query dtype.
 3. ``_score_kernel``, one launch for every part (``_score_part``): turns the stored logits into
    probabilities, reduces them over the GQA group (``max`` / ``mean`` / ``l2``) and over the chunk's
-   queries, and adds them to the slots' score sums in place (the records' score fields, the ring's
+   queries, and adds them to the slots' score sums in place (each page's score region, the ring's
    score array): the decode-time significance scores come out of the same pass, with no second
    read of K. Beyond the records, a step moves per slot the logits (written and read back,
-   ``4 g q`` bytes each way) and the score field's read-modify-write (8 bytes).
+   ``4 g q`` bytes each way) and the score's read-modify-write (8 bytes, in sectors shared by a
+   page's slots: ``hfkv.storage.record``).
 
 Masking is by logical position, from the slots' tags (``position + 1``, 0 = empty): a slot is
 visible to query ``i`` iff it is not empty, not left padding (``pos >= pad_end[row]``) and not in
@@ -80,8 +81,9 @@ INT_PIECES = True
 # 0.641 / 0.727).
 TABLE_AHEAD = None
 # Slots per program of the score pass (eval/kernel_variants.py --score-block): the pass reads the logits and adds
-# each slot's share to its record's score field, a scattered 4 bytes. H100, 32k x 8: 64 / 128 / 256 slots made
-# no difference (full 0.646 / 0.657 / 0.667 ms a call): the pass is bound by the score fields' sectors.
+# each slot's share to its score. H100, 32k x 8, with the score inside each record (a scattered 4 bytes): 64 /
+# 128 / 256 slots made no difference (full 0.646 / 0.657 / 0.667 ms a call): the pass was bound by those sectors,
+# which is why a page keeps its scores side by side (hfkv.storage.record).
 SCORE_BLOCK = 64
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),
@@ -111,12 +113,12 @@ def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     """
     kc, vc = format_constants(lay.key), format_constants(lay.value)
     fields = [(c["fam"], c["bits"], c["group"], c["dtype"]) for c in (kc, vc)]
-    aligns = (field_align(lay.nbytes, page_align, 0), field_align(lay.nbytes, page_align, lay.key.nbytes))
+    aligns = (field_align(lay.stride, page_align, 0), field_align(lay.stride, page_align, lay.key.nbytes))
     # Pieces are read as 32-bit words: a field that may start off a 4-byte boundary keeps load_field's read.
     pieces = tuple(piece_width(f) if a >= 4 else 0 for f, a in zip((lay.key, lay.value), aligns, strict=True))
     # Records per page last: a constant of the storage (never of a policy run), so a slot's page and place in
     # it are a multiply and a shift, not a division by a loaded value (two per slot and iteration).
-    return (True, False, lay.nbytes, lay.key.nbytes, lay.pos_offset, *fields[0], *fields[1], *aligns, *pieces, tpp)
+    return (True, False, lay.stride, lay.key.nbytes, lay.tag_region(tpp), *fields[0], *fields[1], *aligns, *pieces, tpp)
 
 
 def _table_ahead(parts: Sequence[Part]) -> int:
@@ -177,7 +179,7 @@ def _partial_part(
     wv_sh,
     w_slot,
     w_pos,
-    FMTS: tl.constexpr,  # every part's _part_constants: (PAGED, WRITE, REC, V_OFF, TAG_OFF, K_FAM .. V_DTYPE)
+    FMTS: tl.constexpr,  # every part's _part_constants: (PAGED, WRITE, REC, V_OFF, TAG_AT, K_FAM .. V_DTYPE)
     PI: tl.constexpr,  # this part's index in FMTS
     G: tl.constexpr,
     QLEN: tl.constexpr,
@@ -207,7 +209,7 @@ def _partial_part(
     WRITE: tl.constexpr = FMT[1]
     REC: tl.constexpr = FMT[2]
     V_OFF: tl.constexpr = FMT[3]
-    TAG_OFF: tl.constexpr = FMT[4]
+    TAG_AT: tl.constexpr = FMT[4]  # the page's tag region
     K_FAM: tl.constexpr = FMT[5]
     K_BITS: tl.constexpr = FMT[6]
     K_GROUP: tl.constexpr = FMT[7]
@@ -283,9 +285,10 @@ def _partial_part(
                 page_next = page_after
                 s_ahead = s + 2 * BLOCK_N
                 page_after = tl.load(table_ptr + table_row + s_ahead // tpp, mask=s_ahead < hi, other=0)
-            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
+            page_at = page.to(tl.int64) * page_bytes
+            rec = page_at + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
-            tag = tl.load(words + (rec + TAG_OFF) // 4, mask=in_range, other=0)
+            tag = tl.load(words + (page_at + TAG_AT) // 4 + s % tpp, mask=in_range, other=0)
             if K_PC:
                 k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN)
             else:
@@ -468,7 +471,7 @@ def _score_part(
     meta_ptr,  # this part's row of the plan's score meta: table_sb, table_sh, tpp, n_slots, col0
     j,  # this program's block of slots within the part
     H,
-    FMTS: tl.constexpr,  # every part's (PAGED, ADD, REC, SCORE_OFF)
+    FMTS: tl.constexpr,  # every part's (PAGED, ADD, REC): REC, a paged part's record body
     PI: tl.constexpr,  # this part's index in FMTS
     WRITE_DELTA: tl.constexpr,
     RED: tl.constexpr,
@@ -492,14 +495,13 @@ def _score_part(
     PAGED: tl.constexpr = FMT[0]
     ADD: tl.constexpr = FMT[1]
     REC: tl.constexpr = FMT[2]
-    SCORE_OFF: tl.constexpr = FMT[3]
     bh = tl.program_id(0)
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
     in_range = s < n_slots
     if ADD:
         # The slots' score fields are found and read first, so the page table's latency and then the
-        # records' can run beside the logits' read (a record's score is a scattered 4 bytes); on the H100
-        # that bought nothing measurable: the pass is bound by those sectors (docs/kernels.md).
+        # scores' can run beside the logits' read. A page's scores lie side by side at its end (the
+        # page's score region, RecordLayout): consecutive slots of a page share their sectors.
         # Every slot of the table's pages gets its delta, as in the torch path: empty slots (the null
         # page, vacated slots, page tails) were masked, so they receive exact zeros and stay as they
         # are; no tag needs reading again. Programs of different heads may add 0 to the null page at
@@ -507,8 +509,8 @@ def _score_part(
         if PAGED:
             table_row = (bh // H).to(tl.int64) * table_sb + (bh % H).to(tl.int64) * table_sh
             page = tl.load(table_ptr + table_row + s // tpp, mask=in_range, other=0)
-            rec = page.to(tl.int64) * page_bytes + (s % tpp).to(tl.int64) * REC
-            sc = pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + SCORE_OFF) // 4
+            at = page.to(tl.int64) * page_bytes + tpp * (REC + 4)  # the page's score region
+            sc = pool_ptr.to(tl.pointer_type(tl.float32)) + at // 4 + s % tpp
         else:
             sc = score_ptr + bh.to(tl.int64) * n_slots + s
         old = tl.load(sc, mask=in_range, other=0.0)
@@ -763,14 +765,14 @@ def plan_attention(
                 raise ValueError("paged_attention: a dense part's score must be a contiguous fp32 tensor")
             add = add_scores and score is not None
             table_args = (pos, 0, 0, 1)
-            s_fmt = (False, add, 4, 0)
+            s_fmt = (False, add, 4)
         else:
             _, table, t_sb, t_sh, tpp, _ = _table_args(part)
             p_args.append((table, table, table, table))
             p_meta.append((t_sb, t_sh, tpp, n, sp, col0, split0, nsp))
             p_fmts.append(_paged_constants(part.layout, _page_align(pool), tpp))
             score, table_args = None, (table, t_sb, t_sh, tpp)
-            s_fmt = (True, add_scores, part.layout.nbytes, part.layout.score_offset)
+            s_fmt = (True, add_scores, part.layout.stride)
         nblk = _cdiv(n, block_s)
         s_args.append((score if score is not None else table_args[0], table_args[0]))
         s_meta.append((*table_args[1:], n, col0, block0, nblk, 0))

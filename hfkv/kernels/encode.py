@@ -220,6 +220,8 @@ def _encode_write_kernel(
     v_s1,
     pos_s,
     score_s,
+    page_bytes,
+    tpp,
     K_FAM: tl.constexpr,
     K_BITS: tl.constexpr,
     K_GROUP: tl.constexpr,
@@ -238,10 +240,12 @@ def _encode_write_kernel(
     V_BLOCK_GS: tl.constexpr,
     V_OFF: tl.constexpr,
     KV_BYTES: tl.constexpr,
-    TAG_OFF: tl.constexpr,
+    STRIDE: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     base = tl.load(dest_ptr + i)
+    page_at = base - base % page_bytes
+    slot = (base - page_at) // STRIDE
     _encode_field(
         pool_ptr, base, k_ptr + i * k_s0, k_s1, K_FAM, K_BITS, K_GROUP, K_MODEL, K_D, K_BLOCK_D, K_BLOCK_G, K_BLOCK_GS
     )
@@ -259,14 +263,15 @@ def _encode_write_kernel(
         V_BLOCK_G,
         V_BLOCK_GS,
     )
-    if TAG_OFF > KV_BYTES:  # zero pad up to the 4-aligned tag
+    if STRIDE > KV_BYTES:  # zero pad up to the next 4-aligned body
         e = tl.arange(0, 4)
-        tl.store(pool_ptr + base + KV_BYTES + e, tl.zeros([4], tl.uint8), mask=e < TAG_OFF - KV_BYTES)
+        tl.store(pool_ptr + base + KV_BYTES + e, tl.zeros([4], tl.uint8), mask=e < STRIDE - KV_BYTES)
+    # tag and score in the page's tag and score regions (RecordLayout)
     words = pool_ptr.to(tl.pointer_type(tl.int32))
     tag = tl.load(pos_ptr + i * pos_s).to(tl.int32) + 1
     score = tl.load(score_ptr + i * score_s).to(tl.float32)
-    tl.store(words + (base + TAG_OFF) // 4, tag)
-    tl.store(words + (base + TAG_OFF + 4) // 4, score.to(tl.int32, bitcast=True))
+    tl.store(words + (page_at + tpp * STRIDE) // 4 + slot, tag)
+    tl.store(words + (page_at + tpp * (STRIDE + 4)) // 4 + slot, score.to(tl.int32, bitcast=True))
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -345,11 +350,12 @@ def encode_write(
     score: torch.Tensor,
 ) -> None:
     """Encode tokens ``k, v [N, D]`` (positions ``pos``, score sums ``score``) as ``layout`` records and
-    write record ``i`` at byte offset ``dest[i]`` of ``pool``; bit-exact with :func:`encode_write_reference`.
+    write record ``i`` into the slot whose body starts at byte ``dest[i]`` of ``pool`` (its tag and score
+    into the page's regions); bit-exact with :func:`encode_write_reference`.
 
-    ``dest`` offsets must be 4-aligned (records start on words; not checked, as that would cost a
-    host sync) and the records must not overlap. No finiteness check: callers that want one run
-    ``layout.check_encodable`` first.
+    ``dest`` offsets must be slot starts, ``page * page_bytes + slot * layout.stride`` with ``slot <
+    layout.records_per_page(page_bytes)`` (not checked, as that would cost a host sync), and distinct.
+    No finiteness check: callers that want one run ``layout.check_encodable`` first.
     """
     _check_encode_args(pool, dest, layout, k, v, pos, score, "encode_write")
     n = dest.shape[0]
@@ -368,11 +374,13 @@ def encode_write(
         v.stride(1),
         pos.stride(0),
         score.stride(0),
+        pool.shape[1],
+        layout.records_per_page(pool.shape[1]),
         **_field_constants("K", layout.key),
         **_field_constants("V", layout.value),
         V_OFF=layout.key.nbytes,
         KV_BYTES=layout.kv_bytes,
-        TAG_OFF=layout.pos_offset,
+        STRIDE=layout.stride,
     )
 
 
@@ -389,6 +397,4 @@ def encode_write_reference(
     _check_encode_args(pool, dest, layout, k, v, pos, score, "encode_write_reference")
     if dest.shape[0] == 0:
         return
-    rec = layout.encode(k, v, pos, score, check_finite=False)
-    idx = dest[:, None] + torch.arange(layout.nbytes, device=dest.device)
-    pool.view(-1)[idx] = rec
+    pool.view(-1)[layout.record_index(dest, pool.shape[1])] = layout.encode(k, v, pos, score, check_finite=False)

@@ -30,7 +30,7 @@ def _gather_decode_kernel(
     pool_ptr, table_ptr, table_w, heads, b_ptr, h_ptr, s_ptr, n, tpp, page_bytes, k_ptr, v_ptr, pos_ptr, score_ptr,
     K_FAM: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_DTYPE: tl.constexpr,
     V_FAM: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_DTYPE: tl.constexpr,
-    V_OFF: tl.constexpr, REC: tl.constexpr, TAG_OFF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    V_OFF: tl.constexpr, REC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,7 +39,8 @@ def _gather_decode_kernel(
     h = tl.load(h_ptr + i, mask=live, other=0).to(tl.int64)
     s = tl.load(s_ptr + i, mask=live, other=0).to(tl.int64)
     page = tl.load(table_ptr + (b * heads + h) * table_w + s // tpp, mask=live, other=0).to(tl.int64)
-    rec = page * page_bytes + (s % tpp) * REC
+    page_at = page * page_bytes
+    rec = page_at + (s % tpp) * REC
     d = tl.arange(0, BLOCK_D)
     out = i[:, None] * D + d[None, :]
     m = live[:, None] & (d < D)[None, :]
@@ -48,9 +49,10 @@ def _gather_decode_kernel(
     v = load_field(pool_ptr, rec, live, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, N=BLOCK_N)
     tl.store(v_ptr + out, v, mask=m)
     words = pool_ptr.to(tl.pointer_type(tl.int32))
-    tag = tl.load(words + (rec + TAG_OFF) // 4, mask=live, other=0)
+    tag_at = (page_at + tpp * REC) // 4 + s % tpp  # the page's tag region, then its score region
+    tag = tl.load(words + tag_at, mask=live, other=0)
     tl.store(pos_ptr + i, (tag - 1).to(tl.int64), mask=live)
-    score = tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + (rec + TAG_OFF + 4) // 4, mask=live, other=0.0)
+    score = tl.load(pool_ptr.to(tl.pointer_type(tl.float32)) + tag_at + tpp, mask=live, other=0.0)
     tl.store(score_ptr + i, score, mask=live)
 
 
@@ -75,7 +77,7 @@ def gather_decode(
         tpp, pool.shape[1], k, v, pos, score,
         K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"],
         V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"],
-        V_OFF=layout.key.nbytes, REC=layout.nbytes, TAG_OFF=layout.pos_offset, D=dim,
+        V_OFF=layout.key.nbytes, REC=layout.stride, D=dim,
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
         enable_fp_fusion=False,  # code * scale + zero rounded twice, as torch computes it
     )  # fmt: skip

@@ -23,16 +23,16 @@ _BLOCK = 256
 @triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp"])
 def _read_meta_kernel(
     words_ptr, table_ptr, table_w, counts_ptr, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
-    REC_W: tl.constexpr, TAG_W: tl.constexpr, SCORE_W: tl.constexpr, BLOCK: tl.constexpr,
+    REC_W: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = s < m
     live = inside & (s < tl.load(counts_ptr + bh))
     page = tl.load(table_ptr + bh * table_w + s // tpp, mask=live, other=0).to(tl.int64)
-    at = page * page_words + (s % tpp) * REC_W
-    tag = tl.load(words_ptr + at + TAG_W, mask=live, other=0)  # slots past the count: as the null page reads
-    score = tl.load(words_ptr.to(tl.pointer_type(tl.float32)) + at + SCORE_W, mask=live, other=0.0)
+    at = page * page_words + tpp * REC_W + s % tpp  # the tag in the page's tag region, the score past it
+    tag = tl.load(words_ptr + at, mask=live, other=0)  # slots past the count: as the null page reads
+    score = tl.load(words_ptr.to(tl.pointer_type(tl.float32)) + at + tpp, mask=live, other=0.0)
     out = bh * m + s
     tl.store(pos_ptr + out, tag - 1, mask=inside)
     tl.store(score_ptr + out, score, mask=inside)
@@ -57,7 +57,6 @@ def read_meta_triton(
         else:
             _read_meta_kernel[(bsz * heads, triton.cdiv(m, _BLOCK))](
                 pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(), m,
-                pool.shape[1] // 4, tpp, pos, score, valid, REC_W=layout.nbytes // 4,
-                TAG_W=layout.pos_offset // 4, SCORE_W=layout.score_offset // 4, BLOCK=_BLOCK,
+                pool.shape[1] // 4, tpp, pos, score, valid, REC_W=layout.stride // 4, BLOCK=_BLOCK,
             )  # fmt: skip
     return pos, score, valid.view(torch.bool)

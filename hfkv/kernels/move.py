@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_offsets, check_pool
+from hfkv.storage.record import RecordLayout
 
 _MAX_BLOCK = 1024  # words per program; a record is copied by cdiv(words, block) programs
 
@@ -100,7 +101,7 @@ def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
 @triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp"])
 def _compact_kernel(
     words_ptr, table_ptr, table_w, counts_ptr, new_ptr, keep_ptr, m, scratch_ptr, page_words, tpp,
-    REC_W: tl.constexpr, TAG_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     cnt = tl.minimum(tl.load(counts_ptr + bh), m)
@@ -126,11 +127,17 @@ def _compact_kernel(
         src = (tl.load(keep_row + s, mask=s < cnt, other=0) != 0) & (s < cnt)
         rank = base + tl.cumsum(src.to(tl.int32), 0) - 1
         dst = tl.load(holes + rank, mask=src, other=0).to(tl.int64)
-        s_at = tl.load(pages + s // tpp, mask=src, other=0).to(tl.int64) * page_words + (s % tpp) * REC_W
-        d_at = tl.load(pages + dst // tpp, mask=src, other=0).to(tl.int64) * page_words + (dst % tpp) * REC_W
+        s_page = tl.load(pages + s // tpp, mask=src, other=0).to(tl.int64) * page_words
+        d_page = tl.load(pages + dst // tpp, mask=src, other=0).to(tl.int64) * page_words
+        s_at = s_page + (s % tpp) * REC_W
+        d_at = d_page + (dst % tpp) * REC_W
         both = src[:, None] & (w < REC_W)[None, :]
         rec = tl.load(words_ptr + s_at[:, None] + w[None, :], mask=both, other=0)
         tl.store(words_ptr + d_at[:, None] + w[None, :], rec, mask=both)
+        for region in tl.static_range(2):  # the tag, then the score, in their pages' regions
+            at = tpp * (REC_W + region)
+            meta = tl.load(words_ptr + s_page + at + s % tpp, mask=src, other=0)
+            tl.store(words_ptr + d_page + at + dst % tpp, meta, mask=src)
         base += tl.sum(src.to(tl.int32), 0)
     tl.debug_barrier()
     # 3. empty tags for the vacated live slots on the pages the head keeps
@@ -138,7 +145,7 @@ def _compact_kernel(
     for start in range(keep_n, clear_end, BLOCK):
         s = start + lane
         ok = s < clear_end
-        at = tl.load(pages + s // tpp, mask=ok, other=0).to(tl.int64) * page_words + (s % tpp) * REC_W + TAG_W
+        at = tl.load(pages + s // tpp, mask=ok, other=0).to(tl.int64) * page_words + tpp * REC_W + s % tpp
         tl.store(words_ptr + at, tl.zeros([BLOCK], tl.int32), mask=ok)
 
 
@@ -149,8 +156,7 @@ def compact(
     keep: torch.Tensor,
     new_counts: torch.Tensor,
     tpp: int,
-    record_bytes: int,
-    tag_offset: int,
+    layout: RecordLayout,
 ) -> None:
     """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s contract in one launch (the torch path of
     :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, False past a
@@ -158,14 +164,12 @@ def compact(
     check_pool(pool, "compact")
     bsz, heads, width = table.shape
     m = keep.shape[-1]
-    if record_bytes % 4 or tag_offset % 4:
-        raise ValueError(f"compact: record_bytes={record_bytes} and tag_offset={tag_offset} must be multiples of 4")
     if m == 0 or width == 0 or bsz * heads == 0:
         return
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
-    rec_w = record_bytes // 4
+    rec_w = layout.stride // 4
     _compact_kernel[(bsz * heads,)](
         pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(),
         new_counts.to(torch.int64).contiguous(), keep.contiguous().view(torch.uint8), m, scratch,
-        pool.shape[1] // 4, tpp, REC_W=rec_w, TAG_W=tag_offset // 4, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
+        pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
     )  # fmt: skip

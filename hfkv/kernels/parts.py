@@ -49,7 +49,20 @@ class PagedSlots:
         """``[B, H, slots]`` int64 byte offset of every slot's record (null-page entries included)."""
         s = torch.arange(self.slots, device=self.table.device)
         page = self.table.long()[..., s // self.tpp]
-        return page * self.pool.shape[1] + (s % self.tpp) * self.layout.nbytes
+        return page * self.pool.shape[1] + (s % self.tpp) * self.layout.stride
+
+    def tag_offsets(self) -> torch.Tensor:
+        """``[B, H, slots]`` int64 byte offset of every slot's tag (in its page's tag region)."""
+        return self._meta_offsets(self.layout.tag_region(self.tpp))
+
+    def score_offsets(self) -> torch.Tensor:
+        """``[B, H, slots]`` int64 byte offset of every slot's score (in its page's score region)."""
+        return self._meta_offsets(self.layout.score_region(self.tpp))
+
+    def _meta_offsets(self, region: int) -> torch.Tensor:
+        s = torch.arange(self.slots, device=self.table.device)
+        page = self.table.long()[..., s // self.tpp]
+        return page * self.pool.shape[1] + region + (s % self.tpp) * 4
 
 
 Part = DenseSlots | PagedSlots

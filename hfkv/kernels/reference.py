@@ -47,9 +47,9 @@ def _dense_of(part: Part, bsz: int, heads: int) -> tuple[torch.Tensor, torch.Ten
         tags = (part.pos + 1).to(torch.int32).view(1, 1, -1).expand(bsz, heads, -1)
         return part.k.float(), part.v.float(), tags
     offs = part.record_offsets()
-    rec = part.pool.view(-1)[offs.unsqueeze(-1) + torch.arange(part.layout.nbytes, device=offs.device)]
+    rec = part.pool.view(-1)[offs.unsqueeze(-1) + torch.arange(part.layout.stride, device=offs.device)]
     k, v = part.layout.decode_kv(rec, torch.float32)
-    return k, v, part.layout.tags(rec)
+    return k, v, part.pool.view(torch.int32).view(-1)[part.tag_offsets() // 4]
 
 
 def paged_attention_reference(
@@ -83,6 +83,6 @@ def paged_attention_reference(
                     part.score.add_(d)
                 continue
             live = tags > 0
-            at = (part.record_offsets() + part.layout.score_offset)[live] // 4
+            at = part.score_offsets()[live] // 4
             part.pool.view(torch.float32).view(-1).index_add_(0, at, d[live])
     return out, delta

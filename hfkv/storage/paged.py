@@ -129,12 +129,6 @@ class PagedTiers:
         page = self.tables[tier][b, h, s // tpp].long()
         return page, s % tpp
 
-    def _field(self, tier: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 4-byte field of every slot of every page: ``[pages, tpp]`` view of the pool."""
-        lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
-        size, stride = (self.pool.num_pages, tpp), (pb // 4, lay.nbytes // 4)
-        return self.pool.data.view(dtype).as_strided(size, stride, offset // 4)
-
     # ------------------------------------------------------------------ writes
     def append(self, tier: int, records: torch.Tensor, valid: torch.Tensor) -> None:
         """Append ``records[b, h, i]`` for every ``valid[b, h, i]`` to the end of (b, h, tier), in order.
@@ -155,7 +149,9 @@ class PagedTiers:
         if b.numel() == 0:
             return
         page, off = self._reserve(tier, b, h)
-        self.pool.tier_view(lay.nbytes)[page, off] = records
+        self.pool.bodies(lay)[page, off] = records[..., : lay.stride]
+        self.pool.tags(lay)[page, off] = lay.tags(records)
+        self.pool.scores(lay)[page, off] = lay.scores(records)
 
     def append_tokens(
         self,
@@ -229,7 +225,7 @@ class PagedTiers:
         on the CPU one."""
         if self.backend == "torch":
             page, off = self._reserve(tier, b, h)
-            return page * self.pool.page_bytes + off * self.layouts[tier].nbytes
+            return page * self.pool.page_bytes + off * self.layouts[tier].stride
         if self.backend == "cpu":
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
         else:
@@ -239,7 +235,7 @@ class PagedTiers:
         if ids is None:
             ids = torch.empty(0, dtype=torch.int32, device=self.device)
         offsets = reserve_slots(self.pool.data, self.tables[tier], old, k, ids, self.tpp[tier],
-                                self.layouts[tier].nbytes, b.numel())  # fmt: skip
+                                self.layouts[tier].stride, b.numel())  # fmt: skip
         self._count_appended(tier, old + k)
         return offsets
 
@@ -268,7 +264,7 @@ class PagedTiers:
             else:
                 from hfkv.kernels.move import compact
             lay = self.layouts[tier]
-            compact(self.pool.data, self.tables[tier], cnt, keep, new, tpp, lay.nbytes, lay.pos_offset)
+            compact(self.pool.data, self.tables[tier], cnt, keep, new, tpp, lay)
         else:
             below = s < new.unsqueeze(-1)
             hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
@@ -295,12 +291,13 @@ class PagedTiers:
     def _move(self, tier: int, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy records from slots ``src`` to the (disjoint) slots ``dst``: the torch path's compaction (the
         Triton and CPU backends compact in one kernel call: :meth:`remove`)."""
-        view = self.pool.tier_view(self.layouts[tier].nbytes)
-        view[dst] = view[src]
+        lay = self.layouts[tier]
+        for view in (self.pool.bodies(lay), self.pool.tags(lay), self.pool.scores(lay)):
+            view[dst] = view[src]
 
     def _clear_tags(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> None:
         """Mark slots empty (tag 0) so reads of whole pages skip them (the torch path's, as :meth:`_move`)."""
-        self._field(tier, self.layouts[tier].pos_offset, torch.int32)[page, off] = 0
+        self.pool.tags(self.layouts[tier])[page, off] = 0
 
     def add_scores(self, tier: int, delta: torch.Tensor) -> None:
         """Add ``delta [B, H, M]`` (fp32) to the score sums of slots ``[0, M)`` of every head.
@@ -316,7 +313,7 @@ class PagedTiers:
             return
         pages = -(-m // tpp)
         flat_pages = self.tables[tier][..., :pages].to(torch.int64)
-        offs = torch.arange(tpp, device=self.device) * (lay.nbytes // 4) + lay.score_offset // 4
+        offs = torch.arange(tpp, device=self.device) + lay.score_region(tpp) // 4
         index = (flat_pages.unsqueeze(-1) * (pb // 4) + offs).view(self.batch, self.heads, pages * tpp)[..., :m]
         self.pool.data.view(torch.float32).view(-1).index_add_(
             0, index.reshape(-1), delta[..., :m].to(torch.float32).reshape(-1)
@@ -346,7 +343,13 @@ class PagedTiers:
         m = self.max_count(tier) if m is None else m
         page, off = self._slot_pages(tier, m)
         valid = page >= 0
-        return self.pool.tier_view(self.layouts[tier].nbytes)[torch.where(valid, page, NULL_PAGE), off], valid
+        return self._records(tier, torch.where(valid, page, NULL_PAGE), off), valid
+
+    def _records(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Whole records (body + score, as encoders make them) of slots ``(page, off)``."""
+        lay = self.layouts[tier]
+        meta = torch.stack([self.pool.tags(lay)[page, off], self.pool.scores(lay)[page, off].view(torch.int32)], -1)
+        return torch.cat([self.pool.bodies(lay)[page, off], meta.view(torch.uint8)], -1)
 
     def read_meta(self, tier: int, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Positions and score sums of every live slot without touching K/V bytes: ``(pos, score, valid)``.
@@ -364,30 +367,29 @@ class PagedTiers:
         page, off = self._slot_pages(tier, self.max_slots(tier) if m is None else m)
         valid = page >= 0
         page = torch.where(valid, page, NULL_PAGE)
-        pos = self._field(tier, lay.pos_offset, torch.int32)[page, off] - 1
-        return pos, self._field(tier, lay.score_offset, torch.float32)[page, off], valid
+        pos = self.pool.tags(self.layouts[tier])[page, off] - 1
+        return pos, self.pool.scores(lay)[page, off], valid
 
-    def read_slots(self, tier: int) -> torch.Tensor:
-        """What attention needs of a tier: every slot's record, ``[B, H, M, record_bytes]`` uint8.
+    def read_slots(self, tier: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention needs of a tier: every slot's keys and values, ``[B, H, M, layout.stride]`` uint8,
+        and its tag, ``[B, H, M]`` int32 (0: empty).
 
         One ``index_select`` of whole pages through the page table (its width is the largest head's
-        page count, its unused entries the null page), cut to each page's used prefix through a word
-        view of the pool, so the gathered rows are already contiguous, word-aligned records.
-        Slots past a head's count read as empty (zero tag) and decode to finite values.
+        page count, its unused entries the null page) for the bodies, cut to each page's used prefix
+        through a word view of the pool, so the gathered rows are already contiguous, word-aligned
+        records; one more for the tags. Slots past a head's count read as empty (zero tag) and decode
+        to finite values.
         """
         lay, tpp, pb = self.layouts[tier], self.tpp[tier], self.pool.page_bytes
         pages = self.tables[tier].view(-1)
-        words = self.pool.data.view(torch.int32).as_strided((self.pool.num_pages, tpp * lay.nbytes // 4), (pb // 4, 1))
-        rows = words.index_select(0, pages)
-        return rows.view(self.batch, self.heads, self.max_slots(tier), lay.nbytes // 4).view(torch.uint8)
-
-    def slot_positions(self, tier: int, rec: torch.Tensor) -> torch.Tensor:
-        """Logical positions ``[B, H, M]`` (int32) of the slots in ``rec`` from :meth:`read_slots`; -1 = empty."""
-        return self.layouts[tier].positions(rec)
+        words = self.pool.data.view(torch.int32).as_strided((self.pool.num_pages, tpp * lay.stride // 4), (pb // 4, 1))
+        rows = words.index_select(0, pages).view(self.batch, self.heads, self.max_slots(tier), lay.stride // 4)
+        tags = self.pool.tags(lay).index_select(0, pages).view(self.batch, self.heads, self.max_slots(tier))
+        return rows.view(torch.uint8), tags
 
     def gather(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """Records of the given live slots, ``[len(s), record_bytes]``."""
-        return self.pool.tier_view(self.layouts[tier].nbytes)[self._locate(tier, b, h, s)]
+        return self._records(tier, *self._locate(tier, b, h, s))
 
     def gather_decoded(self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor):
         """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the given live slots (one launch on the Triton
@@ -399,9 +401,9 @@ class PagedTiers:
             else:
                 from hfkv.kernels.gather import gather_decode
             return gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s)
-        rec = self.gather(tier, b, h, s)
-        k, v = lay.decode_kv(rec, torch.float32)
-        return k, v, lay.positions(rec).long(), lay.scores(rec)
+        page, off = self._locate(tier, b, h, s)
+        k, v = lay.decode_kv(self.pool.bodies(lay)[page, off], torch.float32)
+        return k, v, self.pool.tags(lay)[page, off].long() - 1, self.pool.scores(lay)[page, off]
 
     # --------------------------------------------------------------- lifecycle
     def reset(self) -> None:

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from hfkv.storage.record import RecordLayout
+
 NULL_PAGE = 0
 RESERVED_PAGES = 1
 GROWTH = 1 / 32  # geometric growth of an unbounded pool
@@ -94,10 +96,22 @@ class PagePool:
         )
         self.n_free = n - RESERVED_PAGES
 
-    def tier_view(self, record_bytes: int) -> torch.Tensor:
-        """The pool seen as ``[pages, tokens_per_page, record_bytes]`` for one record size."""
-        tpp = self.page_bytes // record_bytes
-        return self.data.as_strided((self.num_pages, tpp, record_bytes), (self.page_bytes, record_bytes, 1))
+    def bodies(self, layout: RecordLayout) -> torch.Tensor:
+        """The pool seen as ``[pages, tokens_per_page, layout.stride]``: every slot's keys and values."""
+        tpp, st = layout.records_per_page(self.page_bytes), layout.stride
+        return self.data.as_strided((self.num_pages, tpp, st), (self.page_bytes, st, 1))
+
+    def tags(self, layout: RecordLayout) -> torch.Tensor:
+        """The pool seen as ``[pages, tokens_per_page]`` int32: every slot's tag (its page's tag region)."""
+        return self._region(layout, torch.int32, layout.tag_region(layout.records_per_page(self.page_bytes)))
+
+    def scores(self, layout: RecordLayout) -> torch.Tensor:
+        """The pool seen as ``[pages, tokens_per_page]`` fp32: every slot's score sum (its page's score region)."""
+        return self._region(layout, torch.float32, layout.score_region(layout.records_per_page(self.page_bytes)))
+
+    def _region(self, layout: RecordLayout, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        tpp, pb = layout.records_per_page(self.page_bytes), self.page_bytes
+        return self.data.view(dtype).as_strided((self.num_pages, tpp), (pb // 4, 1), offset // 4)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.data, self.free_stack]

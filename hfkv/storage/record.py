@@ -1,9 +1,17 @@
-"""The byte record of one cached token of one KV head inside a page.
+"""The byte record of one cached token of one KV head, and where its fields sit in a page.
 
 A record is ``[key bytes | value bytes | pad to 4 | tag int32 | score fp32]`` where
-``tag = position + 1`` and a zero tag marks an empty slot. Keeping the slot metadata inside the
-record (rather than in side arrays sized for the densest head) means a page's bytes are all
-payload of its own tier, moving a record during compaction moves its metadata with it, and the
+``tag = position + 1`` and a zero tag marks an empty slot: the record as encoders make it and
+readers return it (``nbytes``). Inside a page the two metadata fields are kept apart: a page of
+``tpp`` records holds their bodies ``[key | value | pad]`` (``stride`` bytes each) side by side,
+then their ``tpp`` tags side by side (``tag_region``), then their scores (``score_region``), so a
+page costs the same ``tpp * nbytes`` bytes. Why: a decode step adds every live slot's attention to
+its score; with the score inside the record that is a scattered 4-byte read-modify-write per
+record, a whole 32-byte sector each way, which cost a quarter of a decode call on an H100
+(docs/kernels.md), while a page's scores side by side take a sector or two. A body of only keys
+and values also keeps the alignment of ``kv_bytes`` (512 for bf16 x 128: 16-byte loads), which
+the 8 bytes of metadata used to break. Keeping the slot metadata in the page (rather than in side
+arrays sized for the densest head) means a page's bytes are all payload of its own tier, and the
 4-byte alignment lets kernels read tags and add scores in place. The tag doubles as the slot's
 index into the logical mask (column 0 = never attended), so attention needs no per-slot index of
 its own: the zero null page and the zeroed tails of pages read as empty.
@@ -53,7 +61,36 @@ class RecordLayout:
 
     @cached_property
     def nbytes(self) -> int:
+        """Bytes of a whole record (body + score): what a page pays per slot."""
         return self.pos_offset + META_BYTES
+
+    @cached_property
+    def stride(self) -> int:
+        """Bytes of a record's body in a page (``[key | value | pad]``): the step between slots."""
+        return self.pos_offset
+
+    def records_per_page(self, page_bytes: int) -> int:
+        return page_bytes // self.nbytes
+
+    def tag_region(self, tpp: int) -> int:
+        """Byte offset, inside a page of ``tpp`` records, of their tags (int32, one per slot, side by side)."""
+        return tpp * self.stride
+
+    def score_region(self, tpp: int) -> int:
+        """Byte offset, inside a page of ``tpp`` records, of their scores (fp32, one per slot, side by side)."""
+        return tpp * (self.stride + 4)
+
+    def record_index(self, dest: torch.Tensor, page_bytes: int) -> torch.Tensor:
+        """``[N, nbytes]`` int64: where each byte of a whole record lies in a flat pool of ``page_bytes`` pages,
+        for slots whose bodies start at ``dest [N]`` (``pool.view(-1)[index]`` reads records as encoders make
+        them; assigning to it writes them)."""
+        page_at, slot = dest - dest % page_bytes, dest % page_bytes // self.stride
+        tpp = self.records_per_page(page_bytes)
+        meta = [page_at + self.tag_region(tpp) + 4 * slot, page_at + self.score_region(tpp) + 4 * slot]
+        four = torch.arange(4, device=dest.device)
+        return torch.cat(
+            [dest[:, None] + torch.arange(self.stride, device=dest.device), *(m[:, None] + four for m in meta)], -1
+        )
 
     def encode(
         self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, check_finite: bool = True

@@ -5,6 +5,8 @@
 // A head's kept slots stay a dense prefix with the fewest moves: the j-th hole below the new count (a live slot
 // not kept) receives the j-th kept record at or above it, both in slot order; then the tags of the live slots
 // past the new count, on pages the head keeps, are zeroed. Freeing the pages past the new count is the caller's.
+// A slot's body is `record` bytes at its place in the page; its tag and score lie in the page's tag and score
+// regions (`tag_offset` and `tag_offset + 4 * tpp` bytes into the page, 4 bytes a slot: hfkv.storage.record).
 
 #include <cstdint>
 #include <cstring>
@@ -19,17 +21,22 @@ void hfkv_compact(uint8_t* pool, int64_t page_bytes, const int32_t* table, int64
         const int64_t cnt = counts[bh] < m ? counts[bh] : m, keep_n = new_counts[bh];
         const int32_t* pages = table + bh * table_w;
         const uint8_t* k = keep + bh * m;
-        auto at = [&](int64_t s) { return pool + pages[s / tpp] * page_bytes + (s % tpp) * record; };
+        auto page = [&](int64_t s) { return pool + pages[s / tpp] * page_bytes; };
+        auto at = [&](int64_t s) { return page(s) + (s % tpp) * record; };
+        auto tag = [&](int64_t s) { return page(s) + tag_offset + (s % tpp) * 4; };
+        const int64_t to_score = 4 * static_cast<int64_t>(tpp);
         int64_t src = keep_n;
         for (int64_t hole = 0; hole < keep_n; ++hole) {
             if (k[hole]) continue;
             while (!k[src]) ++src;  // as many kept slots lie at or above keep_n as holes below it
             std::memcpy(at(hole), at(src), record);
+            std::memcpy(tag(hole), tag(src), 4);
+            std::memcpy(tag(hole) + to_score, tag(src) + to_score, 4);
             ++src;
         }
         const int64_t kept_pages = (keep_n + tpp - 1) / tpp;
         const int64_t clear_end = cnt < kept_pages * tpp ? cnt : kept_pages * tpp;
-        for (int64_t s = keep_n; s < clear_end; ++s) std::memset(at(s) + tag_offset, 0, 4);
+        for (int64_t s = keep_n; s < clear_end; ++s) std::memset(tag(s), 0, 4);
     }
 }
 

@@ -10,6 +10,7 @@ from functools import cache
 import torch
 
 from hfkv.kernels.cpu.build import library
+from hfkv.storage.record import RecordLayout
 
 __all__ = ["compact_cpu"]
 
@@ -30,8 +31,7 @@ def compact_cpu(
     keep: torch.Tensor,
     new_counts: torch.Tensor,
     tpp: int,
-    record_bytes: int,
-    tag_offset: int,
+    layout: RecordLayout,
 ) -> None:
     """Move each head's kept records below its new count into the holes there and zero the vacated tags.
 
@@ -54,6 +54,6 @@ def compact_cpu(
     counts = counts.to(torch.int64).contiguous()
     new_counts = new_counts.to(torch.int64).contiguous()
     _kernel()(
-        pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, record_bytes, tag_offset,
-        counts.data_ptr(), keep.data_ptr(), m, new_counts.data_ptr(),
+        pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, layout.stride,
+        layout.tag_region(tpp), counts.data_ptr(), keep.data_ptr(), m, new_counts.data_ptr(),
     )  # fmt: skip

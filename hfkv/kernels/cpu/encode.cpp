@@ -141,12 +141,13 @@ void encode_field(const Field& f, const float* x, int dim, uint8_t* out) {
 
 extern "C" {
 
-// k, v: [N, D] fp32 contiguous; pos i64 [N]; score f32 [N]; dest i64 [N] byte offsets into pool. Fields:
-// {family, bits, group, dtype, offset, nbytes} of keys and values; pos_offset: where the tag goes (the bytes
-// between the values and it are zeroed), score after it.
+// k, v: [N, D] fp32 contiguous; pos i64 [N]; score f32 [N]; dest i64 [N] byte offsets of slot bodies in a pool of
+// page_bytes pages holding tpp records each. Fields: {family, bits, group, dtype, offset, nbytes} of keys and
+// values; stride: a body's bytes (those between the values and its end are zeroed). The tag and score go to the
+// page's tag and score regions (hfkv.storage.record).
 void hfkv_encode_write(uint8_t* pool, const int64_t* dest, int64_t n, const float* k, const float* v, int32_t dk,
                        int32_t dv, const int64_t* pos, const float* score, const int32_t* key, const int32_t* value,
-                       int32_t pos_offset) {
+                       int64_t page_bytes, int32_t tpp, int32_t stride) {
     const Field fk{key[0], key[1], key[2], key[3], key[4], key[5]};
     const Field fv{value[0], value[1], value[2], value[3], value[4], value[5]};
 #pragma omp parallel for schedule(static) if (n > 256)
@@ -155,10 +156,12 @@ void hfkv_encode_write(uint8_t* pool, const int64_t* dest, int64_t n, const floa
         encode_field(fk, k + i * dk, dk, rec + fk.offset);
         encode_field(fv, v + i * dv, dv, rec + fv.offset);
         const int32_t kv_end = fv.offset + fv.nbytes;
-        if (pos_offset > kv_end) std::memset(rec + kv_end, 0, pos_offset - kv_end);
+        if (stride > kv_end) std::memset(rec + kv_end, 0, stride - kv_end);
+        const int64_t in_page = dest[i] % page_bytes;
+        uint8_t* tags = rec - in_page + static_cast<int64_t>(tpp) * stride + in_page / stride * 4;
         const int32_t tag = static_cast<int32_t>(static_cast<uint32_t>(pos[i]) + 1u);
-        std::memcpy(rec + pos_offset, &tag, 4);
-        std::memcpy(rec + pos_offset + 4, score + i, 4);
+        std::memcpy(tags, &tag, 4);
+        std::memcpy(tags + 4 * static_cast<int64_t>(tpp), score + i, 4);
     }
 }
 

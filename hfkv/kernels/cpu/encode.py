@@ -24,7 +24,7 @@ _INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 def _kernel():
     fn = library().hfkv_encode_write
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, i64, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i32]
+    fn.argtypes = [ptr, ptr, i64, ptr, ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32]
     fn.restype = None
     return fn
 
@@ -53,11 +53,14 @@ def encode_write_cpu(
     pos: torch.Tensor,
     score: torch.Tensor,
 ) -> None:
-    """Encode tokens ``k, v [N, D]`` as ``layout`` records and write record ``i`` at byte ``dest[i]`` of ``pool``
-    (CPU tensors; offsets 4-aligned and records disjoint, as for :func:`hfkv.kernels.encode.encode_write`)."""
+    """Encode tokens ``k, v [N, D]`` as ``layout`` records and write record ``i`` into the slot whose body starts
+    at byte ``dest[i]`` of ``pool`` (CPU tensors; distinct slot starts, as :func:`hfkv.kernels.encode.encode_write`)."""
     n = dest.shape[0] if dest.dim() == 1 else -1
-    if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous()):
-        raise ValueError(f"encode_write_cpu: pool must be a contiguous uint8 CPU tensor, got {pool.dtype}")
+    if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
+        raise ValueError(
+            f"encode_write_cpu: pool must be a contiguous uint8 [pages, page_bytes] CPU tensor, got {pool.dtype} "
+            f"shape {tuple(pool.shape)}"
+        )
     if n < 0 or dest.dtype != torch.int64:
         raise ValueError(f"encode_write_cpu: dest must be int64 [N] byte offsets, got {dest.dtype} {tuple(dest.shape)}")
     for name, x, fmt in (("k", k, layout.key), ("v", v, layout.value)):
@@ -70,13 +73,19 @@ def encode_write_cpu(
         raise ValueError(f"encode_write_cpu: pos (integer) and score must be [{n}], got {pos.dtype} / {score.dtype}")
     if n == 0:
         return
-    if int(dest.min()) < 0 or int(dest.max()) + layout.nbytes > pool.numel():
-        raise ValueError(f"encode_write_cpu: dest offsets must lie in [0, {pool.numel() - layout.nbytes}]")
+    tpp = layout.records_per_page(pool.shape[1])
+    in_page = dest % pool.shape[1]
+    if int(dest.min()) < 0 or int(dest.max()) >= pool.numel() or int(in_page.max()) >= tpp * layout.stride:
+        raise ValueError(
+            f"encode_write_cpu: dest must be slot starts, page * {pool.shape[1]} + slot * {layout.stride} with "
+            f"slot < {tpp}, inside the pool's {pool.numel()} bytes"
+        )
     kf, vf = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
     p, s = pos.to(torch.int64).contiguous(), score.to(torch.float32).contiguous()
     fk, fv = _fields(layout)
     dest = dest.contiguous()
     _kernel()(
         pool.data_ptr(), dest.data_ptr(), n, kf.data_ptr(), vf.data_ptr(), layout.key.head_dim,
-        layout.value.head_dim, p.data_ptr(), s.data_ptr(), fk.data_ptr(), fv.data_ptr(), layout.pos_offset,
+        layout.value.head_dim, p.data_ptr(), s.data_ptr(), fk.data_ptr(), fv.data_ptr(), pool.shape[1], tpp,
+        layout.stride,
     )  # fmt: skip

@@ -10,9 +10,10 @@
 extern "C" {
 
 // For every (row, head) bh < bh_count and slot s < m: pos = tag - 1 and the score sum of the slot where it lies,
-// valid = s < counts[bh]; invalid slots read as the all-zero null page does (pos -1, score 0).
+// valid = s < counts[bh]; invalid slots read as the all-zero null page does (pos -1, score 0). Tags and scores lie
+// in each page's regions, tag_offset and score_offset bytes into it, 4 bytes a slot (hfkv.storage.record).
 void hfkv_read_meta(const uint8_t* pool, int64_t page_bytes, const int32_t* table, int64_t bh_count, int32_t table_w,
-                    int32_t tpp, int32_t record, int32_t tag_offset, int32_t score_offset, const int64_t* counts,
+                    int32_t tpp, int32_t tag_offset, int32_t score_offset, const int64_t* counts,
                     int32_t m, int32_t* pos, float* score, bool* valid) {
     for (int64_t bh = 0; bh < bh_count; ++bh) {
         const int64_t n = counts[bh] < m ? counts[bh] : m;
@@ -21,11 +22,11 @@ void hfkv_read_meta(const uint8_t* pool, int64_t page_bytes, const int32_t* tabl
         bool* ok = valid + bh * m;
         int64_t s = 0;
         for (int32_t col = 0; col < table_w && s < n; ++col) {
-            const uint8_t* rec = pool + static_cast<int64_t>(table[bh * table_w + col]) * page_bytes;
-            for (int32_t i = 0; i < tpp && s < n; ++i, ++s, rec += record) {
+            const uint8_t* page = pool + static_cast<int64_t>(table[bh * table_w + col]) * page_bytes;
+            for (int32_t i = 0; i < tpp && s < n; ++i, ++s) {
                 int32_t tag;
-                std::memcpy(&tag, rec + tag_offset, 4);
-                std::memcpy(sc + s, rec + score_offset, 4);
+                std::memcpy(&tag, page + tag_offset + 4 * i, 4);
+                std::memcpy(sc + s, page + score_offset + 4 * i, 4);
                 p[s] = tag - 1;
                 ok[s] = true;
             }

@@ -21,7 +21,7 @@ __all__ = ["read_meta_cpu", "tier_changes_cpu"]
 def _kernel():
     fn = library().hfkv_read_meta
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, i32, ptr, i32, ptr, ptr, ptr]
+    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ptr, i32, ptr, ptr, ptr]
     fn.restype = None
     return fn
 
@@ -44,8 +44,8 @@ def read_meta_cpu(
     valid = torch.empty(bsz, heads, m, dtype=torch.bool)
     if m:
         _kernel()(
-            pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, layout.nbytes,
-            layout.pos_offset, layout.score_offset, counts.data_ptr(), m, pos.data_ptr(), score.data_ptr(),
+            pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, layout.tag_region(tpp),
+            layout.score_region(tpp), counts.data_ptr(), m, pos.data_ptr(), score.data_ptr(),
             valid.data_ptr(),
         )  # fmt: skip
     return pos, score, valid

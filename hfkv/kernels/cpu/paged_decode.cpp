@@ -59,9 +59,9 @@ struct HfkvPart {
     int32_t dense_dtype;
     int32_t table_w;
     int32_t tpp;
-    int32_t record;          // bytes per record
-    int32_t tag_offset;      // int32 position + 1 (0 = empty slot)
-    int32_t score_offset;    // fp32 score sum
+    int32_t record;          // bytes per record body in a page (keys, values, pad)
+    int32_t tag_offset;      // the page's tag region: int32 position + 1 (0 = empty slot), 4 bytes a slot
+    int32_t score_offset;    // the page's score region: fp32 score sum, 4 bytes a slot
     int32_t add_scores;      // add each slot's probability to its score sum (dense: needs `score`)
     HfkvField key;
     HfkvField value;
@@ -394,6 +394,7 @@ inline const float* decode_dense(const void* base, int32_t dtype, int64_t index,
 // Where a slot lives, and its tag (position + 1, 0 = empty).
 struct SlotRef {
     const uint8_t* record;  // paged only
+    const uint8_t* tag_at;  // paged only: the slot's tag in its page's tag region
     int64_t dense_index;    // dense only: (row * H + head) * S + s
     int32_t tag;
 };
@@ -405,12 +406,18 @@ struct Cursor {
     int64_t bh;
     int s, page, in_page;
     const uint8_t* rec;
+    const uint8_t* tag;
 
-    Cursor(const HfkvPart& p, int64_t bh_, int s0) : part(p), bh(bh_), s(s0), page(0), in_page(0), rec(nullptr) {
+    Cursor(const HfkvPart& p, int64_t bh_, int s0)
+        : part(p), bh(bh_), s(s0), page(0), in_page(0), rec(nullptr), tag(nullptr) {
         if (part.paged) {
             page = s0 / part.tpp;
             in_page = s0 % part.tpp;
-            rec = page < part.table_w ? page_base(page) + static_cast<int64_t>(in_page) * part.record : nullptr;
+            if (page < part.table_w) {
+                const uint8_t* base = page_base(page);
+                rec = base + static_cast<int64_t>(in_page) * part.record;
+                tag = base + part.tag_offset + 4 * static_cast<int64_t>(in_page);
+            }
         }
     }
     const uint8_t* page_base(int pg) const {
@@ -423,27 +430,30 @@ struct Cursor {
             in_page = 0;
             ++page;
             rec = page < part.table_w ? page_base(page) : nullptr;
+            tag = rec ? rec + part.tag_offset : nullptr;
         } else {
             rec += part.record;
+            tag += 4;
         }
     }
     // Field by field into the block's entry: a whole SlotRef built on the stack and copied in 8-byte words
     // made every tag load wait for a failed store-to-load forward.
     void fill(SlotRef& r) const {
         r.record = rec;
+        r.tag_at = tag;
         if (part.paged) {
-            std::memcpy(&r.tag, rec + part.tag_offset, 4);
+            std::memcpy(&r.tag, tag, 4);
         } else {
             r.dense_index = bh * part.slots + s;
             r.tag = static_cast<int32_t>(part.pos[s] + 1);
         }
     }
-    // The cache lines of [offset, offset + bytes) of the current record, and of its tag (and score).
+    // The cache lines of [offset, offset + bytes) of the current record, and of its tag.
     void prefetch(int32_t offset, int32_t bytes) const {
         const uint8_t* a = rec + offset;
         for (int32_t i = 0; i < bytes; i += 64) __builtin_prefetch(a + i);
         __builtin_prefetch(a + bytes - 1);
-        __builtin_prefetch(rec + part.tag_offset);
+        __builtin_prefetch(tag);
     }
 };
 
@@ -486,7 +496,7 @@ inline void for_blocks(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool v
         if (lo >= hi) continue;
         const int end = static_cast<int>(hi - first);
         const HfkvField& f = values ? part.value : part.key;
-        const int32_t bytes = (values ? part.tag_offset : part.value.offset) - f.offset;
+        const int32_t bytes = (values ? part.record : part.value.offset) - f.offset;
         Cursor cur(part, bh, static_cast<int>(lo - first)), ahead = cur;
         if (part.paged) {
             for (int i = 0; i < kAhead && ahead.s < end; ++i, ahead.next()) ahead.prefetch(f.offset, bytes);
@@ -634,7 +644,8 @@ void split_values(const Work& w, int64_t bh, int sp) {
             if (part.paged) {
                 x[i] = decode_field<D>(blk[i].record, part.value, d, buf[i]);
                 if (part.add_scores) {
-                    float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].record) + part.score_offset);
+                    float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].tag_at) + part.score_offset -
+                                                         part.tag_offset);
                     *sc += red_row[col];
                 }
             } else {
@@ -735,16 +746,17 @@ int hfkv_gather_decode(const HfkvPart* part, int32_t heads, int64_t n, const int
     for (int64_t j = 0; j < n; ++j) {
         const int64_t bh = b[j] * heads + h[j];
         const int64_t page = part->table[bh * part->table_w + s[j] / part->tpp];
-        const uint8_t* rec = part->pool + page * part->page_bytes + (s[j] % part->tpp) * part->record;
+        const uint8_t* base = part->pool + page * part->page_bytes;
+        const uint8_t* rec = base + (s[j] % part->tpp) * part->record;
         alignas(64) float buf[512];
         const float* x = decode_field<0>(rec, part->key, dim, buf);
         std::memcpy(k + j * dim, x, sizeof(float) * dim);
         x = decode_field<0>(rec, part->value, dim, buf);
         std::memcpy(v + j * dim, x, sizeof(float) * dim);
         int32_t tag;
-        std::memcpy(&tag, rec + part->tag_offset, 4);
+        std::memcpy(&tag, base + part->tag_offset + (s[j] % part->tpp) * 4, 4);
         pos[j] = static_cast<int64_t>(tag) - 1;
-        std::memcpy(score + j, rec + part->score_offset, 4);
+        std::memcpy(score + j, base + part->score_offset + (s[j] % part->tpp) * 4, 4);
     }
     return 0;
 }
