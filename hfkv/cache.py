@@ -454,18 +454,21 @@ class TriStateLayer(CacheLayerMixin):
                 )
         if not moving:
             return
-        dest, b, h, k, v, pos, score = (torch.cat(x) for x in zip(*moving, strict=True))
+        # (one source: no copy; each operation here is a launch on a GPU, where a policy run is bound by them)
+        dest, b, h, k, v, pos, score = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*moving, strict=True))
         # Grouped by destination, then head; a stable sort keeps each head's tokens in their order above.
         order = torch.sort(dest.long() * (self.window.shape[0] * self.window.shape[1]) + b * self.window.shape[1] + h,
                            stable=True).indices  # fmt: skip
         # the one host read here (a bincount would read the largest destination first: two waits on a GPU)
         counts = torch.zeros(tiers.num_tiers, dtype=torch.int64, device=dest.device)
         counts = counts.index_add_(0, dest.long(), torch.ones_like(dest, dtype=torch.int64)).tolist()
+        b, h, k, v, pos, score = (x[order] for x in (b, h, k, v, pos, score))  # one gather each, sliced per tier
         start = 0
         for tier, n in enumerate(counts[: tiers.num_tiers]):
             if n:
-                idx = order[start : start + n]
-                tiers.append_tokens(tier, b[idx], h[idx], k[idx], v[idx], pos[idx], score[idx])
+                end = start + n
+                tiers.append_tokens(tier, b[start:end], h[start:end], k[start:end], v[start:end], pos[start:end],
+                                    score[start:end])  # fmt: skip
             start += n
 
     # ------------------------------------------------------------ attention

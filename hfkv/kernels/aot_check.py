@@ -136,8 +136,8 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     from hfkv.kernels.encode import encode_write
     from hfkv.kernels.gather import gather_decode
     from hfkv.kernels.meta import read_meta_triton
-    from hfkv.kernels.move import clear_tags, compact, move_records
-    from hfkv.kernels.reserve import reserve_slots
+    from hfkv.kernels.move import clear_tags, compact, move_records, release_pages
+    from hfkv.kernels.reserve import count_appends, reserve_slots
     from hfkv.quant.formats import QuantFormat
     from hfkv.storage import PagedTiers, RecordLayout
 
@@ -168,10 +168,12 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
             for t in range(2):
                 read_meta_triton(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], tiers.tpp[t], lay[t], 5)
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
-                compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, keep.sum(-1), tiers.tpp[t],
-                        lay[t])  # fmt: skip
+                new = compact(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], keep, tiers.tpp[t], lay[t])
+                release_pages(tiers.tables[t], tiers.counts[..., t].clone(), new, tiers.tpp[t], tiers.pool.free_stack,
+                              tiers.pool.n_free)  # fmt: skip
                 one = torch.zeros(1, dtype=torch.long)
                 gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one)
+                count_appends(one, one, 2, tiers.counts[..., t].clone(), tiers.tpp[t])
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
                               lay[t].stride, 2)  # fmt: skip

@@ -5,10 +5,10 @@ The kernel tests (``tests/test_kernel_decode_attention.py``, ``test_kernel_encod
 with the torch twins there, so on a machine without a GPU they run the kernels in Triton's
 interpreter. To run the same tests against the *compiled* kernels, with the same comparisons, this
 plugin wraps the Triton entry points (``paged_attention`` and the cache's ``run_plan``, ``encode_write``,
-``move_records``, ``clear_tags``, ``compact``, ``read_meta_triton``, ``allocate_triton``, ``reserve_slots``,
-``tier_changes``, ``gather_decode``): a call copies the storage behind every tensor argument to the device
-once (views of one storage stay views of one copy, so parts that share a pool share it there too), runs the
-wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the tests'
+``move_records``, ``clear_tags``, ``compact``, ``release_pages``, ``read_meta_triton``, ``allocate_triton``,
+``count_appends``, ``reserve_slots``, ``tier_changes``, ``gather_decode``): a call copies the storage behind every
+tensor argument to the device once (views of one storage stay views of one copy, so parts that share a pool share
+it there too), runs the wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the tests'
 tensors as if the kernel had run on them. Returned tensors come back to the CPU. The cache's backend check
 lets ``backend="triton"`` run on CPU tensors for the same reason.
 
@@ -44,8 +44,10 @@ WRAPPED = (
     ("hfkv.kernels.move", "move_records"),
     ("hfkv.kernels.move", "clear_tags"),
     ("hfkv.kernels.move", "compact"),
+    ("hfkv.kernels.move", "release_pages"),
     ("hfkv.kernels.meta", "read_meta_triton"),
     ("hfkv.kernels.allocate", "allocate_triton"),
+    ("hfkv.kernels.reserve", "count_appends"),
     ("hfkv.kernels.reserve", "reserve_slots"),
     ("hfkv.kernels.changes", "tier_changes"),
     ("hfkv.kernels.gather", "gather_decode"),

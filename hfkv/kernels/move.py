@@ -94,22 +94,27 @@ def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ compaction
-# A removal's whole data movement in one launch, one program per (row, head): the j-th hole below the head's
-# new count (a live slot not kept) receives the j-th kept record at or above it, both in slot order (the torch
-# path's pairing of two nonzero scans), then the live slots past the new count on pages the head keeps get a
-# zero tag. Barriers separate the passes: one pass's stores are another thread's loads in the next.
-@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp"])
+# A removal's whole data movement in one launch, one program per (row, head): the head's new count (its kept live
+# slots), then the j-th hole below it (a live slot not kept) receives the j-th kept record at or above it, both in
+# slot order (the torch path's pairing of two nonzero scans), then the live slots past the new count on pages the
+# head keeps get a zero tag. Barriers separate the passes: one pass's stores are another thread's loads in the next.
+@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp", "count_stride"])
 def _compact_kernel(
-    words_ptr, table_ptr, table_w, counts_ptr, new_ptr, keep_ptr, m, scratch_ptr, page_words, tpp,
+    words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, m, scratch_ptr, page_words, tpp,
     REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
-    cnt = tl.minimum(tl.load(counts_ptr + bh), m)
-    keep_n = tl.load(new_ptr + bh)
+    cnt = tl.minimum(tl.load(counts_ptr + bh * count_stride), m)
     keep_row = keep_ptr + bh * m
+    lane = tl.arange(0, BLOCK)
+    # 0. the new count: kept live slots (flags past the count do not count)
+    keep_n = tl.full((), 0, tl.int64)
+    for start in range(0, cnt, BLOCK):
+        s = start + lane
+        keep_n += tl.sum((tl.load(keep_row + s, mask=s < cnt, other=0) != 0).to(tl.int64), 0)
+    tl.store(new_ptr + bh, keep_n)
     pages = table_ptr + bh * table_w
     holes = scratch_ptr + bh * m
-    lane = tl.arange(0, BLOCK)
     # 1. the holes below the new count, by rank
     base = 0
     for start in range(0, keep_n, BLOCK):
@@ -149,27 +154,88 @@ def _compact_kernel(
         tl.store(words_ptr + at, tl.zeros([BLOCK], tl.int32), mask=ok)
 
 
+def _flat_heads(counts: torch.Tensor, where: str) -> int:
+    """The stride between heads of a ``[B, H]`` count view whose heads lie at equal steps (a tier of ``[B, H, T]``)."""
+    bsz, heads = counts.shape
+    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
+        raise ValueError(f"{where}: counts must be int64 [B, H] with heads at equal steps, got {counts.dtype} "
+                         f"strides {counts.stride()}")  # fmt: skip
+    return counts.stride(1)
+
+
 def compact(
     pool: torch.Tensor,
     table: torch.Tensor,
     counts: torch.Tensor,
     keep: torch.Tensor,
-    new_counts: torch.Tensor,
     tpp: int,
     layout: RecordLayout,
-) -> None:
-    """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s contract in one launch (the torch path of
-    :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, False past a
-    head's count; ``new_counts = keep.sum(-1)``."""
+) -> torch.Tensor:
+    """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s data movement in one launch (the torch path of
+    :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, flags past a head's
+    count ignored; ``counts [B, H]`` int64 (a tier's view of ``PagedTiers.counts`` is fine), left as it is.
+    Returns each head's new count, ``[B, H]`` int64 (its kept live slots)."""
     check_pool(pool, "compact")
     bsz, heads, width = table.shape
     m = keep.shape[-1]
     if m == 0 or width == 0 or bsz * heads == 0:
-        return
+        return torch.zeros(bsz, heads, dtype=torch.int64, device=pool.device)
+    new = torch.empty(bsz, heads, dtype=torch.int64, device=pool.device)  # every head's is written
+    step = _flat_heads(counts, "compact")
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
     rec_w = layout.stride // 4
     _compact_kernel[(bsz * heads,)](
-        pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(),
-        new_counts.to(torch.int64).contiguous(), keep.contiguous().view(torch.uint8), m, scratch,
-        pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
+        pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep.contiguous().view(torch.uint8), m,
+        scratch, pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
     )  # fmt: skip
+    return new
+
+
+# ------------------------------------------------------------------------------------------- page release
+# The rest of a removal in one program: each head's pages past its new count go onto the pool's free stack (in
+# head order, then column order: the order the torch path's boolean index gives them) and leave the table, the
+# counts take the new values, and the number freed and the widest head's pages come back in one read.
+@triton.jit(do_not_specialize=["table_w", "n_heads", "tpp", "count_stride", "n_free"])
+def _release_kernel(
+    table_ptr, table_w, counts_ptr, count_stride, new_ptr, free_ptr, n_free, out_ptr, n_heads, tpp,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    total = tl.full((), 0, tl.int64)
+    widest = tl.full((), 0, tl.int64)
+    lane = tl.arange(0, BLOCK)
+    for i in range(0, n_heads):
+        bh = tl.full((), i, tl.int64)
+        old = tl.load(counts_ptr + bh * count_stride)
+        new = tl.load(new_ptr + bh)
+        old_pages = (old + tpp - 1) // tpp
+        new_pages = (new + tpp - 1) // tpp
+        row = table_ptr + bh * table_w
+        for c0 in range(new_pages, old_pages, BLOCK):
+            c = c0 + lane
+            ok = c < old_pages
+            tl.store(free_ptr + n_free + total + (c - new_pages), tl.load(row + c, mask=ok, other=0), mask=ok)
+            tl.store(row + c, tl.zeros([BLOCK], tl.int32), mask=ok)
+        total += old_pages - new_pages
+        widest = tl.maximum(widest, new_pages)
+        tl.store(counts_ptr + bh * count_stride, new)
+    tl.store(out_ptr, total)
+    tl.store(out_ptr + 1, widest)
+
+
+def release_pages(
+    table: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, tpp: int, free_stack: torch.Tensor, n_free: int
+) -> tuple[int, int]:
+    """After :func:`compact`: the pages past each head's new count (``new [B, H]``) pushed onto ``free_stack``
+    from ``n_free`` on and set to the null page in ``table [B, H, W]``, ``counts [B, H]`` set to ``new``.
+    Returns ``(pages freed, the widest head's pages)``: the one host read of a removal."""
+    bsz, heads, width = table.shape
+    if bsz * heads and width:
+        out = torch.empty(2, dtype=torch.int64, device=table.device)
+        _release_kernel[(1,)](
+            table, width, counts, _flat_heads(counts, "release_pages"), new.contiguous(), free_stack, n_free, out,
+            bsz * heads, tpp, BLOCK=64,
+        )  # fmt: skip
+        n_freed, widest = out.tolist()
+        return n_freed, widest
+    counts.copy_(new)
+    return 0, 0

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
 
-__all__ = ["reserve_slots"]
+__all__ = ["count_appends", "reserve_slots"]
 
 _BLOCK = 256
 
@@ -81,3 +81,63 @@ def reserve_slots(
         heads, tpp, pool.shape[1] // 4, record_bytes, BLOCK=_BLOCK,
     )  # fmt: skip
     return out
+
+
+# What an append needs before any page is handed out, in one program: appended records per head (scattered adds
+# at L2 and read back the same way, so no thread sees a stale cached count), each head's count before and after
+# (written back: the tier's counts take their new values here), and the two numbers the host needs to hand out
+# pages: how many are new and the widest head's pages after the append.
+@triton.jit(do_not_specialize=["n", "heads", "n_heads", "tpp", "count_stride"])
+def _count_kernel(
+    b_ptr, h_ptr, n, heads, counts_ptr, count_stride, k_ptr, old_ptr, out_ptr, n_heads, tpp, BLOCK: tl.constexpr,
+):  # fmt: skip
+    lane = tl.arange(0, BLOCK)
+    for h0 in range(0, n_heads, BLOCK):
+        i = h0 + lane
+        tl.atomic_xchg(k_ptr + i, tl.zeros([BLOCK], tl.int64), mask=i < n_heads)
+    tl.debug_barrier()
+    for j0 in range(0, n, BLOCK):
+        j = j0 + lane
+        ok = j < n
+        bh = tl.load(b_ptr + j, mask=ok, other=0) * heads + tl.load(h_ptr + j, mask=ok, other=0)
+        tl.atomic_add(k_ptr + bh, tl.full([BLOCK], 1, tl.int64), mask=ok)
+    tl.debug_barrier()
+    total = tl.full((), 0, tl.int64)
+    widest = tl.full((), 0, tl.int64)
+    for h0 in range(0, n_heads, BLOCK):
+        i = h0 + lane
+        ok = i < n_heads
+        k = tl.atomic_add(k_ptr + i, tl.zeros([BLOCK], tl.int64), mask=ok)
+        old = tl.load(counts_ptr + i.to(tl.int64) * count_stride, mask=ok, other=0)
+        tl.store(old_ptr + i, old, mask=ok)
+        tl.store(counts_ptr + i.to(tl.int64) * count_stride, old + k, mask=ok)
+        have = (old + tpp - 1) // tpp
+        after = (old + k + tpp - 1) // tpp
+        total += tl.sum(tl.where(ok, after - have, 0), 0)
+        widest = tl.maximum(widest, tl.max(tl.where(ok, after, 0), 0))
+    tl.store(out_ptr, total)
+    tl.store(out_ptr + 1, widest)
+
+
+def count_appends(
+    b: torch.Tensor, h: torch.Tensor, heads: int, counts: torch.Tensor, tpp: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Appending one record to each head ``(b[j], h[j])`` of a tier whose counts are ``counts [B, H]`` (int64, a
+    tier's view of ``PagedTiers.counts``): ``(k, old, new pages, widest)``, ``k [B*H]`` records added per head,
+    ``old [B*H]`` its count before (what :func:`reserve_slots` takes), the pages to hand out and the widest head's
+    pages after; ``counts`` takes the new values. One launch and one host read (the torch path of
+    ``PagedTiers._take_pages`` is the twin: a dozen launches)."""
+    bsz, n_heads = counts.shape[0], counts.numel()
+    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
+        raise ValueError(f"count_appends: counts must be int64 [B, {heads}] with heads at equal steps, got "
+                         f"{counts.dtype} strides {counts.stride()}")  # fmt: skip
+    dev = counts.device
+    k = torch.empty(n_heads, dtype=torch.int64, device=dev)
+    old = torch.empty(n_heads, dtype=torch.int64, device=dev)
+    out = torch.empty(2, dtype=torch.int64, device=dev)
+    _count_kernel[(1,)](
+        b.contiguous(), h.contiguous(), b.numel(), heads, counts, counts.stride(1), k, old, out, n_heads, tpp,
+        BLOCK=_BLOCK,
+    )  # fmt: skip
+    total, widest = out.tolist()
+    return k, old, total, widest

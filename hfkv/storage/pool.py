@@ -88,6 +88,11 @@ class PagePool:
         self.free_stack[self.n_free : self.n_free + n] = ids.to(torch.int32).reshape(-1)
         self.n_free += n
 
+    def pushed(self, n: int) -> None:
+        """``n`` page ids were written onto the stack past its top by a kernel (``hfkv.kernels.move.release_pages``):
+        what :meth:`release` does, without a launch of its own."""
+        self.n_free += n
+
     def reset(self) -> None:
         """Every page back on the stack, in descending order so the lowest ids are handed out first."""
         n = self.num_pages
