@@ -8,9 +8,9 @@ plugin wraps the Triton entry points (``paged_attention`` and the cache's ``run_
 ``move_records``, ``clear_tags``, ``compact``, ``release_pages``, ``read_meta_triton``, ``allocate_triton``,
 ``count_appends``, ``reserve_slots``, ``tier_changes``, ``gather_decode``): a call copies the storage behind every
 tensor argument to the device once (views of one storage stay views of one copy, so parts that share a pool share
-it there too), runs the wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the tests'
-tensors as if the kernel had run on them. Returned tensors come back to the CPU. The cache's backend check
-lets ``backend="triton"`` run on CPU tensors for the same reason.
+it there too), runs the wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums)
+land in the tests' tensors as if the kernel had run on them. Returned tensors come back to the CPU. The cache's
+backend check lets ``backend="triton"`` run on CPU tensors for the same reason.
 
     HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
 
