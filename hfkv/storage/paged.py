@@ -221,32 +221,25 @@ class PagedTiers:
         return self._locate(tier, b, h, s)
 
     def _reserve_offsets(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """:meth:`_reserve`'s slots as byte offsets into the pool: on the Triton backend two launches and one host
-        read (``count_appends``, then ``reserve_slots``), on the CPU one a C++ call after :meth:`_take_pages`."""
+        """:meth:`_reserve`'s slots as byte offsets into the pool: two calls and one host read on the Triton and CPU
+        backends (``count_appends``, which sets the new counts, then ``reserve_slots``), in place of the torch
+        path's dozens of operations."""
         lay, tpp = self.layouts[tier], self.tpp[tier]
         if self.backend == "torch":
             page, off = self._reserve(tier, b, h)
             return page * self.pool.page_bytes + off * lay.stride
         if self.backend == "cpu":
+            from hfkv.kernels.cpu.reserve import count_appends_cpu as count_appends
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
-
-            _, k, old, _, _, ids = self._take_pages(tier, b, h)
-            new = old + k
-        else:  # the counting in one launch too (it sets the new counts): a GPU's policy run is bound by launches
+        else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
-
-            k, old, total, widest = count_appends(b, h, self.heads, self.counts[..., tier], tpp)
-            new, ids = None, None
-            if total:
-                self._set_width(tier, max(self.max_pages(tier), widest))
-                ids = self.pool.allocate(total)
-        if ids is None:
-            ids = torch.empty(0, dtype=torch.int32, device=self.device)
-        offsets = reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
-        if new is not None:  # after the reservation: ``old`` may be a view of the counts
-            self.counts[..., tier] = new.view(self.batch, self.heads)
+        k, old, total, widest = count_appends(b, h, self.heads, self.counts[..., tier], tpp)
+        ids = torch.empty(0, dtype=torch.int32, device=self.device)
+        if total:
+            self._set_width(tier, max(self.max_pages(tier), widest))
+            ids = self.pool.allocate(total)
         self.versions[tier] += 1
-        return offsets
+        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
 
     def _count_appended(self, tier: int, new: torch.Tensor) -> None:
         self.counts[..., tier] = new.view(self.batch, self.heads)
@@ -261,8 +254,12 @@ class PagedTiers:
         """
         tpp = self.tpp[tier]
         cnt = self.counts[..., tier]
-        if self.backend == "triton":  # two launches and one host read: a policy run on a GPU is bound by launches
-            from hfkv.kernels.move import compact, release_pages
+        if self.backend in ("triton", "cpu"):  # two calls and one host read (a GPU's policy run is bound by launches)
+            if self.backend == "cpu":
+                from hfkv.kernels.cpu.compact import compact_cpu as compact
+                from hfkv.kernels.cpu.compact import release_pages_cpu as release_pages
+            else:
+                from hfkv.kernels.move import compact, release_pages
 
             new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
             n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free)
@@ -276,19 +273,14 @@ class PagedTiers:
         keep = keep & live
         new = keep.sum(-1)
         old_pages, new_pages = _ceil_div(cnt, tpp), _ceil_div(new, tpp)
-        if self.backend == "cpu":  # the moves and tag clears below, in one call
-            from hfkv.kernels.cpu.compact import compact_cpu
-
-            compact_cpu(self.pool.data, self.tables[tier], cnt, keep, new, tpp, self.layouts[tier])
-        else:
-            below = s < new.unsqueeze(-1)
-            hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
-            sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
-            if hs.numel():
-                self._move(tier, self._locate(tier, sb, sh, ss), self._locate(tier, hb, hh, hs))
-            vb, vh, vs = (live & ~below & (s < (new_pages * tpp).unsqueeze(-1))).nonzero(as_tuple=True)
-            if vs.numel():
-                self._clear_tags(tier, *self._locate(tier, vb, vh, vs))
+        below = s < new.unsqueeze(-1)
+        hb, hh, hs = (live & ~keep & below).nonzero(as_tuple=True)
+        sb, sh, ss = (keep & ~below).nonzero(as_tuple=True)
+        if hs.numel():
+            self._move(tier, self._locate(tier, sb, sh, ss), self._locate(tier, hb, hh, hs))
+        vb, vh, vs = (live & ~below & (s < (new_pages * tpp).unsqueeze(-1))).nonzero(as_tuple=True)
+        if vs.numel():
+            self._clear_tags(tier, *self._locate(tier, vb, vh, vs))
         table = self.tables[tier]
         col = torch.arange(table.shape[-1], device=self.device)
         freed = (col >= new_pages.unsqueeze(-1)) & (col < old_pages.unsqueeze(-1))

@@ -13,14 +13,19 @@
 
 extern "C" {
 
-// keep [bh_count, m] (bytes 0/1), counts [bh_count] (old), new_counts [bh_count] (the kept live slots per head).
+// keep [bh_count, m] (bytes 0/1; flags past a head's count ignored), counts [bh_count] at count_stride (old, left
+// as they are); new_counts [bh_count] is written: the kept live slots per head.
 void hfkv_compact(uint8_t* pool, int64_t page_bytes, const int32_t* table, int64_t bh_count, int32_t table_w,
-                  int32_t tpp, int32_t record, int32_t tag_offset, const int64_t* counts, const uint8_t* keep,
-                  int32_t m, const int64_t* new_counts) {
+                  int32_t tpp, int32_t record, int32_t tag_offset, const int64_t* counts, int64_t count_stride,
+                  const uint8_t* keep, int32_t m, int64_t* new_counts) {
     for (int64_t bh = 0; bh < bh_count; ++bh) {
-        const int64_t cnt = counts[bh] < m ? counts[bh] : m, keep_n = new_counts[bh];
-        const int32_t* pages = table + bh * table_w;
+        const int64_t old = counts[bh * count_stride];
+        const int64_t cnt = old < m ? old : m;
         const uint8_t* k = keep + bh * m;
+        int64_t keep_n = 0;
+        for (int64_t s = 0; s < cnt; ++s) keep_n += k[s] != 0;
+        new_counts[bh] = keep_n;
+        const int32_t* pages = table + bh * table_w;
         auto page = [&](int64_t s) { return pool + pages[s / tpp] * page_bytes; };
         auto at = [&](int64_t s) { return page(s) + (s % tpp) * record; };
         auto tag = [&](int64_t s) { return page(s) + tag_offset + (s % tpp) * 4; };
@@ -38,6 +43,28 @@ void hfkv_compact(uint8_t* pool, int64_t page_bytes, const int32_t* table, int64
         const int64_t clear_end = cnt < kept_pages * tpp ? cnt : kept_pages * tpp;
         for (int64_t s = keep_n; s < clear_end; ++s) std::memset(tag(s), 0, 4);
     }
+}
+
+// The rest of a removal (hfkv.kernels.move.release_pages' contract): each head's pages past its new count pushed
+// onto free_stack from n_free on (head order, then column order) and nulled in the table, counts set to
+// new_counts. Returns the pages freed; *widest gets the widest head's pages.
+int64_t hfkv_release(int32_t* table, int64_t bh_count, int32_t table_w, int64_t* counts, int64_t count_stride,
+                     const int64_t* new_counts, int32_t tpp, int32_t* free_stack, int64_t n_free, int64_t* widest) {
+    int64_t total = 0, wide = 0;
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+        const int64_t old_pages = (counts[bh * count_stride] + tpp - 1) / tpp;
+        const int64_t new_pages = (new_counts[bh] + tpp - 1) / tpp;
+        int32_t* row = table + bh * table_w;
+        for (int64_t c = new_pages; c < old_pages; ++c) {
+            free_stack[n_free + total + (c - new_pages)] = row[c];
+            row[c] = 0;
+        }
+        total += old_pages > new_pages ? old_pages - new_pages : 0;
+        wide = new_pages > wide ? new_pages : wide;
+        counts[bh * count_stride] = new_counts[bh];
+    }
+    *widest = wide;
+    return total;
 }
 
 }  // extern "C"

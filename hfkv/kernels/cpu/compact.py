@@ -12,16 +12,34 @@ import torch
 from hfkv.kernels.cpu.build import library
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["compact_cpu"]
+__all__ = ["compact_cpu", "release_pages_cpu"]
 
 
 @cache
 def _kernel():
     fn = library().hfkv_compact
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ptr, ptr, i32, ptr]
+    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, i32, ptr]
     fn.restype = None
     return fn
+
+
+@cache
+def _release():
+    fn = library().hfkv_release
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i32, ptr, i64, ptr, i32, ptr, i64, ptr]
+    fn.restype = i64
+    return fn
+
+
+def _head_step(counts: torch.Tensor, where: str) -> int:
+    bsz, heads = counts.shape
+    flat = bsz == 1 or counts.stride(0) == heads * counts.stride(1)
+    if counts.dtype != torch.int64 or counts.device.type != "cpu" or not flat:
+        raise ValueError(f"{where}: counts must be int64 [B, H] on the CPU with heads at equal steps, got "
+                         f"{counts.dtype} on {counts.device}, strides {counts.stride()}")  # fmt: skip
+    return counts.stride(1)
 
 
 def compact_cpu(
@@ -29,31 +47,51 @@ def compact_cpu(
     table: torch.Tensor,
     counts: torch.Tensor,
     keep: torch.Tensor,
-    new_counts: torch.Tensor,
     tpp: int,
     layout: RecordLayout,
-) -> None:
-    """Move each head's kept records below its new count into the holes there and zero the vacated tags.
+) -> torch.Tensor:
+    """Move each head's kept records below its new count into the holes there and zero the vacated tags; returns
+    the new counts ``[B, H]`` int64 (:func:`hfkv.kernels.move.compact`'s contract).
 
     ``pool [pages, page_bytes]`` uint8, ``table [B, H, W]`` the tier's page table, ``counts [B, H]`` its slot
-    counts, ``keep [B, H, M]`` bool (False past a head's count), ``new_counts [B, H]`` = ``keep.sum(-1)``.
+    counts (int64; a tier's view of ``PagedTiers.counts`` is fine; left as they are), ``keep [B, H, M]`` bool
+    (flags past a head's count ignored).
     """
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
         raise ValueError(f"compact_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got {pool.dtype}")
     bsz, heads, width = table.shape
     m = keep.shape[-1]
-    if keep.shape[:2] != (bsz, heads) or counts.shape != (bsz, heads) or new_counts.shape != (bsz, heads):
+    if keep.shape[:2] != (bsz, heads) or counts.shape != (bsz, heads):
         raise ValueError(
-            f"compact_cpu: keep {tuple(keep.shape)}, counts {tuple(counts.shape)} and new_counts "
-            f"{tuple(new_counts.shape)} must lead with the table's [B, H] = {(bsz, heads)}"
+            f"compact_cpu: keep {tuple(keep.shape)} and counts {tuple(counts.shape)} must lead with the table's "
+            f"[B, H] = {(bsz, heads)}"
         )
+    new = torch.zeros(bsz, heads, dtype=torch.int64)
     if m == 0 or width == 0:
-        return
+        return new
+    step = _head_step(counts, "compact_cpu")
     table = table.to(torch.int32).contiguous()
     keep = keep.to(torch.uint8).contiguous()
-    counts = counts.to(torch.int64).contiguous()
-    new_counts = new_counts.to(torch.int64).contiguous()
     _kernel()(
         pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, layout.stride,
-        layout.tag_region(tpp), counts.data_ptr(), keep.data_ptr(), m, new_counts.data_ptr(),
+        layout.tag_region(tpp), counts.data_ptr(), step, keep.data_ptr(), m, new.data_ptr(),
     )  # fmt: skip
+    return new
+
+
+def release_pages_cpu(
+    table: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, tpp: int, free_stack: torch.Tensor, n_free: int
+) -> tuple[int, int]:
+    """:func:`hfkv.kernels.move.release_pages` on CPU tensors (same arguments and result; ``table`` contiguous int32
+    and ``free_stack`` int32, written in place)."""
+    if not (table.dtype == torch.int32 and table.is_contiguous() and free_stack.dtype == torch.int32):
+        raise ValueError("release_pages_cpu: table must be contiguous int32 and free_stack int32 (written in place)")
+    bsz, heads, width = table.shape
+    step = _head_step(counts, "release_pages_cpu")
+    new = new.to(torch.int64).contiguous()
+    widest = ctypes.c_int64(0)
+    n_freed = _release()(
+        table.data_ptr(), bsz * heads, width, counts.data_ptr(), step, new.data_ptr(), tpp, free_stack.data_ptr(),
+        n_free, ctypes.byref(widest),
+    )  # fmt: skip
+    return int(n_freed), int(widest.value)

@@ -32,4 +32,25 @@ void hfkv_reserve(uint8_t* pool, int64_t page_bytes, int32_t* table, int32_t tab
     }
 }
 
+// What an append needs before pages are handed out (hfkv.kernels.reserve.count_appends' contract): k [heads]
+// records per head of the n appended ones (heads b * H + h), old [heads] the counts before, counts (at
+// count_stride) set to old + k; returns the pages to hand out, *widest the widest head's pages after.
+int64_t hfkv_count_appends(const int64_t* b, const int64_t* h, int64_t n, int64_t H, int64_t* counts,
+                           int64_t count_stride, int64_t heads, int32_t tpp, int64_t* k, int64_t* old,
+                           int64_t* widest) {
+    for (int64_t i = 0; i < heads; ++i) k[i] = 0;
+    for (int64_t j = 0; j < n; ++j) ++k[b[j] * H + h[j]];
+    int64_t total = 0, wide = 0;
+    for (int64_t i = 0; i < heads; ++i) {
+        const int64_t o = counts[i * count_stride];
+        const int64_t have = (o + tpp - 1) / tpp, after = (o + k[i] + tpp - 1) / tpp;
+        old[i] = o;
+        counts[i * count_stride] = o + k[i];
+        total += after - have;
+        wide = after > wide ? after : wide;
+    }
+    *widest = wide;
+    return total;
+}
+
 }  // extern "C"

@@ -12,7 +12,7 @@ import torch
 
 from hfkv.kernels.cpu.build import library
 
-__all__ = ["reserve_slots_cpu"]
+__all__ = ["count_appends_cpu", "reserve_slots_cpu"]
 
 
 @cache
@@ -50,3 +50,31 @@ def reserve_slots_cpu(
         ids.data_ptr(), heads, tpp, record_bytes, out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+@cache
+def _count():
+    fn = library().hfkv_count_appends
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, ptr]
+    fn.restype = i64
+    return fn
+
+
+def count_appends_cpu(
+    b: torch.Tensor, h: torch.Tensor, heads: int, counts: torch.Tensor, tpp: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """:func:`hfkv.kernels.reserve.count_appends` on CPU tensors (same arguments and result; ``counts`` is written)."""
+    bsz, n_heads = counts.shape[0], counts.numel()
+    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
+        raise ValueError(f"count_appends_cpu: counts must be int64 [B, {heads}] with heads at equal steps, got "
+                         f"{counts.dtype} strides {counts.stride()}")  # fmt: skip
+    b, h = b.to(torch.int64).contiguous(), h.to(torch.int64).contiguous()
+    k = torch.empty(n_heads, dtype=torch.int64)
+    old = torch.empty(n_heads, dtype=torch.int64)
+    widest = ctypes.c_int64(0)
+    total = _count()(
+        b.data_ptr(), h.data_ptr(), b.numel(), heads, counts.data_ptr(), counts.stride(1), n_heads, tpp, k.data_ptr(),
+        old.data_ptr(), ctypes.byref(widest),
+    )  # fmt: skip
+    return k, old, int(total), int(widest.value)
