@@ -121,3 +121,16 @@ def available() -> bool:
     except CpuKernelUnavailable:
         return False
     return True
+
+
+_CTYPES = {"p": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@cache
+def function(name: str, args: str, returns: str | None = None):
+    """The library's C function ``name`` with its ctypes signature: ``args`` one code per parameter (``p``
+    pointer, ``i32``, ``i64``, ``f32``) separated by spaces, ``returns`` one code or None (void)."""
+    fn = getattr(library(), name)
+    fn.argtypes = [_CTYPES[a] for a in args.split()]
+    fn.restype = None if returns is None else _CTYPES[returns]
+    return fn

@@ -5,32 +5,13 @@ of ``compact.cpp`` (why: that file's header). The torch path of ``remove`` is it
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from hfkv.kernels.cpu.build import library
+from hfkv.kernels.cpu.build import function
 from hfkv.storage.record import RecordLayout
 
 __all__ = ["compact_cpu", "release_pages_cpu"]
-
-
-@cache
-def _kernel():
-    fn = library().hfkv_compact
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ptr, i64, ptr, i32, ptr]
-    fn.restype = None
-    return fn
-
-
-@cache
-def _release():
-    fn = library().hfkv_release
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i32, ptr, i64, ptr, i32, ptr, i64, ptr]
-    fn.restype = i64
-    return fn
 
 
 def _head_step(counts: torch.Tensor, where: str) -> int:
@@ -72,7 +53,7 @@ def compact_cpu(
     step = _head_step(counts, "compact_cpu")
     table = table.to(torch.int32).contiguous()
     keep = keep.to(torch.uint8).contiguous()
-    _kernel()(
+    function("hfkv_compact", "p i64 p i64 i32 i32 i32 i32 p i64 p i32 p")(
         pool.data_ptr(), pool.shape[1], table.data_ptr(), bsz * heads, width, tpp, layout.stride,
         layout.tag_region(tpp), counts.data_ptr(), step, keep.data_ptr(), m, new.data_ptr(),
     )  # fmt: skip
@@ -90,7 +71,7 @@ def release_pages_cpu(
     step = _head_step(counts, "release_pages_cpu")
     new = new.to(torch.int64).contiguous()
     widest = ctypes.c_int64(0)
-    n_freed = _release()(
+    n_freed = function("hfkv_release", "p i64 i32 p i64 p i32 p i64 p", "i64")(
         table.data_ptr(), bsz * heads, width, counts.data_ptr(), step, new.data_ptr(), tpp, free_stack.data_ptr(),
         n_free, ctypes.byref(widest),
     )  # fmt: skip

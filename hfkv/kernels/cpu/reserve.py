@@ -6,22 +6,12 @@ twin; the tests compare the two.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from hfkv.kernels.cpu.build import library
+from hfkv.kernels.cpu.build import function
 
 __all__ = ["count_appends_cpu", "reserve_slots_cpu"]
-
-
-@cache
-def _kernel():
-    fn = library().hfkv_reserve
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, i32, ptr, ptr, ptr, i64, i32, i32, ptr]
-    fn.restype = None
-    return fn
 
 
 def reserve_slots_cpu(
@@ -45,20 +35,11 @@ def reserve_slots_cpu(
     old = old.to(torch.int64).contiguous()
     k = k.to(torch.int64).contiguous()
     ids = ids.to(torch.int32).contiguous()
-    _kernel()(
+    function("hfkv_reserve", "p i64 p i32 p p p i64 i32 i32 p")(
         pool.data_ptr(), pool.shape[1], table.data_ptr(), table.shape[-1], old.data_ptr(), k.data_ptr(),
         ids.data_ptr(), heads, tpp, record_bytes, out.data_ptr(),
     )  # fmt: skip
     return out
-
-
-@cache
-def _count():
-    fn = library().hfkv_count_appends
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, ptr]
-    fn.restype = i64
-    return fn
 
 
 def count_appends_cpu(
@@ -73,7 +54,7 @@ def count_appends_cpu(
     k = torch.empty(n_heads, dtype=torch.int64)
     old = torch.empty(n_heads, dtype=torch.int64)
     widest = ctypes.c_int64(0)
-    total = _count()(
+    total = function("hfkv_count_appends", "p p i64 i64 p i64 i64 i32 p p p", "i64")(
         b.data_ptr(), h.data_ptr(), b.numel(), heads, counts.data_ptr(), counts.stride(1), n_heads, tpp, k.data_ptr(),
         old.data_ptr(), ctypes.byref(widest),
     )  # fmt: skip
