@@ -173,7 +173,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                               tiers.pool.n_free)  # fmt: skip
                 one = torch.zeros(1, dtype=torch.long)
                 gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one)
-                count_appends(one, one, 2, tiers.counts[..., t].clone(), tiers.tpp[t])
+                count_appends(one, one, tiers.counts[..., t].clone(), tiers.tpp[t])
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
                               lay[t].stride, 2)  # fmt: skip

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_offsets, check_pool
+from hfkv.kernels.parts import head_step
 from hfkv.storage.record import RecordLayout
 
 _MAX_BLOCK = 1024  # words per program; a record is copied by cdiv(words, block) programs
@@ -154,15 +155,6 @@ def _compact_kernel(
         tl.store(words_ptr + at, tl.zeros([BLOCK], tl.int32), mask=ok)
 
 
-def _flat_heads(counts: torch.Tensor, where: str) -> int:
-    """The stride between heads of a ``[B, H]`` count view whose heads lie at equal steps (a tier of ``[B, H, T]``)."""
-    bsz, heads = counts.shape
-    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
-        raise ValueError(f"{where}: counts must be int64 [B, H] with heads at equal steps, got {counts.dtype} "
-                         f"strides {counts.stride()}")  # fmt: skip
-    return counts.stride(1)
-
-
 def compact(
     pool: torch.Tensor,
     table: torch.Tensor,
@@ -181,7 +173,7 @@ def compact(
     if m == 0 or width == 0 or bsz * heads == 0:
         return torch.zeros(bsz, heads, dtype=torch.int64, device=pool.device)
     new = torch.empty(bsz, heads, dtype=torch.int64, device=pool.device)  # every head's is written
-    step = _flat_heads(counts, "compact")
+    step = head_step(counts, "compact")
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
     rec_w = layout.stride // 4
     _compact_kernel[(bsz * heads,)](
@@ -232,7 +224,7 @@ def release_pages(
     if bsz * heads and width:
         out = torch.empty(2, dtype=torch.int64, device=table.device)
         _release_kernel[(1,)](
-            table, width, counts, _flat_heads(counts, "release_pages"), new.contiguous(), free_stack, n_free, out,
+            table, width, counts, head_step(counts, "release_pages"), new.contiguous(), free_stack, n_free, out,
             bsz * heads, tpp, BLOCK=64,
         )  # fmt: skip
         n_freed, widest = out.tolist()

@@ -68,6 +68,16 @@ class PagedSlots:
 Part = DenseSlots | PagedSlots
 
 
+def head_step(counts: torch.Tensor, where: str) -> int:
+    """The step between heads of per-head counts ``[B, H]`` int64 whose heads lie at equal steps (a tier's view
+    of ``PagedTiers.counts [B, H, T]`` does): what the kernels that read and write counts in place take."""
+    bsz, heads = counts.shape
+    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
+        raise ValueError(f"{where}: counts must be int64 [B, H] with heads at equal steps, got {counts.dtype} "
+                         f"strides {counts.stride()}")  # fmt: skip
+    return counts.stride(1)
+
+
 def plan_key(query: torch.Tensor, parts: list[Part] | tuple[Part, ...], write: bool) -> tuple:
     """What a kernel's launch plan depends on beyond its options: the query's shape and dtype, each
     part's tensors (by identity: a plan holds them, so an id cannot be reused while it lives) and shapes.

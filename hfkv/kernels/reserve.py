@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
+from hfkv.kernels.parts import head_step
 
 __all__ = ["count_appends", "reserve_slots"]
 
@@ -120,23 +121,20 @@ def _count_kernel(
 
 
 def count_appends(
-    b: torch.Tensor, h: torch.Tensor, heads: int, counts: torch.Tensor, tpp: int
+    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Appending one record to each head ``(b[j], h[j])`` of a tier whose counts are ``counts [B, H]`` (int64, a
     tier's view of ``PagedTiers.counts``): ``(k, old, new pages, widest)``, ``k [B*H]`` records added per head,
     ``old [B*H]`` its count before (what :func:`reserve_slots` takes), the pages to hand out and the widest head's
     pages after; ``counts`` takes the new values. One launch and one host read (the torch path of
     ``PagedTiers._take_pages`` is the twin: a dozen launches)."""
-    bsz, n_heads = counts.shape[0], counts.numel()
-    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
-        raise ValueError(f"count_appends: counts must be int64 [B, {heads}] with heads at equal steps, got "
-                         f"{counts.dtype} strides {counts.stride()}")  # fmt: skip
-    dev = counts.device
+    step = head_step(counts, "count_appends")
+    n_heads, dev = counts.numel(), counts.device
     k = torch.empty(n_heads, dtype=torch.int64, device=dev)
     old = torch.empty(n_heads, dtype=torch.int64, device=dev)
     out = torch.empty(2, dtype=torch.int64, device=dev)
     _count_kernel[(1,)](
-        b.contiguous(), h.contiguous(), b.numel(), heads, counts, counts.stride(1), k, old, out, n_heads, tpp,
+        b.contiguous(), h.contiguous(), b.numel(), counts.shape[1], counts, step, k, old, out, n_heads, tpp,
         BLOCK=_BLOCK,
     )  # fmt: skip
     total, widest = out.tolist()

@@ -233,7 +233,7 @@ class PagedTiers:
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
         else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
-        k, old, total, widest = count_appends(b, h, self.heads, self.counts[..., tier], tpp)
+        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp)
         ids = torch.empty(0, dtype=torch.int32, device=self.device)
         if total:
             self._set_width(tier, max(self.max_pages(tier), widest))
@@ -353,7 +353,7 @@ class PagedTiers:
         return self._records(tier, torch.where(valid, page, NULL_PAGE), off), valid
 
     def _records(self, tier: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        """Whole records (body + score, as encoders make them) of slots ``(page, off)``."""
+        """Whole records (body, tag and score, as encoders make them) of slots ``(page, off)``."""
         lay = self.layouts[tier]
         meta = torch.stack([self.pool.tags(lay)[page, off], self.pool.scores(lay)[page, off].view(torch.int32)], -1)
         return torch.cat([self.pool.bodies(lay)[page, off], meta.view(torch.uint8)], -1)
@@ -374,7 +374,7 @@ class PagedTiers:
         page, off = self._slot_pages(tier, self.max_slots(tier) if m is None else m)
         valid = page >= 0
         page = torch.where(valid, page, NULL_PAGE)
-        pos = self.pool.tags(self.layouts[tier])[page, off] - 1
+        pos = self.pool.tags(lay)[page, off] - 1
         return pos, self.pool.scores(lay)[page, off], valid
 
     def read_slots(self, tier: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ zeros to it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -108,15 +109,16 @@ class PagePool:
 
     def tags(self, layout: RecordLayout) -> torch.Tensor:
         """The pool seen as ``[pages, tokens_per_page]`` int32: every slot's tag (its page's tag region)."""
-        return self._region(layout, torch.int32, layout.tag_region(layout.records_per_page(self.page_bytes)))
+        return self._region(layout, torch.int32, layout.tag_region)
 
     def scores(self, layout: RecordLayout) -> torch.Tensor:
         """The pool seen as ``[pages, tokens_per_page]`` fp32: every slot's score sum (its page's score region)."""
-        return self._region(layout, torch.float32, layout.score_region(layout.records_per_page(self.page_bytes)))
+        return self._region(layout, torch.float32, layout.score_region)
 
-    def _region(self, layout: RecordLayout, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    def _region(self, layout: RecordLayout, dtype: torch.dtype, offset: Callable[[int], int]) -> torch.Tensor:
+        """``[pages, tpp]`` 4-byte words starting ``offset(tpp)`` bytes into every page."""
         tpp, pb = layout.records_per_page(self.page_bytes), self.page_bytes
-        return self.data.view(dtype).as_strided((self.num_pages, tpp), (pb // 4, 1), offset // 4)
+        return self.data.view(dtype).as_strided((self.num_pages, tpp), (pb // 4, 1), offset(tpp) // 4)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.data, self.free_stack]

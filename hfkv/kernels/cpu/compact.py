@@ -9,18 +9,16 @@ import ctypes
 import torch
 
 from hfkv.kernels.cpu.build import function
+from hfkv.kernels.parts import head_step
 from hfkv.storage.record import RecordLayout
 
 __all__ = ["compact_cpu", "release_pages_cpu"]
 
 
-def _head_step(counts: torch.Tensor, where: str) -> int:
-    bsz, heads = counts.shape
-    flat = bsz == 1 or counts.stride(0) == heads * counts.stride(1)
-    if counts.dtype != torch.int64 or counts.device.type != "cpu" or not flat:
-        raise ValueError(f"{where}: counts must be int64 [B, H] on the CPU with heads at equal steps, got "
-                         f"{counts.dtype} on {counts.device}, strides {counts.stride()}")  # fmt: skip
-    return counts.stride(1)
+def _cpu_step(counts: torch.Tensor, where: str) -> int:
+    if counts.device.type != "cpu":
+        raise ValueError(f"{where}: counts must be on the CPU, got {counts.device}")
+    return head_step(counts, where)
 
 
 def compact_cpu(
@@ -50,7 +48,7 @@ def compact_cpu(
     new = torch.zeros(bsz, heads, dtype=torch.int64)
     if m == 0 or width == 0:
         return new
-    step = _head_step(counts, "compact_cpu")
+    step = _cpu_step(counts, "compact_cpu")
     table = table.to(torch.int32).contiguous()
     keep = keep.to(torch.uint8).contiguous()
     function("hfkv_compact", "p i64 p i64 i32 i32 i32 i32 p i64 p i32 p")(
@@ -68,7 +66,7 @@ def release_pages_cpu(
     if not (table.dtype == torch.int32 and table.is_contiguous() and free_stack.dtype == torch.int32):
         raise ValueError("release_pages_cpu: table must be contiguous int32 and free_stack int32 (written in place)")
     bsz, heads, width = table.shape
-    step = _head_step(counts, "release_pages_cpu")
+    step = _cpu_step(counts, "release_pages_cpu")
     new = new.to(torch.int64).contiguous()
     widest = ctypes.c_int64(0)
     n_freed = function("hfkv_release", "p i64 i32 p i64 p i32 p i64 p", "i64")(

@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from hfkv.kernels.cpu.build import function
+from hfkv.kernels.parts import head_step
 
 __all__ = ["count_appends_cpu", "reserve_slots_cpu"]
 
@@ -43,19 +44,16 @@ def reserve_slots_cpu(
 
 
 def count_appends_cpu(
-    b: torch.Tensor, h: torch.Tensor, heads: int, counts: torch.Tensor, tpp: int
+    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """:func:`hfkv.kernels.reserve.count_appends` on CPU tensors (same arguments and result; ``counts`` is written)."""
-    bsz, n_heads = counts.shape[0], counts.numel()
-    if counts.dtype != torch.int64 or (bsz > 1 and counts.stride(0) != heads * counts.stride(1)):
-        raise ValueError(f"count_appends_cpu: counts must be int64 [B, {heads}] with heads at equal steps, got "
-                         f"{counts.dtype} strides {counts.stride()}")  # fmt: skip
+    step, n_heads = head_step(counts, "count_appends_cpu"), counts.numel()
     b, h = b.to(torch.int64).contiguous(), h.to(torch.int64).contiguous()
     k = torch.empty(n_heads, dtype=torch.int64)
     old = torch.empty(n_heads, dtype=torch.int64)
     widest = ctypes.c_int64(0)
     total = function("hfkv_count_appends", "p p i64 i64 p i64 i64 i32 p p p", "i64")(
-        b.data_ptr(), h.data_ptr(), b.numel(), heads, counts.data_ptr(), counts.stride(1), n_heads, tpp, k.data_ptr(),
+        b.data_ptr(), h.data_ptr(), b.numel(), counts.shape[1], counts.data_ptr(), step, n_heads, tpp, k.data_ptr(),
         old.data_ptr(), ctypes.byref(widest),
     )  # fmt: skip
     return k, old, int(total), int(widest.value)
