@@ -53,33 +53,76 @@ SECTIONS = (
     ("tiers", "remove", "remove"),
     ("tiers", "append_tokens", "append_tokens"),
 )
+# A prefill's sections: the forward's attention (``prefill_layer`` less ``admit_prompt``), and what hfkv adds to it.
+PREFILL_SECTIONS = (
+    ("layer", "_prefill", "prefill_layer"),
+    ("layer", "_admit_prompt", "admit_prompt"),
+    ("module", "observation_probs", "observation_probs"),
+    ("module", "token_scores", "token_scores"),
+    ("module", "oq_score", "oq_score"),
+    ("window", "push", "window_push"),
+    ("layer", "_classify", "classify"),
+    ("layer", "_admit", "admit"),
+    ("tiers", "append_tokens", "append_tokens"),
+    ("layer", "_refresh_tier_peak", "refresh_tier_peak"),
+)
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 
 
 @contextmanager
-def labelled_sections():
-    """Every method in SECTIONS runs inside ``torch.profiler.record_function("hfkv::<name>")``."""
+def patched(sections, wrap):
+    """Every method (or ``hfkv.cache`` function) named in ``sections`` replaced by ``wrap(fn, name)`` meanwhile."""
+    import hfkv.cache
     from hfkv.cache import TriStateLayer
     from hfkv.storage.paged import PagedTiers
+    from hfkv.storage.window import WindowRing
 
-    owners = {"layer": TriStateLayer, "tiers": PagedTiers}
+    owners = {"layer": TriStateLayer, "tiers": PagedTiers, "window": WindowRing, "module": hfkv.cache}
     saved = []
-    for owner, attr, name in SECTIONS:
+    for owner, attr, name in sections:
         cls = owners[owner]
-        fn = cls.__dict__[attr]
-
-        def wrapped(*a, _fn=fn, _name=f"hfkv::{name}", **kw):
-            with torch.profiler.record_function(_name):
-                return _fn(*a, **kw)
-
+        fn = getattr(cls, attr) if owner == "module" else cls.__dict__[attr]
         saved.append((cls, attr, fn))
-        setattr(cls, attr, wrapped)
+        setattr(cls, attr, wrap(fn, name))
     try:
         yield
     finally:
         for cls, attr, fn in saved:
             setattr(cls, attr, fn)
+
+
+def labelled_sections(sections=SECTIONS):
+    """Every method in ``sections`` runs inside ``torch.profiler.record_function("hfkv::<name>")``."""
+
+    def wrap(fn, name):
+        def wrapped(*a, **kw):
+            with torch.profiler.record_function(f"hfkv::{name}"):
+                return fn(*a, **kw)
+
+        return wrapped
+
+    return patched(sections, wrap)
+
+
+def timed_sections(sections, device: torch.device, totals: dict[str, float]):
+    """Every method in ``sections`` synchronised before and after and its wall time added to ``totals`` (ms):
+    what each part of a prefill costs the step, host gaps included (a profile's device time leaves them out).
+    Nested sections each count their whole time."""
+
+    def wrap(fn, name):
+        def wrapped(*a, **kw):
+            _sync(device)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _sync(device)
+                totals[name] = totals.get(name, 0.0) + 1e3 * (time.perf_counter() - t)
+
+        return wrapped
+
+    return patched(sections, wrap)
 
 
 def _sync(device: torch.device) -> None:
@@ -118,6 +161,54 @@ def section_table(events, policy_runs: int) -> dict[str, Any]:
     return out
 
 
+def prefill_profile(model, method, ids: torch.Tensor, device: torch.device, cuda: bool) -> dict[str, Any]:
+    """One prefill each of a DynamicCache and of ``method``, timed alone (after one warm-up each), then
+    ``method``'s prefill again under the profiler with hfkv's prefill sections labelled (per layer)."""
+    from transformers import DynamicCache
+
+    def timed(make) -> float:
+        cache = make()
+        _sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            fill_cache(model, cache, ids)
+        _sync(device)
+        return time.perf_counter() - t
+
+    def hfkv_cache():
+        return method.make_cache(model, max_cache_len=ids.shape[1] + 256)
+
+    timed(lambda: DynamicCache(config=model.config))
+    timed(hfkv_cache)
+    times = {"dynamic_s": [], "hfkv_s": []}
+    for _ in range(2):  # interleaved
+        times["dynamic_s"].append(timed(lambda: DynamicCache(config=model.config)))
+        times["hfkv_s"].append(timed(hfkv_cache))
+    out: dict[str, Any] = {k: min(v) for k, v in times.items()}
+    out["ratio_dynamic_over_hfkv"] = out["dynamic_s"] / out["hfkv_s"]
+    totals: dict[str, float] = {}
+    with timed_sections(PREFILL_SECTIONS, device, totals):
+        out["hfkv_sections_synced_s"] = timed(hfkv_cache)
+    layers = len(model.model.layers)
+    out["synced_ms_per_layer"] = {k: v / layers for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    cache = hfkv_cache()
+    with labelled_sections(PREFILL_SECTIONS), torch.profiler.profile(activities=activities) as prof:
+        with torch.inference_mode():
+            fill_cache(model, cache, ids)
+        _sync(device)
+    layers = sum(hasattr(layer, "run_policy") for layer in cache.layers)
+    out["sections"] = section_table(prof.events(), policy_runs=layers)
+    out["sections_note"] = "per layer's prefill (the *_per_policy_run fields are per layer here)"
+    out["top_ops"] = top_ops(prof, n=15)
+    with torch.profiler.profile(activities=activities) as prof:  # what the model's own prefill launches
+        with torch.inference_mode():
+            fill_cache(model, DynamicCache(config=model.config), ids)
+        _sync(device)
+    out["dynamic_top_ops"] = top_ops(prof, n=15)
+    return out
+
+
 def top_ops(profile, n: int = 25) -> dict[str, list[dict[str, Any]]]:
     rows = [
         {
@@ -134,6 +225,14 @@ def top_ops(profile, n: int = 25) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def print_sections(sections: dict[str, Any], order: str) -> None:
+    for name, s in sorted(sections.items(), key=lambda kv: -kv[1][order]):
+        print(
+            f"  {name:<18} host {s['host_ms_per_policy_run']:8.2f} ms  device {s['device_ms_per_policy_run']:8.2f} ms"
+            f"  launches {s['launches_per_policy_run']:6.1f}  syncs {s['syncs_per_policy_run']:5.1f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -143,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the random model (all alike)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed one by one")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill profile")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
@@ -233,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     result["top_ops"] = top_ops(prof)
     result["launches_in_interval"] = sum(e.name in LAUNCH_EVENTS for e in events)
     result["syncs_in_interval"] = sum(e.name in SYNC_EVENTS for e in events)
+    if not args.no_prefill:
+        del cache
+        result["prefill"] = prefill_profile(model, method, ids, device, cuda)
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "policy_profile.json", json.dumps(result, indent=1, default=str))
     sm = result["step_ms"]
@@ -241,11 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{method.label}: step {sm['median_without_policy']} ms, with policy {sm['median_with_policy']} ms; "
         f"run_policy per layer {[round(x, 2) for x in per_layer]} ms"
     )
-    for name, s in sorted(result["sections"].items(), key=lambda kv: -kv[1]["host_ms_per_policy_run"]):
+    print_sections(result["sections"], "host_ms_per_policy_run")
+    if "prefill" in result:
+        pf = result["prefill"]
         print(
-            f"  {name:<14} host {s['host_ms_per_policy_run']:8.2f} ms  device {s['device_ms_per_policy_run']:8.2f} ms"
-            f"  launches {s['launches_per_policy_run']:6.1f}  syncs {s['syncs_per_policy_run']:5.1f}"
+            f"prefill: DynamicCache {pf['dynamic_s']:.3f} s, {method.label} {pf['hfkv_s']:.3f} s "
+            f"({pf['ratio_dynamic_over_hfkv']:.2f}x); per layer:"
         )
+        print_sections(pf["sections"], "device_ms_per_policy_run")
+        synced = pf["synced_ms_per_layer"].items()
+        print("  synchronised, ms per layer: " + ", ".join(f"{k} {v:.2f}" for k, v in synced))
     return 0
 
 

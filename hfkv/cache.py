@@ -255,10 +255,20 @@ class TriStateLayer(CacheLayerMixin):
         Deciding before writing means a token bound for the quantized tier is quantized once, from
         full precision, and an evicted one is never written at all.
         """
-        for tier in range(self.tiers.num_tiers):
-            b, h, i = (new == tier).nonzero(as_tuple=True)
-            if i.numel():
+        # One host read for every tier (a nonzero per tier was one each): the tokens sorted by tier, stably, so
+        # each tier's slice is in (b, h, i) order, as nonzero gives it.
+        tiers = self.tiers.num_tiers
+        _, heads, m = new.shape
+        flat = new.reshape(-1)
+        sizes = (flat == torch.arange(tiers, device=flat.device, dtype=flat.dtype)[:, None]).sum(-1).tolist()
+        order = torch.argsort(flat, stable=True)
+        start = 0
+        for tier, n in enumerate(sizes):
+            if n:
+                idx = order[start : start + n]
+                b, h, i = idx // (heads * m), idx // m % heads, idx % m
                 self.tiers.append_tokens(tier, b, h, k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
+            start += n
 
     def _refresh_tier_peak(self) -> None:
         counts = self.tiers.counts

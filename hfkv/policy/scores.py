@@ -148,9 +148,10 @@ def observation_probs(
 
     # [B, Hq, w, D] -> [B, Hkv, g*w, D]: the g query heads of a group become extra rows, so the
     # un-repeated keys are used directly (no repeat_kv copy).
-    q = query[:, :, t - w :, :].to(torch.float32).reshape(b, hkv, g * w, d)
+    # Scaled before the product: a pass over the w x T_k logits fewer (at 32k x 8 they are 1 GB a layer).
+    q = (query[:, :, t - w :, :].to(torch.float32) * scaling).reshape(b, hkv, g * w, d)
     logits = torch.matmul(q, key.to(torch.float32).transpose(-1, -2))  # [B, Hkv, g*w, T_k]
-    logits = logits.view(b, hq, w, t_k).mul_(scaling)
+    logits = logits.view(b, hq, w, t_k)
 
     if mask is None:
         qpos = torch.arange(t_k - w, t_k, device=query.device).unsqueeze(-1)
@@ -158,8 +159,8 @@ def observation_probs(
     else:
         allowed, bias = _allowed_from_mask(mask.to(query.device), w, t_k)
         if bias is not None:
-            logits = logits + bias
-    logits = logits.masked_fill(~allowed, float("-inf"))
+            logits += bias
+    logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     # Fully masked rows give NaN in softmax; make them zeros.
     return probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import torch
 
-from hfkv.quant.formats import INT_BITS, ChunkCodes, QuantFormat, aligned_records
+from hfkv.quant.formats import INT_BITS, ChunkCodes, QuantFormat, aligned_records, check_encodable_all
 
 META_BYTES = 8  # int32 tag (logical position + 1) + fp32 score sum
 
@@ -106,8 +106,7 @@ class RecordLayout:
         return torch.cat(parts, dim=-1)
 
     def check_encodable(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.key.check_encodable(k)
-        self.value.check_encodable(v)
+        check_encodable_all([(self.key, k), (self.value, v)])
 
     def decode_kv(self, rec: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of records ``[..., nbytes]``, read in place when the records are word-aligned."""
