@@ -803,6 +803,8 @@ def gpu_runs_block(
             lines += ["", storage_variants_table(name, res)]
     if policy:
         lines += ["", policy_profile_table(policy)]
+        if any("prefill" in p for _, p in policy):
+            lines += ["", prefill_profile_table(policy)]
     return "\n".join(lines)
 
 
@@ -873,6 +875,42 @@ def policy_profile_table(profiles: list[tuple[str, dict[str, Any]]]) -> str:
             "run of each layer alone, median; launches and host syncs of one layer's run, from the profiler):",
             "",
             md_table(header, rows, "llllrrrrrrr"),
+        ]
+    )
+
+
+def prefill_profile_table(profiles: list[tuple[str, dict[str, Any]]]) -> str:
+    """A prefill's cost beside DynamicCache's (``eval/policy_profile.py``'s prefill part), one row per profile."""
+    rows = []
+    for name, p in profiles:
+        pf = p.get("prefill")
+        if not pf:
+            continue
+        synced = pf.get("synced_ms_per_layer")
+        parts = [k for k in synced if k not in ("prefill_layer", "admit_prompt", "append_tokens")] if synced else []
+        rows.append(
+            [
+                f"`{name}`",
+                p["device"],
+                f"{p['shape']} x {p['layers']} layers, {p['context']:,} x {p['batch']}",
+                f"`{p['method']}`",
+                fmt(pf["dynamic_s"], ".3f"),
+                fmt(pf["hfkv_s"], ".3f"),
+                fmt(pf["ratio_dynamic_over_hfkv"], ".2f") + "x",
+                fmt(synced["admit_prompt"], ".1f") if synced else "not run",
+                ", ".join(f"{k} {synced[k]:.1f}" for k in parts[:4]) if synced else "not run",
+            ]
+        )
+    header = [
+        "profile", "device", "model", "cache", "DynamicCache s", "hfkv s", "speed", "hfkv's own ms / layer",
+        "largest parts, ms / layer",
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            "Prefill on the GPU (`eval/policy_profile.py`: one prefill forward of each cache, best of two, interleaved, "
+            "after one warm-up each; then hfkv's own work per layer, each part synchronised before and after):",
+            "",
+            md_table(header, rows, "llllrrrrl"),
         ]
     )
 

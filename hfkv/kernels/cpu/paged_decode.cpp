@@ -96,13 +96,22 @@ inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// 16 fp32 lanes through GCC / Clang vector extensions: lowered to whatever SIMD the target has (one
-// AVX-512 register, two AVX2 ones, four NEON ones), so the reductions below run in parallel lanes
-// without -ffast-math, which would break the -inf masking.
+// The machine's widest fp32 vector through GCC / Clang vector extensions (16 lanes with AVX-512, else 8), so the
+// reductions below run in parallel lanes without -ffast-math, which would break the -inf masking. Wider than the
+// machine's registers, GCC 12 turned its compares, selects and conversions into one scalar op per lane, with
+// spills: half of split_logits' time at 8k on an AVX2 CPU (perf), in the softmax passes over the logits.
+#if defined(__AVX512F__)
 typedef float Vec __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
+#else
+typedef float Vec __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+#endif
 
-// Unaligned loads and stores of any of the vector types (16 lanes, or the blocked loops' 8: one AVX register).
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+// Unaligned loads and stores of any of the vector types (Vec, or the blocked loops' Vec8: one AVX register).
 template <class V = Vec>
 inline V load_vec(const float* p) {
     V v;
@@ -115,23 +124,16 @@ inline void store_vec(float* p, V v) {
     std::memcpy(p, &v, sizeof v);
 }
 
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-
-// A pairwise tree: a chain of 15 dependent adds would cost more than the dot product itself.
+// A pairwise tree: a chain of dependent adds would cost more than the dot product itself.
 inline float lane_sum(Vec v) {
 #if defined(__AVX512F__)
     __m512 x;
     std::memcpy(&x, &v, sizeof x);
     return _mm512_reduce_add_ps(x);
 #else
-    Vec8 lo, hi;
-    std::memcpy(&lo, &v, sizeof lo);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    const Vec8 a = lo + hi;
     Vec4 c, d;
-    std::memcpy(&c, &a, sizeof c);
-    std::memcpy(&d, reinterpret_cast<const char*>(&a) + sizeof c, sizeof d);
+    std::memcpy(&c, &v, sizeof c);
+    std::memcpy(&d, reinterpret_cast<const char*>(&v) + sizeof c, sizeof d);
     const Vec4 e = c + d;
     return (e[0] + e[2]) + (e[1] + e[3]);
 #endif
@@ -232,16 +234,16 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-typedef int32_t Ints16 __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(sizeof(Vec))));
 
-// exp(x) for 16 x <= 0 (logits minus the row max), Cephes' polynomial after range reduction (within 2 ulp),
+// exp(x) for kLanes x <= 0 (logits minus the row max), Cephes' polynomial after range reduction (within 2 ulp),
 // in vector operations only; a lane holding -inf (a masked slot) gives exactly 0.
 inline Vec exp_nonpositive(Vec x) {
     const Vec zero = {};
-    const Ints16 masked = x == -INFINITY;
+    const Ints masked = x == -INFINITY;
     x = x < -87.0f ? zero - 87.0f : x;
     const Vec t = x * 1.44269504088896341f;
-    const Ints16 n = __builtin_convertvector(t + (t >= 0.0f ? zero + 0.5f : zero - 0.5f), Ints16);
+    const Ints n = __builtin_convertvector(t + (t >= 0.0f ? zero + 0.5f : zero - 0.5f), Ints);
     const Vec nf = __builtin_convertvector(n, Vec);
     Vec r = x - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
@@ -252,7 +254,7 @@ inline Vec exp_nonpositive(Vec x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const Ints16 bits = (n + 127) << 23;
+    const Ints bits = (n + 127) << 23;
     Vec scale;
     std::memcpy(&scale, &bits, sizeof scale);
     return masked ? zero : p * scale;

@@ -77,7 +77,6 @@ def _scratch(numel: int) -> torch.Tensor:
 
 
 @cache
-@cache
 def _kernel():
     """The C entry point with its argument types, set once (ctypes setup is microseconds a step otherwise)."""
     fn = library().hfkv_paged_decode
