@@ -907,8 +907,9 @@ def prefill_profile_table(profiles: list[tuple[str, dict[str, Any]]]) -> str:
     ]  # fmt: skip
     return "\n".join(
         [
-            "Prefill on the GPU (`eval/policy_profile.py`: one prefill forward of each cache, best of two, interleaved, "
-            "after one warm-up each; then hfkv's own work per layer, each part synchronised before and after):",
+            "Prefill on the GPU (`eval/policy_profile.py`: one prefill forward of each cache, best of two, "
+            "interleaved, after one warm-up each; then hfkv's own work per layer, each part synchronised before "
+            "and after):",
             "",
             md_table(header, rows, "llllrrrrl"),
         ]

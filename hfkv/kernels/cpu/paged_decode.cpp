@@ -285,9 +285,10 @@ inline Vec8 bytes8_to_floats(uint64_t codes) {
 // Integer codes in planes: byte j holds elements j, j + P, ... (bits p*b .. p*b + b of byte j), then
 // fp16 scales and zeros, one per group. Eight codes of a plane are one 64-bit shift and mask, widened to
 // floats and scaled in registers, so a record is decoded without a trip through memory.
-template <int D, int BITS>
-inline void unpack_int(const uint8_t* src, int group, int dim, float* out) {
+template <int D, int BITS, int GROUP = 0>
+__attribute__((always_inline)) inline void unpack_int(const uint8_t* src, int group_, int dim, float* out) {
     const int d = D ? D : dim;
+    const int group = GROUP ? GROUP : group_;  // a constant where it can be: e / group is a division otherwise
     constexpr int kPer = 8 / BITS;
     constexpr uint64_t kMask = 0x0101010101010101ull * ((1u << BITS) - 1u);
     const int plane = d / kPer, groups = d / group;
@@ -349,35 +350,79 @@ inline void bf16_row(const uint16_t* h, int d, float* out) {
     for (; e < d; ++e) out[e] = bf16_to_float(h[e]);
 }
 
+// A field's format as one number, so that a block of records picks its decoder once (a switch per record, and a
+// call the compiler would not inline, were a third of the quantized loop's time at 8k, perf).
+enum Kind : int { K_F32, K_F16, K_BF16, K_FP8, K_INT8, K_INT4, K_INT2, K_INT8_G32, K_INT4_G32, K_INT2_G32 };
+
+inline int kind_of(const HfkvField& f) {
+    if (f.family == MODEL) return f.dtype == F32 ? K_F32 : (f.dtype == BF16 ? K_BF16 : K_F16);
+    if (f.family == FP8) return K_FP8;
+    const int k = f.bits == 8 ? K_INT8 : (f.bits == 4 ? K_INT4 : K_INT2);
+    return f.group == 32 ? k + (K_INT8_G32 - K_INT8) : k;  // 32: every shipped integer format's group
+}
+
 // Values of one field of one record, in natural order, fp32: the twin of QuantFormat.decode_at. Returns where
 // they are: the record itself for fp32 fields (nothing to convert), else `out`.
-template <int D>
-inline const float* decode_field(const uint8_t* rec, const HfkvField& f, int dim, float* out) {
+template <int D, int K>
+__attribute__((always_inline)) inline const float* decode_kind(const uint8_t* rec, const HfkvField& f, int dim,
+                                                               float* out) {
     const int d = D ? D : dim;
     const uint8_t* src = rec + f.offset;
-    if (f.family == MODEL) {
-        if (f.dtype == F32) return reinterpret_cast<const float*>(src);  // records are 4-byte aligned
+    if constexpr (K == K_F32) {
+        return reinterpret_cast<const float*>(src);  // records are 4-byte aligned
+    } else if constexpr (K == K_F16 || K == K_BF16) {
         uint16_t h[D ? D : 512];
         std::memcpy(h, src, 2 * d);
-        if (f.dtype == BF16) {
+        if constexpr (K == K_BF16) {
             bf16_row(h, d, out);
         } else {
             for (int e = 0; e < d; ++e) out[e] = half_to_float(h[e]);
         }
-        return out;
-    }
-    if (f.family == FP8) {
+    } else if constexpr (K == K_FP8) {
         float scale;
         std::memcpy(&scale, src + d, 4);
         for (int e = 0; e < d; ++e) out[e] = kFp8.value[src[e]] * scale;
-        return out;
-    }
-    switch (f.bits) {
-        case 8: unpack_int<D, 8>(src, f.group, dim, out); break;
-        case 4: unpack_int<D, 4>(src, f.group, dim, out); break;
-        default: unpack_int<D, 2>(src, f.group, dim, out);
+    } else {
+        constexpr bool g32 = K >= K_INT8_G32;
+        constexpr int base = g32 ? K - (K_INT8_G32 - K_INT8) : K;
+        constexpr int bits = base == K_INT8 ? 8 : (base == K_INT4 ? 4 : 2);
+        unpack_int<D, bits, g32 ? 32 : 0>(src, f.group, dim, out);
     }
     return out;
+}
+
+// fn(decoder) with the decoder of kind k: a generic lambda called with decode_kind<D, K> for the K that k names.
+template <int D, class Fn>
+inline void with_kind(int k, Fn&& fn) {
+    switch (k) {
+        case K_F32: fn([](auto... a) { return decode_kind<D, K_F32>(a...); }); break;
+        case K_F16: fn([](auto... a) { return decode_kind<D, K_F16>(a...); }); break;
+        case K_BF16: fn([](auto... a) { return decode_kind<D, K_BF16>(a...); }); break;
+        case K_FP8: fn([](auto... a) { return decode_kind<D, K_FP8>(a...); }); break;
+        case K_INT8: fn([](auto... a) { return decode_kind<D, K_INT8>(a...); }); break;
+        case K_INT4: fn([](auto... a) { return decode_kind<D, K_INT4>(a...); }); break;
+        case K_INT2: fn([](auto... a) { return decode_kind<D, K_INT2>(a...); }); break;
+        case K_INT8_G32: fn([](auto... a) { return decode_kind<D, K_INT8_G32>(a...); }); break;
+        case K_INT4_G32: fn([](auto... a) { return decode_kind<D, K_INT4_G32>(a...); }); break;
+        default: fn([](auto... a) { return decode_kind<D, K_INT2_G32>(a...); });
+    }
+}
+
+template <int D>
+inline const float* decode_field(const uint8_t* rec, const HfkvField& f, int dim, float* out) {
+    const float* x = nullptr;
+    with_kind<D>(kind_of(f), [&](auto decode) { x = decode(rec, f, dim, out); });
+    return x;
+}
+
+// The field of each record of a block that `recs` names (null: leave x[i] as it is), the format's decoder chosen once.
+template <int D>
+inline void decode_block(const HfkvField& f, const uint8_t* const* recs, int n, int dim, float (*buf)[D ? D : 512],
+                         const float** x) {
+    with_kind<D>(kind_of(f), [&](auto decode) {
+        for (int i = 0; i < n; ++i)
+            if (recs[i]) x[i] = decode(recs[i], f, dim, buf[i]);
+    });
 }
 
 template <int D>
@@ -533,6 +578,7 @@ void split_logits(const Work& w, int64_t bh, int sp) {
     alignas(64) float buf[kBlock][D ? D : 512];
     for_blocks(w, bh, c0, c1, false, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
         const float* x[kBlock];
+        const uint8_t* recs[kBlock] = {};
         bool masked = false;  // some slot of the block is hidden from some query row
         for (int i = 0; i < kBlock; ++i) {
             x[i] = kZeros;
@@ -543,9 +589,13 @@ void split_logits(const Work& w, int64_t bh, int sp) {
                 continue;
             }
             masked |= pos > w.q_start;  // a chunk's causal mask (never when decoding)
-            x[i] = part.paged ? decode_field<D>(blk[i].record, part.key, d, buf[i])
-                              : decode_dense<D>(part.k, part.dense_dtype, blk[i].dense_index, d, buf[i]);
+            if (part.paged) {
+                recs[i] = blk[i].record;
+            } else {
+                x[i] = decode_dense<D>(part.k, part.dense_dtype, blk[i].dense_index, d, buf[i]);
+            }
         }
+        if (part.paged) decode_block<D>(part.key, recs, n, d, buf, x);
         dot_block<D>(q, rows, d, x, n, lg + col0, w.stride);
         if (!masked) return;
         for (int i = 0; i < n; ++i) {
@@ -639,12 +689,13 @@ void split_values(const Work& w, int64_t bh, int sp) {
     // Masked and empty slots received exact zeros: nothing is decoded for them and their scores are untouched.
     for_blocks(w, bh, c0, c1, true, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
         const float* x[kBlock];
+        const uint8_t* recs[kBlock] = {};
         for (int i = 0; i < kBlock; ++i) {
             x[i] = kZeros;
             if (i >= n || blk[i].tag <= 0 || static_cast<int64_t>(blk[i].tag) - 1 < pad_end) continue;
             const int64_t col = col0 + i;
             if (part.paged) {
-                x[i] = decode_field<D>(blk[i].record, part.value, d, buf[i]);
+                recs[i] = blk[i].record;
                 if (part.add_scores) {
                     float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].tag_at) + part.score_offset -
                                                          part.tag_offset);
@@ -655,6 +706,7 @@ void split_values(const Work& w, int64_t bh, int sp) {
                 if (part.add_scores && part.score) part.score[blk[i].dense_index] += red_row[col];
             }
         }
+        if (part.paged) decode_block<D>(part.value, recs, n, d, buf, x);
         axpy_block<D>(out, rows, d, lg + col0, w.stride, x, n);
     });
 }
