@@ -292,3 +292,18 @@ def test_carry_keeps_a_copied_span_with_its_key():
         carry_span(1.0)
     with pytest.raises(ValueError, match="carry"):
         token_scores(torch.rand(1, 2, 3, 5), 1, carry=1.5)
+
+
+@pytest.mark.parametrize("decay", [0.3, 0.8, 0.95])
+def test_carry_forward_windows_equal_shifts(monkeypatch, decay):
+    """The one-pass windows give the shifts' result bit for bit (same fp32 factors, max is exact), and the
+    shifts still serve what the windows would make too large."""
+    import hfkv.policy.scores as scores
+
+    gen = torch.Generator().manual_seed(3)
+    sums = torch.rand(2, 3, 257, generator=gen) ** 4
+    count = observation_counts(257, 32)
+    windows = carry_forward(sums, count, decay)
+    monkeypatch.setattr(scores, "CARRY_UNFOLD_MAX", 0)
+    shifts = carry_forward(sums, count, decay)
+    assert torch.equal(windows, shifts)

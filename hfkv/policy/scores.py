@@ -232,6 +232,7 @@ def token_scores(
     return out
 
 
+CARRY_UNFOLD_MAX = 1 << 26  # elements of carry_forward's windows (256 MB of fp32) past which it shifts instead
 CARRY_FLOOR = 1e-2  # carried shares below this are dropped: the span a score reaches is log(0.01) / log(decay)
 
 
@@ -261,9 +262,17 @@ def carry_forward(sums: Tensor, count: Tensor, decay: float) -> Tensor:
         return sums
     c = count.to(sums.dtype).clamp(min=1)
     mean = sums / c
+    n = min(span, t - 1)
+    shares = [1.0]
+    for _ in range(n):  # decay ** d by repeated products, each then an fp32 factor as a scalar operand would be
+        shares.append(shares[-1] * decay)
+    if mean.numel() * (n + 1) <= CARRY_UNFOLD_MAX:
+        # One pass over windows of the n + 1 tokens ending at each token (a GPU prefill paid three launches per
+        # shift, ~60 a layer): window element k is the token d = n - k places before, -inf before the first.
+        factor = torch.tensor(shares[::-1], dtype=mean.dtype, device=mean.device)
+        windows = F.pad(mean, (n, 0), value=float("-inf")).unfold(-1, n + 1, 1)  # [..., T, n + 1]
+        return (windows * factor).amax(-1) * c
     out = mean.clone()
-    share = 1.0
-    for d in range(1, min(span, t - 1) + 1):  # a few shifts of the whole [B, H, T] tensor, not a loop over tokens
-        share *= decay
-        out[..., d:] = torch.maximum(out[..., d:], mean[..., :-d] * share)
+    for d in range(1, n + 1):  # a few shifts of the whole [B, H, T] tensor, not a loop over tokens
+        out[..., d:] = torch.maximum(out[..., d:], mean[..., :-d] * shares[d])
     return out * c
