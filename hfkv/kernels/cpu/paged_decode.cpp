@@ -545,13 +545,18 @@ inline void for_blocks(const Work& w, int64_t bh, int64_t c0, int64_t c1, bool v
         const HfkvField& f = values ? part.value : part.key;
         const int32_t bytes = (values ? part.record : part.value.offset) - f.offset;
         Cursor cur(part, bh, static_cast<int>(lo - first)), ahead = cur;
-        if (part.paged) {
+        // Records of a cache line or less are left to the hardware prefetcher, which follows a page's records
+        // better than the prefetch instructions' cost repays (interleaved A/B, 8k, 1 thread: K4V2 records of
+        // 64 bytes, smollm2's shape, 0.94x the time without them; of 112 bytes, Llama-3.1-8B's, 1.06x; bf16
+        // records of 256 bytes 1.54x).
+        const bool prefetch = part.paged && part.record > 64;
+        if (prefetch) {
             for (int i = 0; i < kAhead && ahead.s < end; ++i, ahead.next()) ahead.prefetch(f.offset, bytes);
         }
         int n = 0;
         int64_t col0 = lo;
         for (int64_t col = lo; col < hi; ++col, cur.next()) {
-            if (part.paged && ahead.s < end) {
+            if (prefetch && ahead.s < end) {
                 ahead.prefetch(f.offset, bytes);
                 ahead.next();
             }
