@@ -9,7 +9,11 @@ of MB). This script says where that time is, so the fix is aimed, not guessed:
 * one policy run per layer timed alone (``run_policy``, synchronised before and after);
 * one interval of steps under ``torch.profiler`` with hfkv's sections labelled (``run_policy``,
   ``read_meta``, ``classify``, ``apply``, ``admit``, ``attend``): host and device milliseconds per
-  section and policy run, kernel launches and host syncs per section, and the top torch ops.
+  section and policy run, kernel launches and host syncs per section, and the top torch ops;
+* a prefill (``prefill`` in the JSON; ``--no-prefill`` skips it): one prefill forward of a DynamicCache
+  and of the cache, best of two, interleaved after one warm-up each, then the cache's own prefill work
+  per layer with each part synchronised before and after (``synced_ms_per_layer``: host gaps included)
+  and profiled (``sections``, beside ``dynamic_top_ops``, what the model's own prefill launches).
 
     python eval/policy_profile.py --out DIR                  # a CUDA machine: Llama-3.1-8B shape, 4 layers, 32k x 8
     python eval/policy_profile.py --out DIR --dry-run        # a CPU: the small shape, in seconds (the suite runs it)
