@@ -456,3 +456,16 @@ def test_torch_compile_of_the_model_runs_with_a_tristate_cache():
         torch._dynamo.reset()
     assert counters["frames"]["ok"] > 0  # dynamo did trace frames
     assert torch.equal(out, ref)
+
+
+def test_tier_members_sort_equals_nonzero():
+    """The GPU's one-read split of a state map by tier gives each tier's (b, h, i) exactly as nonzero does."""
+    from hfkv.cache import _members_by_nonzero, _members_by_sort
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 1, 1), (2, 3, 17), (3, 2, 64)]:
+        new = torch.randint(0, 4, shape, generator=gen, dtype=torch.int8)  # 3 = evicted: in no tier
+        new[0, 0, 0] = 1
+        want = [(t, tuple(x.tolist() for x in m)) for t, m in _members_by_nonzero(new, 3)]
+        got = [(t, tuple(x.tolist() for x in m)) for t, m in _members_by_sort(new, 3)]
+        assert got == want and want
