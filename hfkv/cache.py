@@ -41,9 +41,6 @@ from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, h
 from hfkv.storage.pool import GROWTH
 
 _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
-# The CPU kernel loops over slots with every query row of a KV head per record: right for decode steps
-# (g rows), while a long chunk's thousands of rows belong to the torch path's batched matmuls.
-CPU_KERNEL_MAX_ROWS = 64
 # The Triton partial pass keeps a call's logits (4 bytes per query row and slot) for its score pass: one
 # 4,096-token chunk over 6,000 slots at batch 8 and 8 KV heads x 4 would hold 25 GB (a chunked 32k prefill
 # of Llama-3.1-8B ran out of memory at a third of the batch its cache would fit). Larger calls go through
@@ -567,10 +564,7 @@ class TriStateLayer(CacheLayerMixin):
         self._refresh_tier_peak()
 
     def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
-        if self.backend == "triton":
-            return self._attend_slots_kernel(query, scaling)
-        rows = query.shape[1] // self.window.k.shape[1] * query.shape[2]
-        if self.backend == "cpu" and rows <= CPU_KERNEL_MAX_ROWS:
+        if self.backend != "torch":  # Triton, or the CPU kernel (decode steps and prefill chunks alike)
             return self._attend_slots_kernel(query, scaling)
         self._chunk = None
         win = self.window

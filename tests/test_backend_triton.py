@@ -83,10 +83,12 @@ def test_second_generate_call_goes_through_the_chunk_path():
 
 
 @pytest.mark.slow
-def test_long_chunks_go_through_the_triton_kernels_in_query_tiles(monkeypatch):
-    """A chunk whose logits would pass ``CHUNK_LOGITS_BYTES`` is attended in query tiles: the same tokens and
+def test_long_chunks_go_through_the_kernels_in_query_tiles(monkeypatch):
+    """A chunk whose logits would pass ``CHUNK_LOGITS_BYTES`` is attended in query tiles by the Triton kernels
+    (tiled in Python), and a chunk past ``TILE_ROWS`` rows by the CPU kernel (tiled in C++): the same tokens and
     statistics as the torch backend (a chunked prefill, then a second turn)."""
     import hfkv.cache as cache_module
+    import hfkv.kernels.cpu.paged_decode as cpu_kernel
 
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(30, 21))
@@ -97,11 +99,21 @@ def test_long_chunks_go_through_the_triton_kernels_in_query_tiles(monkeypatch):
         tiles.append((query.shape[2], tile))
         return attend(self, kernels, query, parts, tile, scaling, exits)
 
+    cpu_tiles = []
+    cpu_attention = cpu_kernel.paged_attention_cpu
+
+    def watched_cpu(query, *args, **kwargs):
+        cpu_tiles.append(query.shape[2] * query.shape[1] // model.config.num_key_value_heads)
+        return cpu_attention(query, *args, **kwargs)
+
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "cpu"):
         if backend == "triton":  # two tiles a chunk
             monkeypatch.setattr(cache_module, "_chunk_tile", lambda query, parts: max(1, query.shape[2] // 2))
             monkeypatch.setattr(cache_module.TriStateLayer, "_attend_tiles", watched)
+        if backend == "cpu":  # tiles of 3 queries (the query rows of one KV head: 3 x the GQA group)
+            monkeypatch.setattr(cpu_kernel, "TILE_ROWS", 3 * model.config.num_attention_heads // 2)
+            monkeypatch.setattr(cpu_kernel, "paged_attention_cpu", watched_cpu)
         cache = TriStateCache(model, "hfkv", backend=backend, budget=16, window=4)
         with torch.no_grad():  # a chunked prefill: the second chunk lands on a non-empty cache
             model(ids[:, :14], attention_mask=mask[:, :14], past_key_values=cache)
@@ -109,8 +121,10 @@ def test_long_chunks_go_through_the_triton_kernels_in_query_tiles(monkeypatch):
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
         results[backend] = (out, _stats_key(cache))
     assert tiles and all(tile < q for q, tile in tiles)
-    assert torch.equal(results["triton"][0], results["torch"][0])
-    assert results["triton"][1] == results["torch"][1]
+    assert max(cpu_tiles) > cpu_kernel.TILE_ROWS  # some chunk went through in several tiles
+    for backend in ("triton", "cpu"):
+        assert torch.equal(results[backend][0], results["torch"][0])
+        assert results[backend][1] == results["torch"][1]
 
 
 def test_chunk_tiles_keep_the_logits_under_the_cap(monkeypatch):

@@ -100,6 +100,9 @@ CASES = [
     ("int4", "int2", torch.bfloat16, 64, 4, 2, "max", 2048, (0, 60)),
     ("int8", "int8", torch.float32, 32, 2, 1, "max", 528, (12, 12)),
     ("int4", "int2", torch.float32, 32, 4, 20, "l2", None, (20, 30)),  # a chunk tiled over 3 query blocks
+    # A chunk of 19 queries x 4 at a constant head dim: the CPU kernel's tiles of 64 and 12 rows, each 8 rows at a
+    # time with transposed keys and 4 left over.
+    ("int8", "int4", torch.float32, 64, 4, 19, "mean", None, (20, 30)),
 ]
 
 
@@ -141,7 +144,9 @@ def test_decode_kernel_matches_torch_twin(kernel, key, value, dtype, dim, ratio,
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[8]], ids=["int4-int2", "bf16-l2", "chunk"])
+@pytest.mark.parametrize(
+    "case", [CASES[1], CASES[3], CASES[8], CASES[9]], ids=["int4-int2", "bf16-l2", "chunk", "chunk-tiles"]
+)
 def test_cpu_kernel_on_several_threads_matches_torch_twin(threads, case):
     """Threads share the (row, head) pairs; with min_split=16 every pair's slots are also cut into ranges
     (split-K, more threads than pairs at 7), whose maxima and sums are combined exactly."""

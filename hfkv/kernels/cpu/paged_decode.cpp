@@ -168,12 +168,65 @@ inline Vec8 reduce8(const Vec8* a) {
 #endif
 }
 
+// out[j] = {x[0][e + j], ..., x[7][e + j]} for j < 8: an 8 x 8 transpose of the block's columns e .. e + 7.
+inline void transpose8(const float* const* x, int e, Vec8* out) {
+#if defined(__AVX__)
+    __m256 r[8], t[8];
+    for (int s = 0; s < 8; ++s) r[s] = _mm256_loadu_ps(x[s] + e);
+    for (int s = 0; s < 8; s += 2) {
+        t[s] = _mm256_unpacklo_ps(r[s], r[s + 1]);
+        t[s + 1] = _mm256_unpackhi_ps(r[s], r[s + 1]);
+    }
+    for (int s = 0; s < 8; s += 4) {
+        r[s] = _mm256_shuffle_ps(t[s], t[s + 2], 0x44);
+        r[s + 1] = _mm256_shuffle_ps(t[s], t[s + 2], 0xee);
+        r[s + 2] = _mm256_shuffle_ps(t[s + 1], t[s + 3], 0x44);
+        r[s + 3] = _mm256_shuffle_ps(t[s + 1], t[s + 3], 0xee);
+    }
+    for (int j = 0; j < 4; ++j) {  // r[j]: columns j and j + 4 of rows 0-3, r[j + 4]: of rows 4-7
+        const __m256 lo = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+        const __m256 hi = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
+        std::memcpy(out + j, &lo, sizeof lo);
+        std::memcpy(out + j + 4, &hi, sizeof hi);
+    }
+#else
+    for (int j = 0; j < 8; ++j)
+        for (int s = 0; s < 8; ++s) out[j][s] = x[s][e + j];
+#endif
+}
+
 // lg[r * stride + s] = q_r . x[s] for every row r and the first n slots of a block (x[s] of the others: zeros).
+//
+// From 8 rows on (a prefill chunk's tile), the block is transposed first (kt[e] = element e of the 8 slots), so that
+// 8 rows at a time accumulate their 8 logits in one register each over the head dim, with no horizontal sum: the
+// reduction per row and block cost a fifth of the logits phase of a chunk tile (perf), and its price, one
+// transpose per block, is paid once for all the rows.
 template <int D>
 inline void dot_block(const float* q, int rows, int dim, const float* const* x, int n, float* lg, int64_t stride) {
     const int d = D ? D : dim;
     const int whole = d / 8 * 8;
-    for (int r = 0; r < rows; ++r) {
+    int r0 = 0;
+    if constexpr (D != 0 && D % 8 == 0) {
+        if (rows >= 8) {
+            alignas(32) Vec8 kt[D];
+            for (int e = 0; e < D; e += 8) transpose8(x, e, kt + e);
+            for (; r0 + 8 <= rows; r0 += 8) {
+                Vec8 acc[8] = {};
+                const float* q0 = q + static_cast<int64_t>(r0) * D;
+                for (int e = 0; e < D; ++e)
+                    for (int i = 0; i < 8; ++i) acc[i] += q0[i * D + e] * kt[e];
+                for (int i = 0; i < 8; ++i) {
+                    float* out = lg + (r0 + i) * stride;
+                    if (n == kBlock) {
+                        store_vec(out, acc[i]);
+                    } else {
+                        for (int s = 0; s < n; ++s) out[s] = acc[i][s];
+                    }
+                }
+            }
+        }
+    }
+    for (int r = r0; r < rows; ++r) {
         const float* qr = q + static_cast<int64_t>(r) * d;
         Vec8 acc[kBlock] = {};
         for (int e = 0; e < whole; e += 8) {
@@ -192,16 +245,44 @@ inline void dot_block(const float* q, int rows, int dim, const float* const* x, 
     }
 }
 
-// o[r] += sum over the first n slots of p[r * stride + s] * x[s], for every row r.
+// o[r] += sum over the first n slots of p[r * stride + s] * f[2 * r] * x[s], for every row r.
+//
+// With the head dim a constant, R rows' outputs stay in 16 vector registers for the whole block: each 8-wide
+// chunk of a slot's values is loaded once for R rows, and the adds into one register are spread over R * D / 8
+// independent chains (one row at a time, each chunk was a chain of kBlock dependent adds between a load and a
+// store of the output: latency-bound, a quarter of split_values' time in a chunked prefill, perf).
 template <int D>
-inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stride, const float* const* x, int n) {
+inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stride, const float* f,
+                       const float* const* x_, int n) {
+    const float* x[kBlock];  // a local copy: the stores into o could alias the caller's array of pointers
+    for (int s = 0; s < kBlock; ++s) x[s] = x_[s];
+    int r = 0;
+    if constexpr (D != 0 && D % 8 == 0) {
+        constexpr int C = D / 8, R = C >= 16 ? 1 : 16 / C;
+        for (; r + R <= rows; r += R) {
+            float* o0 = o + static_cast<int64_t>(r) * D;
+            Vec8 acc[R][C];
+            for (int i = 0; i < R; ++i)
+                for (int c = 0; c < C; ++c) acc[i][c] = load_vec<Vec8>(o0 + i * D + 8 * c);
+            for (int s = 0; s < n; ++s) {
+                float wv[R];
+                for (int i = 0; i < R; ++i) wv[i] = p[(r + i) * stride + s] * f[2 * (r + i)];
+                for (int c = 0; c < C; ++c) {
+                    const Vec8 xv = load_vec<Vec8>(x[s] + 8 * c);
+                    for (int i = 0; i < R; ++i) acc[i][c] += wv[i] * xv;
+                }
+            }
+            for (int i = 0; i < R; ++i)
+                for (int c = 0; c < C; ++c) store_vec(o0 + i * D + 8 * c, acc[i][c]);
+        }
+    }
     const int d = D ? D : dim;
     const int whole = d / 8 * 8;
-    for (int r = 0; r < rows; ++r) {
+    for (; r < rows; ++r) {
         float* orow = o + static_cast<int64_t>(r) * d;
         const float* pr = p + r * stride;
         float w[kBlock];
-        for (int s = 0; s < kBlock; ++s) w[s] = s < n ? pr[s] : 0.0f;
+        for (int s = 0; s < kBlock; ++s) w[s] = s < n ? pr[s] * f[2 * r] : 0.0f;
         Vec8 wb[kBlock];
         for (int s = 0; s < kBlock; ++s) wb[s] = Vec8{} + w[s];
         for (int e = 0; e < whole; e += 8) {
@@ -520,7 +601,6 @@ struct Work {
     float* out;                 // [BH, rows, D], zeroed
     float* delta;               // [BH, s_total] or null
     float* logits;              // [BH, rows, stride]
-    float* red;                 // [BH, stride]: each column's significance
     float* stats;               // [BH, nsplit, rows, 2]: local max and sum, then the normalising factor
     float* partial;             // [BH, nsplit, rows, D] when nsplit > 1
 
@@ -582,6 +662,9 @@ void split_logits(const Work& w, int64_t bh, int sp) {
     float* lg = w.logits + bh * rows * w.stride;
     alignas(64) float buf[kBlock][D ? D : 512];
     for_blocks(w, bh, c0, c1, false, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
+        if (rows > 8 && (col0 & 15) < kBlock && col0 + 32 < c1) {  // a chunk tile: each row's next lines
+            for (int r = 0; r < rows; ++r) __builtin_prefetch(lg + r * w.stride + ((col0 + 32) & ~int64_t{15}), 1);
+        }
         const float* x[kBlock];
         const uint8_t* recs[kBlock] = {};
         bool masked = false;  // some slot of the block is hidden from some query row
@@ -653,66 +736,79 @@ inline void combine_row(const Work& w, int64_t bh, int r) {
     for (int sp = 0; sp < w.nsplit; ++sp) st[sp * rows * 2] *= inv;
 }
 
-// Phase 2 of a (row-head, split): probabilities, each slot's significance (reduced over the GQA group, summed
-// over the queries) added to its score sum where it lies, and the values weighted by the probabilities.
+// The significance of the n slots of a block at columns col0..: each query row's probability (exp times the row's
+// factor f[2r]), reduced over the GQA group, summed over the queries.
+inline void block_significance(const Work& w, const float* lg, const float* f, int64_t col0, int n, float* red_out) {
+    Vec8 total = {};
+    for (int qi = 0; qi < w.qlen; ++qi) {
+        Vec8 red = {};
+        for (int gi = 0; gi < w.G; ++gi) {
+            const int r = gi * w.qlen + qi;
+            Vec8 e;
+            if (n == kBlock) {
+                e = load_vec<Vec8>(lg + r * w.stride + col0);
+            } else {
+                e = Vec8{};
+                for (int i = 0; i < n; ++i) e[i] = lg[r * w.stride + col0 + i];
+            }
+            const Vec8 p = e * f[2 * r];
+            if (w.reduction == RED_MAX) red = p > red ? p : red;
+            else red += w.reduction == RED_MEAN ? p : p * p;
+        }
+        if (w.reduction == RED_MEAN) {
+            red = red / static_cast<float>(w.G);
+        } else if (w.reduction == RED_L2) {
+            red = red / static_cast<float>(w.G);
+            for (int i = 0; i < kBlock; ++i) red[i] = std::sqrt(red[i]);
+        }
+        total += red;
+    }
+    store_vec(red_out, total);
+}
+
+// Phase 2 of a (row-head, split): each slot's significance (its probabilities reduced over the GQA group, summed
+// over the queries) added to its score sum where it lies, and the values weighted by the probabilities. Block by
+// block: a block's exps are read once from the logits for both, and normalised in registers (the factor of each
+// row), not in a pass that stores them (that store was an eighth of a chunk tile's time, perf).
 template <int D>
 void split_values(const Work& w, int64_t bh, int sp) {
     const int d = D ? D : w.dim;
     const int rows = w.rows();
     const int64_t c0 = w.begin(sp), c1 = w.end(sp), pad_end = w.pad_end[bh / w.H];
-    float* lg = w.logits + bh * rows * w.stride;
-    float* red_row = w.red + bh * w.stride;
+    const float* lg = w.logits + bh * rows * w.stride;
     const float* st = w.stats + (bh * w.nsplit + sp) * rows * 2;
-    for (int64_t c = c0; c < c1; c += kLanes) {
-        Vec total = {};
-        for (int qi = 0; qi < w.qlen; ++qi) {
-            Vec red = {};
-            for (int gi = 0; gi < w.G; ++gi) {
-                const int r = gi * w.qlen + qi;
-                const Vec p = load_vec(lg + r * w.stride + c) * st[2 * r];
-                store_vec(lg + r * w.stride + c, p);
-                if (w.reduction == RED_MAX) red = p > red ? p : red;
-                else if (w.reduction == RED_MEAN) red += p;
-                else red += p * p;
-            }
-            if (w.reduction == RED_MEAN) {
-                red = red / static_cast<float>(w.G);
-            } else if (w.reduction == RED_L2) {
-                red = red / static_cast<float>(w.G);
-                for (int i = 0; i < kLanes; ++i) red[i] = std::sqrt(red[i]);
-            }
-            total += red;
-        }
-        store_vec(red_row + c, total);
-    }
-    if (w.delta && c0 < w.s_total) {
-        const int64_t hi = c1 < w.s_total ? c1 : w.s_total;
-        std::memcpy(w.delta + bh * w.s_total + c0, red_row + c0, sizeof(float) * (hi - c0));
-    }
     float* out = w.nsplit == 1 ? w.out + bh * rows * d : w.partial + (bh * w.nsplit + sp) * rows * d;
+    float* delta = w.delta ? w.delta + bh * w.s_total : nullptr;
     alignas(64) float buf[kBlock][D ? D : 512];
     // Masked and empty slots received exact zeros: nothing is decoded for them and their scores are untouched.
     for_blocks(w, bh, c0, c1, true, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
+        alignas(32) float red[kBlock];
+        if (rows > 8 && (col0 & 15) < kBlock && col0 + 32 < c1) {  // a chunk tile: each row's next lines
+            for (int r = 0; r < rows; ++r) __builtin_prefetch(lg + r * w.stride + ((col0 + 32) & ~int64_t{15}));
+        }
+        block_significance(w, lg, st, col0, n, red);
+        if (delta) {  // summed over the tiles of a chunk's queries (zeroed by the entry point)
+            for (int i = 0; i < n; ++i) delta[col0 + i] += red[i];
+        }
         const float* x[kBlock];
         const uint8_t* recs[kBlock] = {};
         for (int i = 0; i < kBlock; ++i) {
             x[i] = kZeros;
             if (i >= n || blk[i].tag <= 0 || static_cast<int64_t>(blk[i].tag) - 1 < pad_end) continue;
-            const int64_t col = col0 + i;
             if (part.paged) {
                 recs[i] = blk[i].record;
                 if (part.add_scores) {
                     float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].tag_at) + part.score_offset -
                                                          part.tag_offset);
-                    *sc += red_row[col];
+                    *sc += red[i];
                 }
             } else {
                 x[i] = decode_dense<D>(part.v, part.dense_dtype, blk[i].dense_index, d, buf[i]);
-                if (part.add_scores && part.score) part.score[blk[i].dense_index] += red_row[col];
+                if (part.add_scores && part.score) part.score[blk[i].dense_index] += red[i];
             }
         }
         if (part.paged) decode_block<D>(part.value, recs, n, d, buf, x);
-        axpy_block<D>(out, rows, d, lg + col0, w.stride, x, n);
+        axpy_block<D>(out, rows, d, lg + col0, w.stride, st, x, n);
     });
 }
 
@@ -752,25 +848,26 @@ void attend_all(Work& w, int64_t BH, int threads) {
 
 extern "C" {
 
-// query [B, H, G * qlen, D] fp32, rows ordered (gi, qi), scaled here by `scaling`; out [B, H, G * qlen, D]
-// fp32, zeroed here (scaling and zeroing in the caller cost a decode step two tensor ops per layer); delta [B, H, sum slots] fp32 or null; logits: scratch of B * H * (G * qlen + 1) * round_up(sum
-// slots, 16) floats. threads: how many threads to use (torch.get_num_threads() at the call); min_split: the
-// fewest slots a split-K range holds.
+// query [B, H, G * qlen, D] fp32, rows ordered (gi, qi), scaled here by `scaling`; out [B, H, G * qlen, D] fp32,
+// zeroed here (scaling and zeroing in the caller cost a decode step two tensor ops per layer); delta [B, H, sum
+// slots] fp32 or null. tile: the most queries one pass takes (0 = all): a prefill chunk's queries go through in
+// tiles, each reading every slot, with one call per chunk (one per tile cost a quarter of a millisecond of Python
+// each, a tenth of a chunk's attention). logits: scratch of B * H * G * min(qlen, tile) * round_up(sum slots, 16)
+// floats. threads: how many threads to use (torch.get_num_threads() at the call); min_split: the fewest slots a
+// split-K range holds.
 // Returns 0, or -1 for a head dim beyond 512.
 int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32_t qlen, int32_t dim,
                       int64_t q_start, const int64_t* pad_end, int32_t nparts, const HfkvPart* parts,
                       int32_t reduction, float* out, float* delta, float* logits, int32_t threads,
-                      int32_t min_split, float scaling) {
+                      int32_t min_split, float scaling, int32_t tile) {
     if (dim > 512) return -1;  // the staging buffers of decode_field
     std::vector<int64_t> part_start(nparts + 1, 0);
     for (int pi = 0; pi < nparts; ++pi) part_start[pi + 1] = part_start[pi] + parts[pi].slots;
     const int64_t s_total = part_start[nparts], BH = static_cast<int64_t>(B) * H;
     const int64_t stride = (s_total + kLanes - 1) / kLanes * kLanes;
-    const int rows = G * qlen;
-    const int64_t q_numel = BH * rows * dim;
-    std::vector<float> scaled(static_cast<size_t>(q_numel));
-    for (int64_t i = 0; i < q_numel; ++i) scaled[i] = query[i] * scaling;
-    std::memset(out, 0, sizeof(float) * static_cast<size_t>(q_numel));
+    const int rows = G * qlen, T = tile > 0 && tile < qlen ? tile : qlen;
+    std::memset(out, 0, sizeof(float) * static_cast<size_t>(BH * rows * dim));
+    if (delta) std::memset(delta, 0, sizeof(float) * static_cast<size_t>(BH * s_total));
     // Split-K only where (row, head) pairs are fewer than twice the threads, never below min_split slots.
     int64_t nsplit = 1;
     if (threads > 1 && BH < 2 * threads) nsplit = (2 * threads + BH - 1) / BH;
@@ -778,15 +875,36 @@ int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32
     if (nsplit > most) nsplit = most > 1 ? most : 1;
     const int64_t split_len = ((stride + nsplit - 1) / nsplit + kLanes - 1) / kLanes * kLanes;
     nsplit = stride ? (stride + split_len - 1) / split_len : 1;
-    std::vector<float> stats(BH * nsplit * rows * 2);
-    std::vector<float> partial(nsplit > 1 ? BH * nsplit * rows * dim : 0, 0.0f);
-    Work w{scaled.data(), G, qlen, dim, H, nparts, reduction, static_cast<int>(nsplit), q_start, s_total, stride,
-           split_len ? split_len : kLanes, pad_end, parts, part_start.data(), out, delta, logits,
-           logits + BH * rows * stride, stats.data(), partial.data()};
-    switch (dim) {
-        case 64: attend_all<64>(w, BH, threads); break;
-        case 128: attend_all<128>(w, BH, threads); break;
-        default: attend_all<0>(w, BH, threads);
+    const int64_t tile_numel = BH * G * T * dim;
+    std::vector<float> scaled(static_cast<size_t>(tile_numel));
+    std::vector<float> tile_out(T < qlen ? tile_numel : 0);
+    std::vector<float> stats(BH * nsplit * G * T * 2);
+    std::vector<float> partial(nsplit > 1 ? BH * nsplit * G * T * dim : 0);
+    for (int t0 = 0; t0 < qlen; t0 += T) {
+        const int tq = qlen - t0 < T ? qlen - t0 : T;
+        for (int64_t bh = 0; bh < BH; ++bh)  // the tile's rows (gi, t0 + ti) of every head, as (gi, ti)
+            for (int gi = 0; gi < G; ++gi) {
+                const float* src = query + ((bh * G + gi) * qlen + t0) * dim;
+                float* dst = scaled.data() + ((bh * G + gi) * tq) * dim;
+                for (int64_t i = 0; i < static_cast<int64_t>(tq) * dim; ++i) dst[i] = src[i] * scaling;
+            }
+        float* o = T == qlen ? out : tile_out.data();
+        if (T < qlen) std::memset(o, 0, sizeof(float) * static_cast<size_t>(BH * G * tq * dim));
+        if (nsplit > 1) std::fill(partial.begin(), partial.end(), 0.0f);
+        Work w{scaled.data(), G, tq, dim, H, nparts, reduction, static_cast<int>(nsplit), q_start + t0, s_total, stride,
+               split_len ? split_len : kLanes, pad_end, parts, part_start.data(), o, delta, logits, stats.data(),
+               partial.data()};
+        switch (dim) {
+            case 64: attend_all<64>(w, BH, threads); break;
+            case 128: attend_all<128>(w, BH, threads); break;
+            default: attend_all<0>(w, BH, threads);
+        }
+        if (T < qlen) {
+            for (int64_t bh = 0; bh < BH; ++bh)
+                for (int gi = 0; gi < G; ++gi)
+                    std::memcpy(out + ((bh * G + gi) * qlen + t0) * dim, o + ((bh * G + gi) * tq) * dim,
+                                sizeof(float) * static_cast<size_t>(tq) * dim);
+        }
     }
     return 0;
 }
