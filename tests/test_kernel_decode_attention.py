@@ -149,7 +149,8 @@ def test_decode_kernel_matches_torch_twin(kernel, key, value, dtype, dim, ratio,
 )
 def test_cpu_kernel_on_several_threads_matches_torch_twin(threads, case):
     """Threads share the (row, head) pairs; with min_split=16 every pair's slots are also cut into ranges
-    (split-K, more threads than pairs at 7), whose maxima and sums are combined exactly."""
+    (split-K, more threads than pairs at 7), whose maxima and sums are combined exactly. A chunk past TILE_ROWS
+    rows (chunk-tiles) runs its tiles on the threads at once, the score sums added after them."""
     key, value, dtype, dim, ratio, qlen, reduction, page_bytes, counts = case
     bsz, heads, length = 2, 2, 120
     layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype))
