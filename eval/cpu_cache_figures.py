@@ -58,8 +58,9 @@ def held_fraction(cache) -> float | None:
     return st.kv_bytes / st.dense_bytes
 
 
-def build_model(seed: int = 0):
-    return build_random_like("cpu-small", max_positions=16384, seed=seed)  # the shape `hfkv bench` names
+def build_model(seed: int = 0, context: int = 8192):
+    """The shape `hfkv bench` names, with positions for ``context`` tokens and the decode steps after them."""
+    return build_random_like("cpu-small", max_positions=max(16384, context + 1024), seed=seed)
 
 
 def make_cache(model, name: str, budget: int):
@@ -158,7 +159,7 @@ def main() -> None:
         raise SystemExit(2) from None
     if record["busy"]:
         print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
-    model = build_model()
+    model = build_model(context=max(args.long_context, args.short_context) + args.steps)
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
