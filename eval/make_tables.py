@@ -628,11 +628,14 @@ def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str
     return out
 
 
-def cpu_figures_section(res: dict[str, Any] | None) -> list[str]:
+CPU_FIGURES_HEADING = "## CPU decode step at long and short context (`eval/cpu_cache_figures.py`)"
+
+
+def cpu_figures_section(res: dict[str, Any] | None, heading: str = CPU_FIGURES_HEADING) -> list[str]:
     """The decode-step and memory figures of eval/cpu_cache_figures.py (one process, interleaved timing)."""
     from hfkv.evaluation.quiet import verdict
 
-    out = ["## CPU decode step at long and short context (`eval/cpu_cache_figures.py`)", ""]
+    out = [heading, ""]
     if res is None:
         return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py`).", ""]
     record = res.get("quiet")
@@ -941,6 +944,8 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += bench_section(bench, plot_dir)
     cpu = root / CPU_FIGURES
     lines += cpu_figures_section(json.loads(cpu.read_text(encoding="utf-8")) if cpu.exists() else None)
+    for extra in sorted(cpu.parent.glob(f"{cpu.stem}_*.json")):  # other contexts (a 32k run)
+        lines += cpu_figures_section(json.loads(extra.read_text(encoding="utf-8")), heading=f"### `{extra.name}`")
     lines += COMMANDS.splitlines()
     demo = root / DEMO
     return "\n".join(lines).rstrip() + "\n", demo_table(json.loads(demo.read_text()) if demo.exists() else None)
@@ -985,6 +990,9 @@ hfkv bench --wait-quiet 600 --random-like cpu-small \\
     --dtype fp32 --name cpu_small_fp32 --force
 # CPU decode step at 8k and 512 tokens, one process, 1 thread and all cores
 python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512"
+# the same at 32k tokens, 2 threads
+python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
+    --steps 32 --out eval/results/cpu_cache_figures_32k.json
 # prefill of 8k tokens in one forward and in 1,024-token chunks (with decode steps), 1 thread and all cores
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 --name cpu_small_fp32_prefill
