@@ -22,20 +22,24 @@ def _state(cache: TriStateCache) -> list:
 
 
 def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
-    original = TriStateLayer._nothing_competes
+    original, admit_exits = TriStateLayer._nothing_competes, TriStateLayer._admit_exits
     answers: list[bool] = []
 
     def spy(self, exit_pos):
         answers.append(False if slow else original(self, exit_pos))
         return answers[-1]
 
+    def spy_exits(self, *args):
+        answers.append("exits")
+        return admit_exits(self, *args)
+
     monkeypatch.setattr(TriStateLayer, "_nothing_competes", spy)
+    monkeypatch.setattr(TriStateLayer, "_admit_exits", spy_exits)
     overrides = dict(overrides)
     if overrides.pop("half_oq", False):  # OQ ratios of 0.5: the cap on exact tokens binds before the bytes do
         monkeypatch.setattr(TriStateCache, "rho", lambda self, i: torch.full((ids.shape[0],), 0.5))
     cache = TriStateCache(model, "hfkv", **overrides)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=44, do_sample=False)
-    monkeypatch.setattr(TriStateLayer, "_nothing_competes", original)
     monkeypatch.undo()
     return out, _state(cache), answers
 
@@ -51,10 +55,14 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
         {"budget": 60, "window": 4, "half_oq": True},
     ],
 )
-def test_admit_only_runs_end_where_full_runs_end(overrides, monkeypatch):
+@pytest.mark.parametrize("lengths", [(12, 7), (12, 12)], ids=["padded", "unpadded"])
+def test_admit_only_runs_end_where_full_runs_end(overrides, lengths, monkeypatch):
+    """Unpadded, an admit-only run takes the exits as they are (_admit_exits), padded through a state map."""
     model = tiny_model("llama")
-    ids, mask = left_padded_batch(lengths=(12, 7))
-    fast_out, fast_state, fast_answers = _generate(model, ids, mask, overrides, False, monkeypatch)
+    ids, mask = left_padded_batch(lengths=lengths)
+    fast_out, fast_state, answers = _generate(model, ids, mask, overrides, False, monkeypatch)
+    fast_answers = [a for a in answers if a != "exits"]
+    assert ("exits" in answers) == (lengths == (12, 12) and any(fast_answers))
     slow_out, slow_state, _ = _generate(model, ids, mask, overrides, True, monkeypatch)
     assert torch.equal(fast_out, slow_out)
     for (fc, fm, fs), (sc, sm, ss) in zip(fast_state, slow_state, strict=True):

@@ -183,7 +183,10 @@ class PagedTiers:
         if check_finite:
             lay.check_encodable(k, v)
         offsets = self._reserve_offsets(tier, b, h)
-        encode_write(self.pool.data, offsets, lay, k, v, pos, score)
+        if self.backend == "cpu":  # slots just reserved here: nothing to validate
+            encode_write(self.pool.data, offsets, lay, k, v, pos, score, checked=False)
+        else:
+            encode_write(self.pool.data, offsets, lay, k, v, pos, score)
 
     def _take_pages(self, tier: int, b: torch.Tensor, h: torch.Tensor):
         """What appending one record to each head ``(b[j], h[j])`` needs: ``(bh, k, old, old_pages, need, ids)``

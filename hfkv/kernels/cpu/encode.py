@@ -52,9 +52,13 @@ def encode_write_cpu(
     v: torch.Tensor,
     pos: torch.Tensor,
     score: torch.Tensor,
+    checked: bool = True,
 ) -> None:
     """Encode tokens ``k, v [N, D]`` as ``layout`` records and write record ``i`` into the slot whose body starts
-    at byte ``dest[i]`` of ``pool`` (CPU tensors; distinct slot starts, as :func:`hfkv.kernels.encode.encode_write`)."""
+    at byte ``dest[i]`` of ``pool`` (CPU tensors; distinct slot starts, as :func:`hfkv.kernels.encode.encode_write`).
+
+    ``checked=False`` skips validating ``dest`` against the pool (three reductions read back): for slots the
+    storage itself just reserved (``PagedTiers.append_tokens``), a tenth of a policy run's admission."""
     n = dest.shape[0] if dest.dim() == 1 else -1
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
         raise ValueError(
@@ -74,12 +78,13 @@ def encode_write_cpu(
     if n == 0:
         return
     tpp = layout.records_per_page(pool.shape[1])
-    in_page = dest % pool.shape[1]
-    if int(dest.min()) < 0 or int(dest.max()) >= pool.numel() or int(in_page.max()) >= tpp * layout.stride:
-        raise ValueError(
-            f"encode_write_cpu: dest must be slot starts, page * {pool.shape[1]} + slot * {layout.stride} with "
-            f"slot < {tpp}, inside the pool's {pool.numel()} bytes"
-        )
+    if checked:
+        in_page = dest % pool.shape[1]
+        if int(dest.min()) < 0 or int(dest.max()) >= pool.numel() or int(in_page.max()) >= tpp * layout.stride:
+            raise ValueError(
+                f"encode_write_cpu: dest must be slot starts, page * {pool.shape[1]} + slot * {layout.stride} "
+                f"with slot < {tpp}, inside the pool's {pool.numel()} bytes"
+            )
     kf, vf = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
     p, s = pos.to(torch.int64).contiguous(), score.to(torch.float32).contiguous()
     fk, fv = _fields(layout)
