@@ -11,7 +11,8 @@
 //
 // The (row, KV head) pairs, and for a step with fewer pairs than threads ranges of their slots (split-K,
 // combined through each range's max and sum), run on torch's own OpenMP threads, as many as
-// torch.get_num_threads() says at the call.
+// torch.get_num_threads() says at the call. A prefill chunk's queries go through in tiles of rows, one call per
+// chunk, the tiles themselves spread over the threads (chunk_tiles_parallel).
 //
 // Built at first use by hfkv/kernels/cpu/build.py (plain C ABI, no Python or torch headers, so the build
 // takes a second) and called through ctypes; hfkv/kernels/cpu/paged_decode.py is the Python side.
