@@ -532,6 +532,16 @@ struct SlotRef {
     int32_t tag;
 };
 
+// Adds v to the score sum of a live slot where it lies: its page's score region, or the dense part's array.
+inline void add_score(const HfkvPart& part, const SlotRef& ref, float v) {
+    if (!part.add_scores) return;
+    if (part.paged) {
+        *reinterpret_cast<float*>(const_cast<uint8_t*>(ref.tag_at) + part.score_offset - part.tag_offset) += v;
+    } else if (part.score) {
+        part.score[ref.dense_index] += v;
+    }
+}
+
 // Walks the slots of one part for one (row, head) in order, page by page and record by record (no division
 // per slot).
 struct Cursor {
@@ -805,16 +815,11 @@ void split_values(const Work& w, int64_t bh, int sp) {
         for (int i = 0; i < kBlock; ++i) {
             x[i] = kZeros;
             if (i >= n || blk[i].tag <= 0 || static_cast<int64_t>(blk[i].tag) - 1 < pad_end) continue;
+            if (w.scores_in_place) add_score(part, blk[i], red[i]);
             if (part.paged) {
                 recs[i] = blk[i].record;
-                if (part.add_scores && w.scores_in_place) {
-                    float* sc = reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].tag_at) + part.score_offset -
-                                                         part.tag_offset);
-                    *sc += red[i];
-                }
             } else {
                 x[i] = decode_dense<D>(part.v, part.dense_dtype, blk[i].dense_index, d, buf[i]);
-                if (part.add_scores && part.score && w.scores_in_place) part.score[blk[i].dense_index] += red[i];
             }
         }
         if (part.paged) decode_block<D>(part.value, recs, n, d, buf, x);
@@ -854,6 +859,23 @@ void attend_all(Work& w, int64_t BH, int threads) {
     }
 }
 
+// A tile's query rows (gi, t0 .. t0 + tq) of row-head bh, scaled, packed as (gi, ti) into dst: the rows one pass
+// over the slots takes. And back: the tile's output rows into their places in out.
+inline void take_tile_rows(const float* query, int G, int qlen, int dim, int64_t bh, int t0, int tq, float scaling,
+                           float* dst) {
+    for (int gi = 0; gi < G; ++gi) {
+        const float* src = query + ((bh * G + gi) * qlen + t0) * dim;
+        float* row = dst + static_cast<int64_t>(gi) * tq * dim;
+        for (int64_t i = 0; i < static_cast<int64_t>(tq) * dim; ++i) row[i] = src[i] * scaling;
+    }
+}
+
+inline void put_tile_rows(const float* src, int G, int qlen, int dim, int64_t bh, int t0, int tq, float* out) {
+    for (int gi = 0; gi < G; ++gi)
+        std::memcpy(out + ((bh * G + gi) * qlen + t0) * dim, src + static_cast<int64_t>(gi) * tq * dim,
+                    sizeof(float) * static_cast<size_t>(tq) * dim);
+}
+
 // Adds delta [BH, s_total] to the score sums of the live slots where they lie (the significances of a chunk whose
 // tiles ran in parallel: two tiles adding into one record at once would race).
 inline void add_deltas(const Work& w, int64_t BH, const float* delta, int threads) {
@@ -862,15 +884,9 @@ inline void add_deltas(const Work& w, int64_t BH, const float* delta, int thread
         const int64_t pad_end = w.pad_end[bh / w.H];
         const float* d = delta + bh * w.s_total;
         for_blocks(w, bh, 0, w.s_total, false, [&](const HfkvPart& part, const SlotRef* blk, int n, int64_t col0) {
-            if (!part.add_scores || (!part.paged && !part.score)) return;
             for (int i = 0; i < n; ++i) {
-                if (blk[i].tag <= 0 || static_cast<int64_t>(blk[i].tag) - 1 < pad_end) continue;
-                if (part.paged) {
-                    *reinterpret_cast<float*>(const_cast<uint8_t*>(blk[i].tag_at) + part.score_offset -
-                                              part.tag_offset) += d[col0 + i];
-                } else {
-                    part.score[blk[i].dense_index] += d[col0 + i];
-                }
+                const bool live = blk[i].tag > 0 && static_cast<int64_t>(blk[i].tag) - 1 >= pad_end;
+                if (live) add_score(part, blk[i], d[col0 + i]);
             }
         });
     }
@@ -900,11 +916,7 @@ void chunk_tiles_parallel(Work base, const float* query, float scaling, int64_t 
         for (int64_t it = 0; it < items; ++it) {
             const int64_t bh = it % BH;
             const int t0 = static_cast<int>(it / BH) * T, tq = qlen - t0 < T ? qlen - t0 : T;
-            for (int gi = 0; gi < G; ++gi) {
-                const float* src = query + ((bh * G + gi) * qlen + t0) * d;
-                float* dst = scaled.data() + static_cast<int64_t>(gi) * tq * d;
-                for (int64_t i = 0; i < static_cast<int64_t>(tq) * d; ++i) dst[i] = src[i] * scaling;
-            }
+            take_tile_rows(query, G, qlen, d, bh, t0, tq, scaling, scaled.data());
             std::fill(tout.begin(), tout.begin() + static_cast<int64_t>(G) * tq * d, 0.0f);
             Work w = base;
             w.q = scaled.data();
@@ -921,9 +933,7 @@ void chunk_tiles_parallel(Work base, const float* query, float scaling, int64_t 
             split_logits<D>(w, bh, 0);
             for (int r = 0; r < G * tq; ++r) combine_row(w, bh, r);
             split_values<D>(w, bh, 0);
-            for (int gi = 0; gi < G; ++gi)
-                std::memcpy(out + ((bh * G + gi) * qlen + t0) * d, tout.data() + static_cast<int64_t>(gi) * tq * d,
-                            sizeof(float) * static_cast<size_t>(tq) * d);
+            put_tile_rows(tout.data(), G, qlen, d, bh, t0, tq, out);
         }
     }
     for (int t = 1; t < threads; ++t)
@@ -980,12 +990,8 @@ int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32
     std::vector<float> partial(nsplit > 1 ? BH * nsplit * G * T * dim : 0);
     for (int t0 = 0; t0 < qlen; t0 += T) {
         const int tq = qlen - t0 < T ? qlen - t0 : T;
-        for (int64_t bh = 0; bh < BH; ++bh)  // the tile's rows (gi, t0 + ti) of every head, as (gi, ti)
-            for (int gi = 0; gi < G; ++gi) {
-                const float* src = query + ((bh * G + gi) * qlen + t0) * dim;
-                float* dst = scaled.data() + ((bh * G + gi) * tq) * dim;
-                for (int64_t i = 0; i < static_cast<int64_t>(tq) * dim; ++i) dst[i] = src[i] * scaling;
-            }
+        for (int64_t bh = 0; bh < BH; ++bh)
+            take_tile_rows(query, G, qlen, dim, bh, t0, tq, scaling, scaled.data() + bh * G * tq * dim);
         float* o = T == qlen ? out : tile_out.data();
         if (T < qlen) std::memset(o, 0, sizeof(float) * static_cast<size_t>(BH * G * tq * dim));
         if (nsplit > 1) std::fill(partial.begin(), partial.end(), 0.0f);
@@ -998,10 +1004,7 @@ int hfkv_paged_decode(const float* query, int32_t B, int32_t H, int32_t G, int32
             default: attend_all<0>(w, BH, threads);
         }
         if (T < qlen) {
-            for (int64_t bh = 0; bh < BH; ++bh)
-                for (int gi = 0; gi < G; ++gi)
-                    std::memcpy(out + ((bh * G + gi) * qlen + t0) * dim, o + ((bh * G + gi) * tq) * dim,
-                                sizeof(float) * static_cast<size_t>(tq) * dim);
+            for (int64_t bh = 0; bh < BH; ++bh) put_tile_rows(o + bh * G * tq * dim, G, qlen, dim, bh, t0, tq, out);
         }
     }
     return 0;
