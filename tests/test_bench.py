@@ -81,6 +81,22 @@ def test_interleaved_decode_steps_every_cache_equally():
     assert caches["evict@24:window=8"].get_seq_length() == 45
 
 
+def test_interleaved_decode_goes_on_from_each_caches_own_position():
+    model = tiny_model("llama")
+    ids = random_prompt(model.config.vocab_size, 1, 40)
+    caches = {name: DynamicCache(config=model.config) for name in ("a", "b")}
+    tokens = {name: fill_cache(model, c, ids) for name, c in caches.items()}
+    for i in range(3):  # "b" decodes alone first, as gpu_check's caches do before their turns
+        tokens["b"] = decode_step(model, caches["b"], tokens["b"], 40 + i)
+    interleaved_decode(model, caches, tokens, {"a": 40, "b": 43}, steps=3, warmup=0)
+    for name, steps in (("a", 3), ("b", 6)):  # the same steps, alone: same rotated keys at the same positions
+        alone = DynamicCache(config=model.config)
+        tok = fill_cache(model, alone, ids)
+        for i in range(steps):
+            tok = decode_step(model, alone, tok, 40 + i)
+        assert torch.equal(alone.layers[0].keys, caches[name].layers[0].keys), name
+
+
 # ------------------------------------------------------------------------------------ the command
 ARGS = [
     *("--random-like", "cpu-small", "--random-layers", "2", "--dtype", "fp32"),

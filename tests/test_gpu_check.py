@@ -62,6 +62,15 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
             assert r[key] > 0, (key, r)
         assert r["backend"] == ("triton" if r["kind"] == "tristate" else "transformers")
         assert r["decode_speedup_median"] > 0  # against the DynamicCache row of its group
+        kept = r["kind"] in ("dynamic", "tristate")  # stepped in turns after their own steps; QuantizedCache not
+        assert ("interleaved" in r) == kept, r
+        if kept:
+            assert r["interleaved"]["steps"] == 2 and r["interleaved"]["decode_ms_median"] > 0
+            assert r["interleaved"]["with"] == sorted(["dynamic", "hfkv@48:backend=triton", "hfkv@64:backend=triton"])
+            assert r["decode_speedup_mean_interleaved"] > 0
+    groups = [(r["context"], r["batch"]) for r in e2e["rows"]]
+    for g in dict.fromkeys(groups):  # DynamicCache's row first in each group, though it ran last
+        assert next(r for r in e2e["rows"] if (r["context"], r["batch"]) == g)["method"] == "dynamic"
     assert e2e["max_batch"] == {}
     assert e2e["graph_capture"]["status"] == "skipped" and "CUDA" in e2e["graph_capture"]["reason"]
     assert {s["item"] for s in result["skipped"]} == {"largest batch"}  # a CPU has no memory limit to find

@@ -105,7 +105,7 @@ def interleaved_decode(
     model,
     caches: dict[str, Any],
     tokens: dict[str, torch.Tensor],
-    context: int,
+    context: int | dict[str, int],
     steps: int,
     warmup: int = 2,
     clock: Clock | None = None,
@@ -116,15 +116,17 @@ def interleaved_decode(
 
     Interleaving exposes every cache to the same machine state (a shared VM drifts by 20-30% over a
     minute), so ratios stay trustworthy when absolute times move. The first ``warmup`` steps are
-    dropped. ``after_step(name, cache)`` runs outside the timed region (memory sampling).
+    dropped. ``after_step(name, cache)`` runs outside the timed region (memory sampling). ``context``
+    is the position of every cache's next token, or of each cache's (caches that decoded apart first).
     """
     clock = clock or Clock(model.device)
     times: dict[str, list[float]] = {name: [] for name in caches}
     tokens = dict(tokens)
+    start = context if isinstance(context, dict) else dict.fromkeys(caches, context)
     for i in range(warmup + steps):
         for name, cache in caches.items():
             t0 = clock.start()
-            tokens[name] = decode_step(model, cache, tokens[name], context + i)
+            tokens[name] = decode_step(model, cache, tokens[name], start[name] + i)
             clock.stop(t0, times[name])
             if after_step is not None:
                 after_step(name, cache)

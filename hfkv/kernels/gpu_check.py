@@ -467,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--e2e-steps", type=ca.integer(1), help="timed decode steps (default 24)")
     e.add_argument("--e2e-warmup", type=ca.integer(0), help="untimed decode steps first (default 2)")
     e.add_argument(
+        "--e2e-interleave",
+        type=ca.integer(0),
+        help="decode steps of DynamicCache and each hfkv cache in turns after their own (default 24; 0: none)",
+    )
+    e.add_argument(
         "--e2e-chunk",
         type=ca.integer(1),
         default=4096,
@@ -483,11 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
 GPU_DEFAULTS = dict(
     contexts=[4096, 16384, 32768], batches=[1, 8], repeats=30, warmup=3,
     e2e_contexts=[8192, 32768], e2e_batches=[1, 8], budgets=[1024, 4096], e2e_steps=24, e2e_warmup=2,
+    e2e_interleave=24,
 )  # fmt: skip
 # Toy sizes: above the hfkv ring (window 16 + interval 8), a budget room beyond it.
 DRY_DEFAULTS = dict(
     contexts=[64], batches=[1, 2], repeats=1, warmup=0,
     e2e_contexts=[40], e2e_batches=[1, 2], budgets=[48, 64], e2e_steps=2, e2e_warmup=0,
+    e2e_interleave=2,
 )  # fmt: skip
 
 

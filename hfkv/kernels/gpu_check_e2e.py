@@ -6,7 +6,10 @@ other, on the same random prompt (after one untimed run of each on a one-row pro
 compiles kernels): one prefill forward (timed), ``warmup`` untimed decode steps (and
 more, up to 64, until hfkv's first policy run: it compiles kernels once), then ``steps`` decode steps
 timed one by one with CUDA events, so the median is a step between policy runs and the mean
-includes them. Each cache's peak is its own: ``torch.cuda.max_memory_allocated`` above what was
+includes them. Then DynamicCache and the hfkv caches, kept alive (hfkv's run first, DynamicCache last,
+so a kept cache never crowds a prefill), step in turns (``--e2e-interleave`` steps each, from where
+each left off): the lent machines' hosts drift, and only steps taken in turns see the same host, so
+the ``*_interleaved`` ratios are the ones to trust. Each cache's peak is its own: ``torch.cuda.max_memory_allocated`` above what was
 allocated before it (the weights), over its prefill and decode. A one-forward prefill that runs out
 of memory is retried in chunks for DynamicCache and QuantizedCache (recorded as ``prefill_chunk``);
 hfkv's chunk path serves short chunks only (docs/kernels.md), so its prefill is always one forward.
@@ -35,6 +38,7 @@ from hfkv.kernels.gpu_check_report import error_text
 GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
 WARMUP_POLICY_STEPS = 64  # at most this many more warm-up steps, waiting for the first policy run
 HEADROOM = 0.95  # of the free memory a predicted batch may plan to use
+INTERLEAVED_KINDS = ("dynamic", "tristate")  # kept alive for the interleaved steps (QuantizedCache is ~3x slower)
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -76,8 +80,13 @@ def _free(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: int) -> dict[str, Any]:
-    """One cache alone: prefill time, decode step times (median, mean, p20, p80), bytes, peak."""
+def run_cache(
+    model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: int, keep: bool = False, extra: int = 0
+) -> tuple[dict[str, Any], SimpleNamespace | None]:
+    """One cache alone: prefill time, decode step times (median, mean, p20, p80), bytes, peak.
+
+    With ``keep`` a cache that ran is handed back alive (``cache``, next ``tok`` and its ``position``)
+    for the interleaved steps, with room for ``extra`` more tokens."""
     from hfkv.evaluation.bench import Clock, decode_step, fill_cache
     from hfkv.evaluation.methods import kv_and_dense_bytes
     from hfkv.storage.memory import cache_bytes
@@ -85,7 +94,7 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
     batch, context = ids.shape
     cuda = ids.device.type == "cuda"
     row: dict[str, Any] = {"method": method.label, "kind": method.kind, "context": context, "batch": batch}
-    cache = None
+    cache, live = None, None
     try:
         _free(cuda)
         base = torch.cuda.memory_allocated() if cuda else 0
@@ -93,7 +102,7 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
             torch.cuda.reset_peak_memory_stats()
         prefill_chunk, tok = 0, None
         while tok is None:
-            cache = method.make_cache(model, max_cache_len=context + warmup + WARMUP_POLICY_STEPS + steps + 1)
+            cache = method.make_cache(model, max_cache_len=context + warmup + WARMUP_POLICY_STEPS + steps + extra + 1)
             try:
                 t0 = time.perf_counter()
                 tok = fill_cache(model, cache, ids, prefill_chunk)
@@ -144,6 +153,8 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
         row["peak_kind"] = "cuda_max_memory_allocated_above_weights" if cuda else "cache_bytes_held"
         row["backend"] = getattr(cache, "backend", "transformers")
         row["status"] = "ok"
+        if keep:
+            live = SimpleNamespace(cache=cache, tok=tok, position=context + i + steps)
     except torch.OutOfMemoryError as exc:
         row |= {"status": "oom", "reason": error_text(exc)}
     except Exception as exc:  # noqa: BLE001 - a cache that fails is a result
@@ -151,7 +162,32 @@ def run_cache(model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: 
     finally:
         cache = None
         _free(cuda)
-    return row
+    return row, live
+
+
+def interleave(model, rows: list[dict[str, Any]], lives: dict[str, SimpleNamespace], steps: int) -> None:
+    """Step the kept caches in turns, ``steps`` each, and add each one's ``interleaved`` times to its row.
+
+    A lent machine's host drifts (DynamicCache's step at 32k x 8 took 52-94 ms across leases, and one
+    cache's steps can run twice as slow as the next cache's a minute later), and each cache alone sees
+    its own stretch of it; stepping them in turns shows every cache the same host, so the ratios
+    (``decode_speedup_*_interleaved``) hold where absolute times move. The caches go on from where
+    their own steps left them, policy runs included (every ``interval`` steps of each).
+    """
+    from hfkv.evaluation.bench import interleaved_decode
+
+    caches = {name: lv.cache for name, lv in lives.items()}
+    tokens = {name: lv.tok for name, lv in lives.items()}
+    starts = {name: lv.position for name, lv in lives.items()}
+    times = interleaved_decode(model, caches, tokens, starts, steps, warmup=0)
+    by_name = {r["method"]: r for r in rows}
+    for name, ts in times.items():
+        by_name[name]["interleaved"] = {
+            "steps": len(ts),
+            "with": sorted(lives),
+            "decode_ms_median": 1e3 * statistics.median(ts),
+            "decode_ms_mean": 1e3 * statistics.fmean(ts),
+        }
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -170,6 +206,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             continue
         r["decode_speedup_median"] = b["decode_ms_median"] / r["decode_ms_median"]
         r["decode_speedup_mean"] = b["decode_ms_mean"] / r["decode_ms_mean"]
+        if "interleaved" in r and "interleaved" in b:
+            mine, base_i = r["interleaved"], b["interleaved"]
+            r["decode_speedup_median_interleaved"] = base_i["decode_ms_median"] / mine["decode_ms_median"]
+            r["decode_speedup_mean_interleaved"] = base_i["decode_ms_mean"] / mine["decode_ms_mean"]
         r["prefill_speedup"] = b["prefill_s"] / r["prefill_s"] if r["prefill_s"] else None
         r["peak_ratio"] = r["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] else None
         r["kv_ratio"] = r["kv_bytes"] / b["kv_bytes"] if b["kv_bytes"] else None
@@ -279,6 +319,7 @@ def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], N
         return out
     t0 = time.perf_counter()
     max_pos = max(4096, max(args.e2e_contexts) + args.e2e_warmup + WARMUP_POLICY_STEPS + args.e2e_steps + 64)
+    max_pos += args.e2e_interleave
     model = build_random_like(name, layers, dtype, device, max_pos)
     out["model"] = {
         "shape": name,
@@ -297,20 +338,38 @@ def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], N
     for context in args.e2e_contexts:
         for batch in args.e2e_batches:
             ids = random_prompt(model.config.vocab_size, batch, context).to(device)
-            for m in methods:
+            group, lives = [], {}
+            for m in _kept_last(methods, args.e2e_interleave):
                 # this cache's rate so far, else the slowest so far, else a guess
                 rate = rates.get(m.label) or min(rates.values(), default=8000.0 if cuda else 300.0)
                 step = steps_s.get(m.label, 0.15 if cuda else 1.0)
                 need = 5 + 1.5 * context * batch / rate + n_steps * step * 1.5
                 if not budget.allows("e2e", f"{m.label} context {context} batch {batch}", need):
                     continue
-                row = run_cache(model, m, ids, args.e2e_steps, args.e2e_warmup, args.e2e_chunk)
+                keep = args.e2e_interleave > 0 and m.kind in INTERLEAVED_KINDS
+                row, live = run_cache(
+                    model, m, ids, args.e2e_steps, args.e2e_warmup, args.e2e_chunk, keep, args.e2e_interleave
+                )
+                group.append(row)
+                if live is not None:
+                    lives[m.label] = live
                 out["rows"].append(row)
                 save()
                 if row["status"] == "ok":
                     rates[m.label] = min(rates.get(m.label, 1e12), context * batch / max(row["prefill_s"], 1e-6))
                     steps_s[m.label] = max(row["decode_ms_mean"], row["decode_ms_p80"]) / 1e3
                 print(_line(row), flush=True)
+            if len(lives) > 1 and budget.allows(
+                "e2e", f"interleaved steps at context {context} batch {batch}",
+                5 + 1.5 * args.e2e_interleave * sum(steps_s.get(name, 0.15) for name in lives),
+            ):  # fmt: skip
+                interleave(model, group, lives, args.e2e_interleave)
+                save()
+            lives = live = None
+            _free(cuda)
+            if group:  # rows in the methods' order, DynamicCache first
+                order = {m.label: i for i, m in enumerate(methods)}
+                out["rows"][-len(group) :] = sorted(group, key=lambda r: order[r["method"]])
     add_ratios(out["rows"])
     if budget.allows("e2e", "CUDA graph capture of a decode step", 20.0 if cuda else 1.0):
         context = min(args.e2e_contexts)
@@ -337,8 +396,17 @@ def warm_up(model, methods, context: int, chunk: int, budget, out: dict[str, Any
         if not budget.allows("e2e", f"warm-up of {m.label}", 30.0 if model.device.type == "cuda" else 2.0):
             return
         t = time.perf_counter()
-        run_cache(model, m, ids, 1, 0, chunk)
+        run_cache(model, m, ids, 1, 0, chunk)  # nothing kept
         out["warmup"]["seconds"][m.label] = round(time.perf_counter() - t, 2)
+
+
+def _kept_last(methods: list, interleave: int) -> list:
+    """The order the caches run in: with interleaved steps, the kept caches whose prefill peaks least first
+    (hfkv's), DynamicCache last, so the caches held alive for the turns do not crowd a later prefill."""
+    if interleave <= 0:
+        return list(methods)
+    rank = {"tristate": 0, "quantized": 1, "static": 2, "dynamic": 3}
+    return sorted(methods, key=lambda m: rank.get(m.kind, 1))
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -137,16 +137,25 @@ def _e2e_lines(body: dict[str, Any]) -> list[str]:
         )
     rows = body.get("rows", [])
     if rows:
-        lines.append("  context  B  cache          prefill s   step ms med / mean   peak GiB  KV GiB  compr  speed-up")
+        lines.append(
+            "  context  B  cache          prefill s   step ms med / mean   peak GiB  KV GiB  compr  speed-up"
+            "  in turns med / mean"
+        )
     for r in rows:
         head = f"  {r['context']:>7} {r['batch']:>2}  {_short(r['method']):<13}"
         if r.get("status") != "ok":
             lines.append(f"{head} {r.get('status')}: {str(r.get('reason'))[:80]}")
             continue
         sp = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
+        turns = "-"
+        if "decode_speedup_median_interleaved" in r:
+            turns = f"{r['decode_speedup_median_interleaved']:.2f}x / {r['decode_speedup_mean_interleaved']:.2f}x"
+        elif "interleaved" in r:
+            turns = f"{r['interleaved']['decode_ms_median']:.2f} / {r['interleaved']['decode_ms_mean']:.2f} ms"
         lines.append(
             f"{head} {r['prefill_s']:9.2f} {r['decode_ms_median']:10.2f} / {r['decode_ms_mean']:<8.2f}"
             f" {r['peak_bytes'] / GIB:9.2f} {r['kv_bytes'] / GIB:7.2f} {r['compression'] or 0:5.1f}x {sp:>8}"
+            f"  {turns}"
         )
     mb = body.get("max_batch") or {}
     if mb:
