@@ -30,7 +30,15 @@ from hfkv.attention.slots import slot_attention_received
 from hfkv.config import TriStateConfig
 from hfkv.kernels.backend import resolve_backend
 from hfkv.kernels.parts import DenseSlots, PagedSlots, plan_key
-from hfkv.policy import classify, observation_probs, oq_ratios, oq_score, token_scores
+from hfkv.policy import (
+    classify,
+    observation_probs,
+    oq_ratios,
+    oq_score,
+    oq_score_from_mass,
+    smooth_scores,
+    token_scores,
+)
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat
@@ -562,8 +570,15 @@ class TriStateLayer(CacheLayerMixin):
         pos = torch.arange(t, device=self.device)
         cfg = self.cfg
         w = min(cfg.obs_window, t)
-        probs = observation_probs(query, k, scaling, mask, cfg.obs_window)  # [B, Hq, w, T]
-        sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel, cfg.carry)  # [B, H, T]
+        probs = mass = None
+        if self.backend == "triton" and mask is None and cfg.gamma == 0:  # without the [B, Hq, w, T] probabilities
+            from hfkv.kernels.observation import observation_scores
+
+            sums, mass = observation_scores(query, k, scaling, cfg.obs_window, cfg.score_reduction)
+            sums = smooth_scores(sums, w, cfg.pool_kernel, cfg.carry)  # [B, H, T]
+        else:
+            probs = observation_probs(query, k, scaling, mask, cfg.obs_window)  # [B, Hq, w, T]
+            sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel, cfg.carry)
         key_valid = mask[:, 0, -1, :t].to(torch.bool) if mask is not None else torch.ones(bsz, t, dtype=torch.bool)
         key_valid = key_valid.to(self.device)
         self.pad_end = (~key_valid).long().cumprod(-1).sum(-1)  # leading padding per row
@@ -574,7 +589,10 @@ class TriStateLayer(CacheLayerMixin):
         rest = t - nw
         if cfg.oq_ratios:
             considered = key_valid & (torch.arange(t, device=self.device) < rest)
-            self.oq = oq_score(probs, considered, cfg.tau)
+            if mass is None:
+                self.oq = oq_score(probs, considered, cfg.tau)
+            else:
+                self.oq = oq_score_from_mass(mass, considered, cfg.tau)
             self.cache.invalidate_rho()
         self.window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
         self.window.score[:, :, :nw] = sums[..., rest:]

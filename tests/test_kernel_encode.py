@@ -122,10 +122,10 @@ def _check_decoded(fmt: QuantFormat, got: torch.Tensor, x: torch.Tensor) -> None
     assert bool((err <= bound).all()), f"{fmt.name}: worst excess {(err - bound).max().item():.3g}"
 
 
-def _run_both(layout, k, v, pos, score, g, tpp=3, pages=6):
+def _run_both(layout, k, v, pos, score, g, tpp=3, pages=6, rows=None):
     pool, dest = _pool_and_dest(layout, k.shape[0], g, tpp, pages)
     got, want = pool.clone(), pool.clone()
-    encode_write(got, dest, layout, k, v, pos, score)
+    encode_write(got, dest, layout, k, v, pos, score, rows=rows)
     encode_write_reference(want, dest, layout, k, v, pos, score)
     return pool, dest, got, want
 
@@ -154,6 +154,17 @@ CASES = [
 
 @pytest.mark.parametrize("key,value,model_dtype,in_dtype,dim,group", CASES)
 def test_encode_write_matches_twin_and_decodes(key, value, model_dtype, in_dtype, dim, group):
+    _matches_twin_and_decodes(key, value, model_dtype, in_dtype, dim, group, None)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("key,value,model_dtype,in_dtype,dim,group", CASES[:2] + CASES[8:9])
+def test_encode_write_several_tokens_per_program(key, value, model_dtype, in_dtype, dim, group, rows):
+    """12 tokens in programs of 5 (the last one 2 short) or 16 (one program, 4 short): the same bytes."""
+    _matches_twin_and_decodes(key, value, model_dtype, in_dtype, dim, group, rows)
+
+
+def _matches_twin_and_decodes(key, value, model_dtype, in_dtype, dim, group, rows):
     g = torch.Generator().manual_seed(zlib.crc32(f"{key}{value}{model_dtype}{in_dtype}{dim}{group}".encode()))
     layout = _layout(key, value, dim, group, model_dtype)
     n = 12  # every row kind, and not a power of two
@@ -161,7 +172,7 @@ def test_encode_write_matches_twin_and_decodes(key, value, model_dtype, in_dtype
     v = _inputs(layout.value, n, in_dtype, g, 3)
     pos = torch.randint(0, 1 << 20, (n,), generator=g)
     score = torch.rand(n, generator=g) * 10
-    pool, dest, got, want = _run_both(layout, k, v, pos, score, g)
+    pool, dest, got, want = _run_both(layout, k, v, pos, score, g, rows=rows)
 
     assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ from the twin"
     outside = ~_covered(pool, layout.record_index(dest, pool.shape[1]))

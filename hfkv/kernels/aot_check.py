@@ -161,8 +161,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                                     return_delta=False, int_tile=int_tile)  # fmt: skip
             rows = torch.zeros(2, dim, dtype=dtype)
             for t in range(2):
-                encode_write(tiers.pool.data, torch.zeros(2, dtype=torch.long), lay[t], rows, rows,
-                             torch.zeros(2, dtype=torch.long), torch.zeros(2))  # fmt: skip
+                for shape in ((None, None), (16, 1)):  # the default launch and a prompt-sized one
+                    encode_write(tiers.pool.data, torch.zeros(2, dtype=torch.long), lay[t], rows, rows,
+                                 torch.zeros(2, dtype=torch.long), torch.zeros(2), *shape)  # fmt: skip
             move_records(tiers.pool.data, torch.zeros(1, dtype=torch.long), torch.ones(1).long() * 4, 8)
             clear_tags(tiers.pool.data, torch.zeros(1, dtype=torch.long))
             for t in range(2):
@@ -180,10 +181,16 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         calls += got
     calls += _allocate_calls()
     from hfkv.kernels.changes import tier_changes
+    from hfkv.kernels.observation import observation_scores
 
     with captured_launches() as got:
         for sizes in ([3], [3, 2], [3, 2, 1]):
             tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
+        # a prompt's observation scores: Llama-3.1-8B (groups of 4) and SmolLM2 (groups of 3, dim 64), bf16 and fp32
+        for hq, h, dim, dtype in ((32, 8, 128, torch.bfloat16), (9, 3, 64, torch.bfloat16), (4, 2, 64, torch.float32)):
+            for reduction in ("max", "mean", "l2"):
+                key = torch.zeros(1, h, 40, dim, dtype=dtype)
+                observation_scores(torch.zeros(1, hq, 40, dim, dtype=dtype), key, 0.1, 32, reduction)
     return calls + got
 
 

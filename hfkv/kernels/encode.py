@@ -33,6 +33,9 @@ from hfkv.storage.record import RecordLayout
 F32, F16, BF16 = 0, 1, 2
 _MODEL_CODES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Launch shape of encode_write: tokens per program and warps (eval/encode_bench.py sweeps them on a GPU).
+ENCODE_ROWS = 1
+ENCODE_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -206,7 +209,7 @@ def _encode_field(
         _encode_fp8(pool_ptr, base, src, stride, D, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _encode_write_kernel(
     pool_ptr,
     dest_ptr,
@@ -222,6 +225,7 @@ def _encode_write_kernel(
     score_s,
     page_bytes,
     tpp,
+    n,
     K_FAM: tl.constexpr,
     K_BITS: tl.constexpr,
     K_GROUP: tl.constexpr,
@@ -241,8 +245,27 @@ def _encode_write_kernel(
     V_OFF: tl.constexpr,
     KV_BYTES: tl.constexpr,
     STRIDE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
+    for r in tl.static_range(ROWS):
+        i = tl.program_id(0).to(tl.int64) * ROWS + r
+        if i < n:
+            _encode_row(
+                pool_ptr, dest_ptr, k_ptr, v_ptr, pos_ptr, score_ptr, i, k_s0, k_s1, v_s0, v_s1, pos_s, score_s,
+                page_bytes, tpp, K_FAM, K_BITS, K_GROUP, K_MODEL, K_D, K_BLOCK_D, K_BLOCK_G, K_BLOCK_GS, V_FAM,
+                V_BITS, V_GROUP, V_MODEL, V_D, V_BLOCK_D, V_BLOCK_G, V_BLOCK_GS, V_OFF, KV_BYTES, STRIDE,
+            )  # fmt: skip
+
+
+@triton.jit
+def _encode_row(
+    pool_ptr, dest_ptr, k_ptr, v_ptr, pos_ptr, score_ptr, i, k_s0, k_s1, v_s0, v_s1, pos_s, score_s, page_bytes, tpp,
+    K_FAM: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_MODEL: tl.constexpr, K_D: tl.constexpr,
+    K_BLOCK_D: tl.constexpr, K_BLOCK_G: tl.constexpr, K_BLOCK_GS: tl.constexpr,
+    V_FAM: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_MODEL: tl.constexpr, V_D: tl.constexpr,
+    V_BLOCK_D: tl.constexpr, V_BLOCK_G: tl.constexpr, V_BLOCK_GS: tl.constexpr,
+    V_OFF: tl.constexpr, KV_BYTES: tl.constexpr, STRIDE: tl.constexpr,
+):  # fmt: skip
     base = tl.load(dest_ptr + i)
     page_at = base - base % page_bytes
     slot = (base - page_at) // STRIDE
@@ -348,6 +371,8 @@ def encode_write(
     v: torch.Tensor,
     pos: torch.Tensor,
     score: torch.Tensor,
+    rows: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Encode tokens ``k, v [N, D]`` (positions ``pos``, score sums ``score``) as ``layout`` records and
     write record ``i`` into the slot whose body starts at byte ``dest[i]`` of ``pool`` (its tag and score
@@ -355,13 +380,18 @@ def encode_write(
 
     ``dest`` offsets must be slot starts, ``page * page_bytes + slot * layout.stride`` with ``slot <
     layout.records_per_page(page_bytes)`` (not checked, as that would cost a host sync), and distinct.
-    No finiteness check: callers that want one run ``layout.check_encodable`` first.
+    No finiteness check: callers that want one run ``layout.check_encodable`` first. ``rows`` tokens per
+    program and ``num_warps`` set the launch shape (a prompt's ~500k tokens a layer at 8k x 8 were as many
+    programs of 128 threads each, ~3 ms of an H200's time; defaults: ``ENCODE_ROWS``, ``ENCODE_WARPS``).
     """
     _check_encode_args(pool, dest, layout, k, v, pos, score, "encode_write")
     n = dest.shape[0]
     if n == 0:
         return
-    _encode_write_kernel[(n,)](
+    rows = ENCODE_ROWS if rows is None else rows
+    if rows < 1:
+        raise ValueError(f"encode_write: rows={rows} tokens per program must be >= 1")
+    _encode_write_kernel[(triton.cdiv(n, rows),)](
         pool,
         dest,
         k,
@@ -376,11 +406,14 @@ def encode_write(
         score.stride(0),
         pool.shape[1],
         layout.records_per_page(pool.shape[1]),
+        n,
         **_field_constants("K", layout.key),
         **_field_constants("V", layout.value),
         V_OFF=layout.key.nbytes,
         KV_BYTES=layout.kv_bytes,
         STRIDE=layout.stride,
+        ROWS=rows,
+        num_warps=ENCODE_WARPS if num_warps is None else num_warps,
     )
 
 

@@ -9,8 +9,9 @@ timed one by one with CUDA events, so the median is a step between policy runs a
 includes them. Then DynamicCache and the hfkv caches, kept alive (hfkv's run first, DynamicCache last,
 so a kept cache never crowds a prefill), step in turns (``--e2e-interleave`` steps each, from where
 each left off): the lent machines' hosts drift, and only steps taken in turns see the same host, so
-the ``*_interleaved`` ratios are the ones to trust. Each cache's peak is its own: ``torch.cuda.max_memory_allocated`` above what was
-allocated before it (the weights), over its prefill and decode. A one-forward prefill that runs out
+the ``*_interleaved`` ratios are the ones to trust. Each cache's peak is its own:
+``torch.cuda.max_memory_allocated`` above what was allocated before it (the weights and the caches
+kept for the turns), over its prefill and decode. A one-forward prefill that runs out
 of memory is retried in chunks for DynamicCache and QuantizedCache (recorded as ``prefill_chunk``);
 hfkv's chunk path serves short chunks only (docs/kernels.md), so its prefill is always one forward.
 

@@ -1,11 +1,12 @@
 """Token policy: significance scores, ARKV OQ ratios and the unified tri-state classifier."""
 
-from hfkv.policy.oq import ARKV_TAU, oq_ratios, oq_score
+from hfkv.policy.oq import ARKV_TAU, oq_ratios, oq_score, oq_score_from_mass
 from hfkv.policy.scores import (
     GQA_REDUCTIONS,
     observation_counts,
     observation_probs,
     reduce_gqa,
+    smooth_scores,
     token_scores,
 )
 from hfkv.policy.unified import budget_target, classify, expected_held_bound, oq_cap
@@ -21,6 +22,8 @@ __all__ = [
     "oq_cap",
     "oq_ratios",
     "oq_score",
+    "oq_score_from_mass",
     "reduce_gqa",
+    "smooth_scores",
     "token_scores",
 ]

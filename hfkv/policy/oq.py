@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ARKV_TAU", "oq_ratios", "oq_score"]
+__all__ = ["ARKV_TAU", "oq_ratios", "oq_score", "oq_score_from_mass"]
 
 #: ARKV paper values of (tau1, tau2, tau3).
 ARKV_TAU = (7.774, 5.407, 5.528)
@@ -45,7 +45,15 @@ def oq_score(probs: Tensor, key_mask: Tensor, tau: Sequence[float]) -> Tensor:
     """
     if probs.dim() != 4:
         raise ValueError(f"probs must be [B, Hq, w, T_k], got shape {tuple(probs.shape)}")
-    b, _, _, t_k = probs.shape
+    return oq_score_from_mass(probs.to(torch.float32).sum(dim=(1, 2)), key_mask, tau)
+
+
+def oq_score_from_mass(total: Tensor, key_mask: Tensor, tau: Sequence[float]) -> Tensor:
+    """:func:`oq_score` from the attention mass on each key, ``total [B, T_k]`` fp32 (the probabilities summed
+    over heads and window queries), as a kernel that never holds the probabilities gives it."""
+    if total.dim() != 2:
+        raise ValueError(f"total must be [B, T_k], got shape {tuple(total.shape)}")
+    b, t_k = total.shape
     if tuple(key_mask.shape) != (b, t_k):
         raise ValueError(f"key_mask must be [B, T_k] = {(b, t_k)}, got {tuple(key_mask.shape)}")
     t1, t2, t3 = (float(t) for t in tau)
@@ -53,10 +61,10 @@ def oq_score(probs: Tensor, key_mask: Tensor, tau: Sequence[float]) -> Tensor:
         raise ValueError(f"tau must be three positive numbers, got {tuple(tau)}")
 
     if t_k == 0:
-        return torch.zeros(b, dtype=torch.float32, device=probs.device)
-    m = key_mask.to(device=probs.device, dtype=torch.bool)
-    zero = torch.zeros((), dtype=torch.float32, device=probs.device)
-    mass = torch.where(m, probs.to(torch.float32).sum(dim=(1, 2)), zero)  # [B, T_k]
+        return torch.zeros(b, dtype=torch.float32, device=total.device)
+    m = key_mask.to(device=total.device, dtype=torch.bool)
+    zero = torch.zeros((), dtype=torch.float32, device=total.device)
+    mass = torch.where(m, total, zero)  # [B, T_k]
     n = m.sum(dim=-1)  # [B]
     nf = n.clamp(min=1).to(torch.float32)
     z = mass.sum(dim=-1)  # [B]

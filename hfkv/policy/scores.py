@@ -48,6 +48,7 @@ __all__ = [
     "observation_counts",
     "observation_probs",
     "reduce_gqa",
+    "smooth_scores",
     "token_scores",
 ]
 
@@ -199,14 +200,11 @@ def token_scores(
 
     If ``pool_kernel > 1`` the result is average-pooled over neighbouring key positions
     (stride 1, padding ``pool_kernel // 2``, ``count_include_pad=False``, output cut to ``T_k`` for
-    even kernels).
+    even kernels); then carried forward (:func:`smooth_scores`).
     """
     if probs.dim() != 4:
         raise ValueError(f"probs must be [B, Hq, w, T_k], got shape {tuple(probs.shape)}")
-    if pool_kernel < 1:
-        raise ValueError(f"pool_kernel must be >= 1, got {pool_kernel}")
-    if not 0 <= carry < 1:
-        raise ValueError(f"carry must be a decay in [0, 1), got {carry}")
+    _check_smoothing(pool_kernel, carry)
     b, hq, w, t_k = probs.shape
     g = _group_size(hq, num_kv_heads)
     probs = probs.to(torch.float32)
@@ -222,13 +220,28 @@ def token_scores(
         dev = (grouped - mean[:, :, None, None, :]) * observed
         var = dev.square().sum(dim=(2, 3)) / n
         out = out + gamma * var * count
+    return smooth_scores(out, w, pool_kernel, carry)
 
+
+def _check_smoothing(pool_kernel: int, carry: float) -> None:
+    if pool_kernel < 1:
+        raise ValueError(f"pool_kernel must be >= 1, got {pool_kernel}")
+    if not 0 <= carry < 1:
+        raise ValueError(f"carry must be a decay in [0, 1), got {carry}")
+
+
+def smooth_scores(sums: Tensor, w: int, pool_kernel: int = 1, carry: float = 0.0) -> Tensor:
+    """The pooling and carry of :func:`token_scores` on sums ``[B, Hkv, T_k]`` observed by ``w`` window queries
+    (apart, so a kernel that computes the sums without the probabilities shares them)."""
+    _check_smoothing(pool_kernel, carry)
+    b, h, t_k = sums.shape
+    out = sums
     if pool_kernel > 1 and t_k > 0:
-        flat = out.reshape(b * num_kv_heads, 1, t_k)
+        flat = out.reshape(b * h, 1, t_k)
         pooled = F.avg_pool1d(flat, pool_kernel, stride=1, padding=pool_kernel // 2, count_include_pad=False)
-        out = pooled[..., :t_k].reshape(b, num_kv_heads, t_k)
+        out = pooled[..., :t_k].reshape(b, h, t_k)
     if carry > 0 and t_k > 0:
-        out = carry_forward(out, observation_counts(t_k, w, probs.device), carry)
+        out = carry_forward(out, observation_counts(t_k, w, sums.device), carry)
     return out
 
 

@@ -1,0 +1,177 @@
+"""A prompt's observation-window scores without its probabilities: two launches instead of ~90.
+
+At prefill the policy needs, from the last ``w`` queries' attention over the prompt's ``T`` keys, each
+KV head's score sums (the query heads of a group reduced, the ``w`` queries summed) and, for ARKV's OQ
+statistics, the mass each key received over all heads and queries. The torch path
+(:func:`hfkv.policy.observation_probs`, then :func:`hfkv.policy.scores.token_score_sums` and the sum in
+:func:`hfkv.policy.oq.oq_score`) materialises the ``[B, Hq, w, T]`` fp32 probabilities (268 MB a layer
+at 8k x 8 for Llama-3.1-8B, 1 GB at 32k x 8) and passes over them six times; on an H200 that was ~2.5
+ms of a layer's ~11 ms of prefill work (docs/kernels.md, eighth lease). Here one pass computes each
+query row's softmax maximum and normaliser per split of the keys, and a second recomputes the logits
+block by block (the ``w x g`` query rows of a KV head against 64 keys, one ``tl.dot``) and reduces them
+to the two outputs in registers. Logits are the model-dtype product accumulated in fp32 (products of
+bf16 values are exact in fp32), scaled after the product; fp32 models take IEEE products.
+
+Plain causal prompts only (no mask: no padding), and without ARKV's variance term (``gamma = 0``), which
+needs the probabilities themselves; the cache keeps the torch path for those.
+:func:`observation_scores_reference` is the twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.kernels.backend import interpreter_on
+from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, reduce_gqa
+
+__all__ = ["observation_scores", "observation_scores_reference"]
+
+SPLIT_T = 1024  # keys per program of the statistics pass (its combine reads cdiv(T, SPLIT_T) partials per row)
+BLOCK_T = 64  # keys per iteration (statistics) and per program (scores)
+
+
+def observation_scores_reference(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, obs_window: int, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums [B, H, T], mass [B, T])`` fp32 from the probabilities themselves (plain causal)."""
+    probs = observation_probs(query, key, scaling, None, obs_window)
+    return reduce_gqa(probs, key.shape[1], reduction).sum(dim=2), probs.sum(dim=(1, 2))
+
+
+@triton.jit
+def _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr):
+    """The ``GP x WP`` query rows of KV head ``h`` (row ``j * WP + i``: head ``j`` of the group, window query
+    ``i``), zeros where ``j >= G`` or ``i >= W``; and which rows are real."""
+    r = tl.arange(0, GP * WP)
+    j = r // WP
+    i = r % WP
+    ok = (j < G) & (i < W)
+    d = tl.arange(0, D)
+    ptr = q_ptr + b * sqb + (h * G + j)[:, None].to(tl.int64) * sqh + (Tq - W + i)[:, None].to(tl.int64) * sqt
+    q = tl.load(ptr + d[None, :], mask=ok[:, None], other=0.0)
+    return q, i, ok
+
+
+@triton.jit
+def _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D: tl.constexpr, IEEE: tl.constexpr):
+    d = tl.arange(0, D)
+    ptr = k_ptr + b * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :]
+    k = tl.load(ptr, mask=(t < T)[:, None], other=0.0)
+    if IEEE:
+        x = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        x = tl.dot(q, tl.trans(k))
+    return x * scaling
+
+
+@triton.jit(do_not_specialize=["T", "Tq", "W", "S"])
+def _stats_kernel(
+    q_ptr, k_ptr, m_ptr, l_ptr, T, Tq, W, S, scaling,
+    sqb, sqh, sqt, skb, skh, skt,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D)
+    qpos = T - W + i  # the query's position among the keys: it sees keys <= qpos
+    m = tl.full([GP * WP], float("-inf"), tl.float32)
+    acc = tl.zeros([GP * WP], tl.float32)
+    end = tl.minimum(s * SPLIT + SPLIT, T)
+    for t0 in range(s * SPLIT, end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, IEEE)
+        seen = ok[:, None] & (t[None, :] <= qpos[:, None])
+        x = tl.where(seen, x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - safe) + tl.sum(tl.where(seen, tl.exp(x - safe[:, None]), 0.0), 1)
+        m = m_new
+    out = (bh * S + s) * (GP * WP) + tl.arange(0, GP * WP)
+    tl.store(m_ptr + out, m)
+    tl.store(l_ptr + out, acc)
+
+
+@triton.jit(do_not_specialize=["T", "Tq", "W", "S"])
+def _scores_kernel(
+    q_ptr, k_ptr, m_ptr, l_ptr, sums_ptr, mass_ptr, T, Tq, W, S, scaling,
+    sqb, sqh, sqt, skb, skh, skt,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
+    SP: tl.constexpr, BLOCK: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D)
+    qpos = T - W + i
+    # the splits' maxima and normalisers combined: each row's softmax over all its keys
+    r = tl.arange(0, GP * WP)
+    sp = tl.arange(0, SP)
+    at = (bh * S + sp[:, None]) * (GP * WP) + r[None, :]
+    ms = tl.load(m_ptr + at, mask=(sp < S)[:, None], other=float("-inf"))
+    ls = tl.load(l_ptr + at, mask=(sp < S)[:, None], other=0.0)
+    mx = tl.max(ms, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    norm = tl.sum(tl.where(ms == float("-inf"), 0.0, ls * tl.exp(ms - mx[None, :])), 0)
+    norm = tl.where(norm > 0, norm, 1.0)  # a row that sees nothing has probabilities 0, not NaN
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, IEEE)
+    seen = ok[:, None] & (t[None, :] <= qpos[:, None]) & (t < T)[None, :]
+    p = tl.where(seen, tl.exp(x - mx[:, None]) / norm[:, None], 0.0)  # [GP * WP, BLOCK]
+    grouped = tl.reshape(p, (GP, WP, BLOCK))
+    if REDUCE == 0:  # max over the group's query heads (padding heads are 0, below any probability)
+        per_query = tl.max(grouped, 0)
+    elif REDUCE == 1:  # mean
+        per_query = tl.sum(grouped, 0) / G
+    else:  # l2: root mean square
+        per_query = tl.sqrt(tl.sum(grouped * grouped, 0) / G)
+    out = bh.to(tl.int64) * T + t
+    tl.store(sums_ptr + out, tl.sum(per_query, 0), mask=t < T)
+    tl.store(mass_ptr + out, tl.sum(p, 0), mask=t < T)
+
+
+def observation_scores(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, obs_window: int, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`observation_scores_reference` in two launches (and one sum over heads for the mass).
+
+    ``query [B, Hq, Tq, D]`` (the last ``w = min(obs_window, Tq)`` rows are the window), ``key [B, H, T, D]``
+    with ``T >= Tq``, plain causal; last dimensions contiguous.
+    """
+    if reduction not in GQA_REDUCTIONS:
+        raise ValueError(f"unknown GQA reduction {reduction!r}; expected one of {GQA_REDUCTIONS}")
+    bsz, hq, tq, dim = query.shape
+    heads, t = key.shape[1], key.shape[2]
+    if hq % heads or t < tq or key.shape[3] != dim or key.shape[0] != bsz:
+        raise ValueError(f"observation_scores: query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
+    if dim < 16 or dim & (dim - 1):
+        raise ValueError(f"observation_scores: head_dim={dim} must be a power of two >= 16 (tl.dot)")
+    group, w = hq // heads, max(0, min(int(obs_window), tq))
+    sums = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
+    mass = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
+    if not (bsz and t and w):
+        return sums, mass.sum(1)
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    gp = triton.next_power_of_2(group)
+    wp = max(triton.next_power_of_2(w), 16 // gp, 1)  # tl.dot needs >= 16 rows
+    splits = triton.cdiv(t, SPLIT_T)
+    m = torch.empty(bsz * heads, splits, gp * wp, dtype=torch.float32, device=key.device)
+    l_ = torch.empty_like(m)
+    # fp32 models: IEEE products; under the interpreter too, whose tl.dot misreads bf16 operands (the same
+    # products: bf16 ones are exact in fp32)
+    ieee = query.dtype == torch.float32 or interpreter_on()
+    strides = (*query.stride()[:3], *key.stride()[:3])
+    shape = dict(H=heads, G=group, GP=gp, WP=wp, D=dim, IEEE=ieee)
+    _stats_kernel[(bsz * heads, splits)](
+        query, key, m, l_, t, tq, w, splits, float(scaling), *strides, SPLIT=SPLIT_T, BLOCK=BLOCK_T, **shape
+    )
+    _scores_kernel[(bsz * heads, triton.cdiv(t, BLOCK_T))](
+        query, key, m, l_, sums, mass, t, tq, w, splits, float(scaling), *strides,
+        SP=triton.next_power_of_2(splits), BLOCK=BLOCK_T, REDUCE=GQA_REDUCTIONS.index(reduction), **shape,
+    )  # fmt: skip
+    return sums, mass.sum(1)
