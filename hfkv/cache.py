@@ -35,7 +35,6 @@ from hfkv.policy import (
     observation_probs,
     oq_ratios,
     oq_score,
-    oq_score_from_mass,
     smooth_scores,
     token_scores,
 )
@@ -592,7 +591,9 @@ class TriStateLayer(CacheLayerMixin):
             if mass is None:
                 self.oq = oq_score(probs, considered, cfg.tau)
             else:
-                self.oq = oq_score_from_mass(mass, considered, cfg.tau)
+                from hfkv.kernels.observation import oq_score_triton
+
+                self.oq = oq_score_triton(mass, considered, cfg.tau)
             self.cache.invalidate_rho()
         self.window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
         self.window.score[:, :, :nw] = sums[..., rest:]

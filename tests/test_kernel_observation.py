@@ -60,3 +60,35 @@ def test_triton_bad_shapes_are_named():
     query, key = _inputs(1, 4, 2, 40, 16, torch.float32, 1)
     with pytest.raises(ValueError, match="unknown GQA reduction 'sum'"):
         observation_scores(query, key, 0.2, 8, "sum")
+
+
+def _oq_rows():
+    g = torch.Generator().manual_seed(11)
+    t = 2500  # three blocks of the kernel's 1024
+    sharp = torch.rand(4, t, generator=g) ** 8
+    sharp[1, 1700] = 500.0  # one key carries almost all the mass: the log1p of the rest
+    sharp[2, :] = 0.0
+    sharp[2, [3, 900, 2400]] = 1.0  # equal maxima: the first is the top
+    mask = torch.rand(4, t, generator=g) < 0.9
+    mask[3, :] = False
+    mask[3, :1] = True  # one considered key: degenerate, 0
+    return sharp, mask
+
+
+@pytest.mark.parametrize("case", ["random", "degenerate"])
+def test_triton_oq_score_equals_the_torch_statistics(case):
+    from hfkv.kernels.observation import oq_score_triton
+    from hfkv.policy.oq import ARKV_TAU, oq_score_from_mass
+
+    if case == "random":
+        total, mask = _oq_rows()
+    else:  # no considered key, all-zero mass, uniform (V == 0), uniform to fp32 rounding, one-hot
+        total = torch.tensor([[0.3, 0.7, 0, 0, 0, 0, 0], [0.0] * 7, [0.2] * 5 + [0, 0], [1 / 7] * 7,
+                              [0, 1.0, 0, 0, 0, 0, 0]])  # fmt: skip
+        mask = torch.tensor([[False] * 7, [True] * 7, [True] * 5 + [False] * 2, [True] * 7, [True] * 7])
+    got = oq_score_triton(total, mask, ARKV_TAU)
+    want = oq_score_from_mass(total, mask, ARKV_TAU)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=0)
+    assert (got == 0).tolist() == (want == 0).tolist()
+    if case == "random":
+        assert bool((want[:3] > 0).all()) and want[3] == 0

@@ -181,7 +181,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         calls += got
     calls += _allocate_calls()
     from hfkv.kernels.changes import tier_changes
-    from hfkv.kernels.observation import observation_scores
+    from hfkv.kernels.observation import observation_scores, oq_score_triton
 
     with captured_launches() as got:
         for sizes in ([3], [3, 2], [3, 2, 1]):
@@ -191,6 +191,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
             for reduction in ("max", "mean", "l2"):
                 key = torch.zeros(1, h, 40, dim, dtype=dtype)
                 observation_scores(torch.zeros(1, hq, 40, dim, dtype=dtype), key, 0.1, 32, reduction)
+        oq_score_triton(torch.zeros(2, 40), torch.ones(2, 40, dtype=torch.bool), (7.7, 5.4, 5.5))
     return calls + got
 
 

@@ -33,9 +33,11 @@ from hfkv.storage.record import RecordLayout
 F32, F16, BF16 = 0, 1, 2
 _MODEL_CODES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Launch shape of encode_write: tokens per program and warps (eval/encode_bench.py sweeps them on a GPU).
-ENCODE_ROWS = 1
-ENCODE_WARPS = 4
+# Launch shape of encode_write: tokens per program and warps. Until eval/encode_bench.py has swept them on a GPU
+# (docs/kernels.md), one warp per program (a row's reductions stay inside the warp: no shared-memory round
+# trips) and four tokens each (a quarter of the programs a prompt's write launched at one token each).
+ENCODE_ROWS = 4
+ENCODE_WARPS = 1
 
 
 # --------------------------------------------------------------------------------------------- helpers

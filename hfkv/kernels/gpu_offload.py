@@ -6,11 +6,11 @@ so on a machine without a GPU they run the kernels in Triton's interpreter. To r
 *compiled* kernels, with the same comparisons, this plugin wraps the Triton entry points (``paged_attention`` and
 the cache's ``run_plan``, ``encode_write``, ``move_records``, ``clear_tags``, ``compact``, ``release_pages``,
 ``read_meta_triton``, ``allocate_triton``, ``count_appends``, ``reserve_slots``, ``tier_changes``,
-``gather_decode``, ``observation_scores``): a call copies the storage behind every tensor argument to the device
-once (views of one storage stay views of one copy, so parts that share a pool share it there too), runs the wrapper
-there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the tests' tensors as if
-the kernel had run on them. Returned tensors come back to the CPU. The cache's backend check lets
-``backend="triton"`` run on CPU tensors for the same reason.
+``gather_decode``, ``observation_scores``, ``oq_score_triton``): a call copies the storage behind every tensor
+argument to the device once (views of one storage stay views of one copy, so parts that share a pool share it there
+too), runs the wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the
+tests' tensors as if the kernel had run on them. Returned tensors come back to the CPU. The cache's backend check
+lets ``backend="triton"`` run on CPU tensors for the same reason.
 
     HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
 
@@ -52,6 +52,7 @@ WRAPPED = (
     ("hfkv.kernels.changes", "tier_changes"),
     ("hfkv.kernels.gather", "gather_decode"),
     ("hfkv.kernels.observation", "observation_scores"),
+    ("hfkv.kernels.observation", "oq_score_triton"),
 )
 
 # Offloaded calls under way: a Triton launch made while this is 0 bypassed the wrappers (an entry point

@@ -26,7 +26,7 @@ import triton.language as tl
 from hfkv.kernels.backend import interpreter_on
 from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, reduce_gqa
 
-__all__ = ["observation_scores", "observation_scores_reference"]
+__all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
 
 SPLIT_T = 1024  # keys per program of the statistics pass (its combine reads cdiv(T, SPLIT_T) partials per row)
 BLOCK_T = 64  # keys per iteration (statistics) and per program (scores)
@@ -175,3 +175,111 @@ def observation_scores(
         SP=triton.next_power_of_2(splits), BLOCK=BLOCK_T, REDUCE=GQA_REDUCTIONS.index(reduction), **shape,
     )  # fmt: skip
     return sums, mass.sum(1)
+
+
+# ------------------------------------------------------------------------------------------ OQ statistics
+@triton.jit
+def _oq_kernel(
+    mass_ptr, keep_ptr, out_ptr, T, inv_t1, inv_t2, inv_t3, tol, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One batch row's ARKV OQ score from its keys' mass (``hfkv.policy.oq.oq_score_from_mass``), in four passes
+    over the row: counts, total and heaviest key; entropy and mean; variance; kurtosis."""
+    b = tl.program_id(0).to(tl.int64)
+    row_m = mass_ptr + b * T
+    row_k = keep_ptr + b * T
+    n = 0.0
+    z = 0.0
+    top_v = -1.0
+    top_i = 0
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < T
+        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+        mass = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0)
+        n += tl.sum(keep.to(tl.float32), 0)
+        z += tl.sum(mass, 0)
+        v = tl.max(tl.where(inside, mass, -1.0), 0)
+        first = tl.min(tl.where(inside & (mass == v), t, T), 0)  # torch's argmax: the first of equal maxima
+        better = v > top_v
+        top_i = tl.where(better, first, top_i)
+        top_v = tl.where(better, v, top_v)
+    nf = tl.maximum(n, 1.0)
+    zs = tl.where(z > 0, z, 1.0)
+    others = 0.0
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < T
+        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+        mass = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0)
+        others += tl.sum(tl.where(t == top_i, 0.0, mass), 0)
+    log_top = tl.log(1.0 - others / zs)  # log1p(-others / Z) to fp32 (1 - x is exact for x in [0.5, 1])
+    log_top = tl.where(others / zs < 0.5, _log1p_neg(others / zs), log_top)
+    entropy = 0.0
+    total = 0.0
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < T
+        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+        p = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0) / zs
+        log_p = tl.where(t == top_i, log_top, tl.log(tl.where(p > 0, p, 1.0)))
+        entropy -= tl.sum(tl.where(p > 0, p * log_p, 0.0), 0)
+        total += tl.sum(p, 0)
+    mean = total / nf
+    var = 0.0
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < T
+        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+        p = tl.load(row_m + t, mask=inside, other=0.0) / zs
+        dev = tl.where(keep, p - mean, 0.0)
+        var += tl.sum(dev * dev, 0)
+    var = var / nf
+    ok = (n >= 2) & (z > 0) & (var > (tol * mean) * (tol * mean))
+    std = tl.sqrt(tl.where(ok, var, 1.0))
+    kurt = 0.0
+    for t0 in range(0, T, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < T
+        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+        p = tl.load(row_m + t, mask=inside, other=0.0) / zs
+        s = tl.where(keep, (p - mean) / std, 0.0)
+        s2 = s * s
+        kurt += tl.sum(s2 * s2, 0)
+    kurt = kurt / nf
+    q = _pow(tl.maximum(entropy, 0.0), inv_t1) * _pow(var, inv_t2) * _pow(kurt, inv_t3)
+    tl.store(out_ptr + b, tl.where(ok, q, 0.0))
+
+
+@triton.jit
+def _pow(x, e):
+    """``x ** e`` for ``x >= 0`` (0 at 0, as torch's pow)."""
+    return tl.where(x > 0, tl.exp(tl.log(tl.where(x > 0, x, 1.0)) * e), 0.0)
+
+
+@triton.jit
+def _log1p_neg(x):
+    """``log(1 - x)`` for ``0 <= x < 0.5`` without cancelling ``1 - x`` (the series ``-x - x^2/2 - ...`` in its
+    ``2 atanh`` form: ``log((1 - x) / 1) = 2 atanh(-x / (2 - x))``)."""
+    y = -x / (2.0 - x)
+    y2 = y * y
+    s = 1.0 + y2 * (1.0 / 3 + y2 * (1.0 / 5 + y2 * (1.0 / 7 + y2 * (1.0 / 9 + y2 * (1.0 / 11 + y2 / 13)))))
+    return 2.0 * y * s
+
+
+def oq_score_triton(total: torch.Tensor, key_mask: torch.Tensor, tau) -> torch.Tensor:
+    """:func:`hfkv.policy.oq.oq_score_from_mass` in one launch (one program per batch row): ~55 torch operations,
+    each a launch on a GPU, where a prompt's admission is bound by its launches."""
+    from hfkv.policy.oq import UNIFORM_TOL
+
+    if total.dim() != 2 or tuple(key_mask.shape) != tuple(total.shape):
+        raise ValueError(f"oq_score_triton: total [B, T] and key_mask of its shape, got {tuple(total.shape)} and "
+                         f"{tuple(key_mask.shape)}")  # fmt: skip
+    t1, t2, t3 = (float(t) for t in tau)
+    if min(t1, t2, t3) <= 0:
+        raise ValueError(f"tau must be three positive numbers, got {tuple(tau)}")
+    bsz, t = total.shape
+    out = torch.zeros(bsz, dtype=torch.float32, device=total.device)
+    if bsz and t:
+        keep = key_mask.to(device=total.device, dtype=torch.bool).contiguous().view(torch.uint8)
+        _oq_kernel[(bsz,)](total.float().contiguous(), keep, out, t, 1 / t1, 1 / t2, 1 / t3, UNIFORM_TOL, BLOCK=1024)
+    return out
