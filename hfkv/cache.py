@@ -40,7 +40,7 @@ from hfkv.policy import (
 )
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
-from hfkv.quant.formats import QuantFormat
+from hfkv.quant.formats import QuantFormat, check_ends, encodable_ends
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.stats_html import cache_html
@@ -309,8 +309,16 @@ class TriStateLayer(CacheLayerMixin):
         Deciding before writing means a token bound for the quantized tier is quantized once, from
         full precision, and an evicted one is never written at all.
         """
+        formats, ends = [], []
         for tier, (b, h, i) in _tier_members(new, self.tiers.num_tiers):
-            self.tiers.append_tokens(tier, b, h, k[b, h, i], v[b, h, i], pos[i], score[b, h, i], check_finite)
+            kt, vt = k[b, h, i], v[b, h, i]
+            if check_finite:  # the values' ends stay on the device; one read for every tier below
+                lay = self.layouts[tier]
+                f, e = encodable_ends([(lay.key, kt), (lay.value, vt)])
+                formats, ends = formats + f, ends + ([e] if e is not None else [])
+            self.tiers.append_tokens(tier, b, h, kt, vt, pos[i], score[b, h, i])
+        if ends:  # a bad value raises here, its tier written (the prompt cannot be admitted either way)
+            check_ends(formats, torch.cat(ends))
 
     def _refresh_tier_peak(self) -> None:
         counts = self.tiers.counts

@@ -89,3 +89,18 @@ def test_ingest_prefill_refuses_a_filled_layer_and_too_few_queries():
     fresh = parse_method("hfkv@30:window=4").make_cache(model)
     with pytest.raises(ValueError, match="observation window"):
         fresh.layers[0].ingest_prefill(prefill.keys[0], prefill.values[0], prefill.queries[0][:, :, -4:], 0.125)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_prompt_with_a_non_finite_value_bound_for_a_quantized_tier_is_refused(backend):
+    """One host read checks every quantized tier a prompt fills; a NaN anywhere in them is named."""
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(8))
+    prefill = run_prefill(model, ids)
+    values = prefill.values[0].clone()
+    values[:, :, :40, 3] = float("nan")  # every token a tier takes (values: the scores stay finite)
+    cache = parse_method(f"hfkv@30:window=4,backend={backend}").make_cache(model)
+    with pytest.raises(ValueError, match="non-finite"):
+        cache.layers[0].ingest_prefill(prefill.keys[0], values, prefill.queries[0], 0.125)
+    clean = parse_method(f"hfkv@30:window=4,backend={backend}").make_cache(model)
+    clean.layers[0].ingest_prefill(prefill.keys[0], prefill.values[0], prefill.queries[0], 0.125)  # no error

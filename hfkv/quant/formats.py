@@ -142,11 +142,23 @@ def check_encodable_all(fields: list[tuple[QuantFormat, torch.Tensor]]) -> None:
     One ``aminmax`` per field and one host read for all of them: a prompt's check was four full passes
     (isfinite, float copy, abs, compare) and a host wait per field, on every tier it fills.
     """
+    check_ends(*encodable_ends(fields))
+
+
+def encodable_ends(fields: list[tuple[QuantFormat, torch.Tensor]]) -> tuple[list[QuantFormat], torch.Tensor | None]:
+    """The quantized fields' formats and their values' ends ``[n, 2]`` on the device, for :func:`check_ends` to read
+    once after several calls' worth (a prompt's tiers are checked with one host wait, not one per tier)."""
     fields = [(f, x) for f, x in fields if f.name != "model" and x.numel()]
     if not fields:
+        return [], None
+    return [f for f, _ in fields], torch.stack([torch.stack(torch.aminmax(x)).float() for _, x in fields])
+
+
+def check_ends(formats: list[QuantFormat], ends: torch.Tensor | None) -> None:
+    """Raise as :func:`check_encodable_all` does, from :func:`encodable_ends` (one host read)."""
+    if ends is None:
         return
-    ends = torch.stack([torch.stack(torch.aminmax(x)).float() for _, x in fields]).tolist()
-    for (fmt, _), (lo, hi) in zip(fields, ends, strict=True):
+    for fmt, (lo, hi) in zip(formats, ends.tolist(), strict=True):
         what = f"QuantFormat({fmt.name}).encode"
         if not (math.isfinite(lo) and math.isfinite(hi)):  # aminmax propagates NaN; Inf is an end
             raise ValueError(f"{what}: cannot quantize non-finite values (NaN or Inf found in input)")
