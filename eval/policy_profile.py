@@ -64,6 +64,9 @@ PREFILL_SECTIONS = (
     ("module", "observation_probs", "observation_probs"),
     ("module", "token_scores", "token_scores"),
     ("module", "oq_score", "oq_score"),
+    ("module", "smooth_scores", "smooth_scores"),  # the Triton path's: pooling and carry of the kernel's sums
+    ("observation", "observation_scores", "observation_scores"),
+    ("observation", "oq_score_triton", "oq_score_triton"),
     ("window", "push", "window_push"),
     ("layer", "_classify", "classify"),
     ("layer", "_admit", "admit"),
@@ -76,17 +79,20 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "
 
 @contextmanager
 def patched(sections, wrap):
-    """Every method (or ``hfkv.cache`` function) named in ``sections`` replaced by ``wrap(fn, name)`` meanwhile."""
+    """Every method (or ``hfkv.cache`` / ``hfkv.kernels.observation`` function) named in ``sections`` replaced by
+    ``wrap(fn, name)`` meanwhile."""
     import hfkv.cache
+    import hfkv.kernels.observation
     from hfkv.cache import TriStateLayer
     from hfkv.storage.paged import PagedTiers
     from hfkv.storage.window import WindowRing
 
-    owners = {"layer": TriStateLayer, "tiers": PagedTiers, "window": WindowRing, "module": hfkv.cache}
+    owners = {"layer": TriStateLayer, "tiers": PagedTiers, "window": WindowRing, "module": hfkv.cache,
+              "observation": hfkv.kernels.observation}  # fmt: skip
     saved = []
     for owner, attr, name in sections:
         cls = owners[owner]
-        fn = getattr(cls, attr) if owner == "module" else cls.__dict__[attr]
+        fn = getattr(cls, attr) if owner in ("module", "observation") else cls.__dict__[attr]
         saved.append((cls, attr, fn))
         setattr(cls, attr, wrap(fn, name))
     try:

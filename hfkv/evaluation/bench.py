@@ -46,13 +46,23 @@ DEFAULT_OUT = "eval/results/bench"
 
 # ---------------------------------------------------------------------------------------------- timing
 class Clock:
-    """Wall time of a region: CUDA events on a GPU (no host sync inside the region), perf_counter on CPU."""
+    """Wall time of a region: CUDA events on a GPU (no host sync inside the region), perf_counter on CPU.
 
-    def __init__(self, device: torch.device | str):
+    ``synced``: on a GPU too, perf_counter between two device synchronisations: each region's whole cost, host
+    and device, as ``generate`` sees a step (it reads the finished flags every step). Where the host is the
+    bottleneck, unsynchronised events give a region the GPU's idle wait for the next one's launches, and
+    regions of different caches in turns trade time (a lent H200: DynamicCache's step read 22 ms alone, 63 in
+    turns)."""
+
+    def __init__(self, device: torch.device | str, synced: bool = False):
         self.cuda = torch.device(device).type == "cuda"
+        self.synced = synced and self.cuda
         self._pending: list[tuple[Any, Any, list[float], int]] = []
 
     def start(self):
+        if self.synced:
+            torch.cuda.synchronize()
+            return time.perf_counter()
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -60,8 +70,11 @@ class Clock:
         return time.perf_counter()
 
     def stop(self, token, into: list[float]) -> None:
-        """Append the seconds since ``token`` to ``into`` (for CUDA once :meth:`resolve` has run)."""
-        if self.cuda:
+        """Append the seconds since ``token`` to ``into`` (for CUDA events once :meth:`resolve` has run)."""
+        if self.synced:
+            torch.cuda.synchronize()
+            into.append(time.perf_counter() - token)
+        elif self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             into.append(float("nan"))

@@ -33,10 +33,12 @@ from hfkv.storage.record import RecordLayout
 F32, F16, BF16 = 0, 1, 2
 _MODEL_CODES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Launch shape of encode_write: tokens per program and warps. Until eval/encode_bench.py has swept them on a GPU
-# (docs/kernels.md), one warp per program (a row's reductions stay inside the warp: no shared-memory round
-# trips) and four tokens each (a quarter of the programs a prompt's write launched at one token each).
-ENCODE_ROWS = 4
+# Launch shape of encode_write, as eval/encode_bench.py measured it on an H200 (524,288 tokens of 8 KV heads x 128,
+# docs/kernels.md): one warp per program (a row's reductions stay inside the warp), 1.8-2.0x faster than four in
+# every format; four tokens per program for full-precision records (0.31 ms against 0.41 at one), one for integer
+# ones (0.71 ms against 0.78 at four: their unrolled rows outgrow the instruction cache).
+ENCODE_ROWS_MODEL = 4
+ENCODE_ROWS = 1
 ENCODE_WARPS = 1
 
 
@@ -384,13 +386,15 @@ def encode_write(
     layout.records_per_page(page_bytes)`` (not checked, as that would cost a host sync), and distinct.
     No finiteness check: callers that want one run ``layout.check_encodable`` first. ``rows`` tokens per
     program and ``num_warps`` set the launch shape (a prompt's ~500k tokens a layer at 8k x 8 were as many
-    programs of 128 threads each, ~3 ms of an H200's time; defaults: ``ENCODE_ROWS``, ``ENCODE_WARPS``).
+    programs of 128 threads each, ~3 ms of an H200's time; defaults: ``ENCODE_ROWS_MODEL`` for full-precision
+    records, else ``ENCODE_ROWS``, and ``ENCODE_WARPS``).
     """
     _check_encode_args(pool, dest, layout, k, v, pos, score, "encode_write")
     n = dest.shape[0]
     if n == 0:
         return
-    rows = ENCODE_ROWS if rows is None else rows
+    if rows is None:
+        rows = ENCODE_ROWS_MODEL if layout.key.name == layout.value.name == "model" else ENCODE_ROWS
     if rows < 1:
         raise ValueError(f"encode_write: rows={rows} tokens per program must be >= 1")
     _encode_write_kernel[(triton.cdiv(n, rows),)](

@@ -5,7 +5,8 @@ and bytes depend on shapes only). For each (context, batch) every cache runs alo
 other, on the same random prompt (after one untimed run of each on a one-row prompt, so no timed prefill
 compiles kernels): one prefill forward (timed), ``warmup`` untimed decode steps (and
 more, up to 64, until hfkv's first policy run: it compiles kernels once), then ``steps`` decode steps
-timed one by one with CUDA events, so the median is a step between policy runs and the mean
+timed one by one, each between two device synchronisations (its host and device time, as ``generate``
+sees a step; bench.Clock says why not events), so the median is a step between policy runs and the mean
 includes them. Then DynamicCache and the hfkv caches, kept alive (hfkv's run first, DynamicCache last,
 so a kept cache never crowds a prefill), step in turns (``--e2e-interleave`` steps each, from where
 each left off): the lent machines' hosts drift, and only steps taken in turns see the same host, so
@@ -131,7 +132,7 @@ def run_cache(
             policy_seen = policy_seen or layer0.steps_since_policy == 0
             i += 1
         row["warmup_steps"] = i
-        clock, times = Clock(ids.device), []
+        clock, times = Clock(ids.device, synced=True), []
         for j in range(i, i + steps):
             t = clock.start()
             tok = decode_step(model, cache, tok, context + j)
@@ -175,12 +176,12 @@ def interleave(model, rows: list[dict[str, Any]], lives: dict[str, SimpleNamespa
     (``decode_speedup_*_interleaved``) hold where absolute times move. The caches go on from where
     their own steps left them, policy runs included (every ``interval`` steps of each).
     """
-    from hfkv.evaluation.bench import interleaved_decode
+    from hfkv.evaluation.bench import Clock, interleaved_decode
 
     caches = {name: lv.cache for name, lv in lives.items()}
     tokens = {name: lv.tok for name, lv in lives.items()}
     starts = {name: lv.position for name, lv in lives.items()}
-    times = interleaved_decode(model, caches, tokens, starts, steps, warmup=0)
+    times = interleaved_decode(model, caches, tokens, starts, steps, warmup=0, clock=Clock(model.device, synced=True))
     by_name = {r["method"]: r for r in rows}
     for name, ts in times.items():
         by_name[name]["interleaved"] = {
