@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hfkv.kernels.observation as obs
 from hfkv.kernels.observation import SPLIT_T, observation_scores, observation_scores_reference
 
 
@@ -92,3 +93,14 @@ def test_triton_oq_score_equals_the_torch_statistics(case):
     assert (got == 0).tolist() == (want == 0).tolist()
     if case == "random":
         assert bool((want[:3] > 0).all()) and want[3] == 0
+
+
+def test_triton_long_prompts_grow_the_splits_not_their_count(monkeypatch):
+    """Past MAX_SPLITS splits of SPLIT_T keys the splits grow (in whole blocks): same scores."""
+    monkeypatch.setattr(obs, "SPLIT_T", 64)
+    monkeypatch.setattr(obs, "MAX_SPLITS", 3)
+    query, key = _inputs(1, 4, 2, 450, 16, torch.float32, 5)  # 450 keys: splits of 192, three of them
+    sums, mass = observation_scores(query, key, 0.25, 32, "max")
+    want_sums, want_mass = observation_scores_reference(query, key, 0.25, 32, "max")
+    torch.testing.assert_close(sums, want_sums, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(mass, want_mass, rtol=2e-5, atol=1e-6)

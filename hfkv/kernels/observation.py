@@ -1,19 +1,17 @@
 """A prompt's observation-window scores without its probabilities: two launches instead of ~90.
 
-At prefill the policy needs, from the last ``w`` queries' attention over the prompt's ``T`` keys, each
-KV head's score sums (the query heads of a group reduced, the ``w`` queries summed) and, for ARKV's OQ
-statistics, the mass each key received over all heads and queries. The torch path
-(:func:`hfkv.policy.observation_probs`, then :func:`hfkv.policy.scores.token_score_sums` and the sum in
-:func:`hfkv.policy.oq.oq_score`) materialises the ``[B, Hq, w, T]`` fp32 probabilities (268 MB a layer
-at 8k x 8 for Llama-3.1-8B, 1 GB at 32k x 8) and passes over them six times; on an H200 that was ~2.5
-ms of a layer's ~11 ms of prefill work (docs/kernels.md, eighth lease). Here one pass computes each
-query row's softmax maximum and normaliser per split of the keys, and a second recomputes the logits
-block by block (the ``w x g`` query rows of a KV head against 64 keys, one ``tl.dot``) and reduces them
-to the two outputs in registers. Logits are the model-dtype product accumulated in fp32 (products of
-bf16 values are exact in fp32), scaled after the product; fp32 models take IEEE products.
-
-Plain causal prompts only (no mask: no padding), and without ARKV's variance term (``gamma = 0``), which
-needs the probabilities themselves; the cache keeps the torch path for those.
+At prefill the policy needs, from the last ``w`` queries' attention over the prompt's ``T`` keys, each KV head's
+score sums (the query heads of a group reduced, the ``w`` queries summed) and, for ARKV's OQ statistics, the
+mass each key received over all heads and queries. The torch path (:func:`hfkv.policy.observation_probs`, then
+:func:`hfkv.policy.token_scores` and the sum in :func:`hfkv.policy.oq.oq_score`) materialises the ``[B, Hq, w,
+T]`` fp32 probabilities (268 MB a layer at 8k x 8 for Llama-3.1-8B, 1 GB at 32k x 8) and passes over them six
+times; on an H200 that was ~2.5 ms of a layer's ~11 ms of prefill work (docs/kernels.md, eighth lease). Here one
+pass computes each query row's softmax maximum and normaliser per split of the keys (at most ``MAX_SPLITS``),
+and a second recomputes the logits block by block (the ``w x g`` query rows of a KV head against 64 keys, one
+``tl.dot``) and reduces them to the two outputs in registers. Logits are the model-dtype product accumulated in
+fp32 (products of bf16 values are exact in fp32), scaled after the product; fp32 models take IEEE products.
+Plain causal prompts only (no mask: no padding), and without ARKV's variance term (``gamma = 0``), which needs
+the probabilities themselves; the cache keeps the torch path for those.
 :func:`observation_scores_reference` is the twin.
 """
 
@@ -28,7 +26,8 @@ from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, reduce_gqa
 
 __all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
 
-SPLIT_T = 1024  # keys per program of the statistics pass (its combine reads cdiv(T, SPLIT_T) partials per row)
+SPLIT_T = 1024  # keys per program of the statistics pass, at least (its combine reads each split's partials)
+MAX_SPLITS = 32  # past 32k keys the splits grow instead: the scores pass holds every split's partials in registers
 BLOCK_T = 64  # keys per iteration (statistics) and per program (scores)
 
 
@@ -66,12 +65,12 @@ def _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D: tl.constexpr, IEEE:
     return x * scaling
 
 
-@triton.jit(do_not_specialize=["T", "Tq", "W", "S"])
+@triton.jit(do_not_specialize=["T", "Tq", "W", "S", "SPLIT"])
 def _stats_kernel(
-    q_ptr, k_ptr, m_ptr, l_ptr, T, Tq, W, S, scaling,
+    q_ptr, k_ptr, m_ptr, l_ptr, T, Tq, W, S, SPLIT, scaling,
     sqb, sqh, sqt, skb, skh, skt,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -159,7 +158,8 @@ def observation_scores(
     key = key if key.stride(-1) == 1 else key.contiguous()
     gp = triton.next_power_of_2(group)
     wp = max(triton.next_power_of_2(w), 16 // gp, 1)  # tl.dot needs >= 16 rows
-    splits = triton.cdiv(t, SPLIT_T)
+    split = max(SPLIT_T, triton.cdiv(triton.cdiv(t, MAX_SPLITS), BLOCK_T) * BLOCK_T)
+    splits = triton.cdiv(t, split)
     m = torch.empty(bsz * heads, splits, gp * wp, dtype=torch.float32, device=key.device)
     l_ = torch.empty_like(m)
     # fp32 models: IEEE products; under the interpreter too, whose tl.dot misreads bf16 operands (the same
@@ -168,7 +168,7 @@ def observation_scores(
     strides = (*query.stride()[:3], *key.stride()[:3])
     shape = dict(H=heads, G=group, GP=gp, WP=wp, D=dim, IEEE=ieee)
     _stats_kernel[(bsz * heads, splits)](
-        query, key, m, l_, t, tq, w, splits, float(scaling), *strides, SPLIT=SPLIT_T, BLOCK=BLOCK_T, **shape
+        query, key, m, l_, t, tq, w, splits, split, float(scaling), *strides, BLOCK=BLOCK_T, **shape
     )
     _scores_kernel[(bsz * heads, triton.cdiv(t, BLOCK_T))](
         query, key, m, l_, sums, mass, t, tq, w, splits, float(scaling), *strides,
