@@ -192,10 +192,7 @@ def _oq_kernel(
     top_v = -1.0
     top_i = 0
     for t0 in range(0, T, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        inside = t < T
-        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
-        mass = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0)
+        t, inside, keep, mass = _row_block(row_m, row_k, t0, T, BLOCK)
         n += tl.sum(keep.to(tl.float32), 0)
         z += tl.sum(mass, 0)
         v = tl.max(tl.where(inside, mass, -1.0), 0)
@@ -207,30 +204,23 @@ def _oq_kernel(
     zs = tl.where(z > 0, z, 1.0)
     others = 0.0
     for t0 in range(0, T, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        inside = t < T
-        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
-        mass = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0)
+        t, inside, keep, mass = _row_block(row_m, row_k, t0, T, BLOCK)
         others += tl.sum(tl.where(t == top_i, 0.0, mass), 0)
     log_top = tl.log(1.0 - others / zs)  # log1p(-others / Z) to fp32 (1 - x is exact for x in [0.5, 1])
     log_top = tl.where(others / zs < 0.5, _log1p_neg(others / zs), log_top)
     entropy = 0.0
     total = 0.0
     for t0 in range(0, T, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        inside = t < T
-        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
-        p = tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0) / zs
+        t, inside, keep, mass = _row_block(row_m, row_k, t0, T, BLOCK)
+        p = mass / zs
         log_p = tl.where(t == top_i, log_top, tl.log(tl.where(p > 0, p, 1.0)))
         entropy -= tl.sum(tl.where(p > 0, p * log_p, 0.0), 0)
         total += tl.sum(p, 0)
     mean = total / nf
     var = 0.0
     for t0 in range(0, T, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        inside = t < T
-        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
-        p = tl.load(row_m + t, mask=inside, other=0.0) / zs
+        t, inside, keep, mass = _row_block(row_m, row_k, t0, T, BLOCK)
+        p = mass / zs  # 0 on the keys not considered; the deviations there are masked below
         dev = tl.where(keep, p - mean, 0.0)
         var += tl.sum(dev * dev, 0)
     var = var / nf
@@ -238,16 +228,24 @@ def _oq_kernel(
     std = tl.sqrt(tl.where(ok, var, 1.0))
     kurt = 0.0
     for t0 in range(0, T, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        inside = t < T
-        keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
-        p = tl.load(row_m + t, mask=inside, other=0.0) / zs
+        t, inside, keep, mass = _row_block(row_m, row_k, t0, T, BLOCK)
+        p = mass / zs  # 0 on the keys not considered; the deviations there are masked below
         s = tl.where(keep, (p - mean) / std, 0.0)
         s2 = s * s
         kurt += tl.sum(s2 * s2, 0)
     kurt = kurt / nf
     q = _pow(tl.maximum(entropy, 0.0), inv_t1) * _pow(var, inv_t2) * _pow(kurt, inv_t3)
     tl.store(out_ptr + b, tl.where(ok, q, 0.0))
+
+
+@triton.jit
+def _row_block(row_m, row_k, t0, T, BLOCK: tl.constexpr):
+    """Keys ``t0 .. t0 + BLOCK`` of a row: their indices, which exist, which are considered, and their mass (0 where
+    not considered)."""
+    t = t0 + tl.arange(0, BLOCK)
+    inside = t < T
+    keep = inside & (tl.load(row_k + t, mask=inside, other=0) != 0)
+    return t, inside, keep, tl.where(keep, tl.load(row_m + t, mask=inside, other=0.0), 0.0)
 
 
 @triton.jit
