@@ -124,9 +124,9 @@ class TriStateLayer(CacheLayerMixin):
         self.tiers: PagedTiers | None = None
         self.score_start = 0  # logical position of the first query whose attention was observed
         self.pad_end: torch.Tensor | None = None  # [B] leading padding tokens per row
-        # Whether some row may be left-padded (host-side; on a CPU read once per prefill, on a GPU always
-        # assumed): without padding every token leaving the window is real, which a policy run's admission
-        # can take as it is (_admit_exits).
+        # Whether some row may be left-padded (host-side: a prompt without a mask is not; else read once per
+        # prefill on a CPU, assumed on a GPU): without padding every token leaving the window is real, which a
+        # policy run's admission can take as it is (_admit_exits), and _nothing_competes can decide on the host.
         self._padded = True
         self._exit_heads: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
@@ -288,8 +288,10 @@ class TriStateLayer(CacheLayerMixin):
         m = pos.numel()
         return (pos.view(1, 1, m) >= self.pad_end.view(-1, 1, 1)).expand(self.window.shape[0], self.window.shape[1], m)
 
-    def _refresh_padded(self) -> None:
-        self._padded = self.device.type != "cpu" or bool(self.pad_end.any())
+    def _refresh_padded(self, unpadded: bool = False) -> None:
+        """``unpadded``: the caller knows no row is padded (a prompt without a mask; rows selected from an unpadded
+        batch), which needs no read of ``pad_end``; else it is read on a CPU and assumed on a GPU."""
+        self._padded = not unpadded and (self.device.type != "cpu" or bool(self.pad_end.any()))
 
     def _admit_exits(self, k, v, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Every exit exact, where no row is padded (a policy run in which nothing competes for the budget): the
@@ -451,13 +453,18 @@ class TriStateLayer(CacheLayerMixin):
         metadata to ask it would be the run's whole cost: at short contexts most runs are these."""
         if not self.memory_budget or self._has_floor:
             return False
+        heads = self.tiers.counts.shape[1]
+        per = heads if self.cfg.head_adaptive else 1
+        if not self._padded and self._tier_peak + per * exit_pos.numel() * self.cost[ORIGINAL] > per * self.room:
+            # the fullest row (its held bytes are _tier_peak, read when the tiers last changed) cannot take its
+            # exits exact: decided on the host, no tensor operation or wait (a long context's every run)
+            return False
         counts = self.tiers.counts
         # [B, H] exits that would be held exact (all of them without padding)
         entering = self._not_padding(exit_pos).sum(-1) if self._padded else exit_pos.numel()
         held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)  # [B, H] bytes
         held = held + entering * self.cost[ORIGINAL]
         exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
-        heads = held.shape[1]
         if self.cfg.head_adaptive:
             held, exact = held.sum(-1), exact.sum(-1)
         fits = (held <= self.room * (heads if self.cfg.head_adaptive else 1)).all()
@@ -589,7 +596,7 @@ class TriStateLayer(CacheLayerMixin):
         key_valid = mask[:, 0, -1, :t].to(torch.bool) if mask is not None else torch.ones(bsz, t, dtype=torch.bool)
         key_valid = key_valid.to(self.device)
         self.pad_end = (~key_valid).long().cumprod(-1).sum(-1)  # leading padding per row
-        self._refresh_padded()
+        self._refresh_padded(unpadded=mask is None)
         self.sink_end = self.pad_end + cfg.sink_tokens
         self.score_start = t - w
         nw = min(cfg.window, t)
@@ -738,7 +745,7 @@ class TriStateLayer(CacheLayerMixin):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t[index])
-        self._refresh_padded()
+        self._refresh_padded(unpadded=not self._padded)
         self.cache.invalidate_rho()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -75,3 +75,42 @@ def test_admit_only_runs_end_where_full_runs_end(overrides, lengths, monkeypatch
         assert any(fast_answers)  # the admit-only run was taken ...
     if (overrides["budget"] == 40 and not overrides.get("alpha_l")) or overrides.get("half_oq"):
         assert not all(fast_answers)  # ... and, once the budget binds, the full one
+
+
+def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
+    """Without padding the fullest row's bytes (kept on the host) decide that a run must rank: the same answer as
+    the tensors give, with no tensor operation (so no wait on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    original = TriStateLayer._nothing_competes
+    seen = []
+
+    def spy(self, exit_pos):
+        Count.ops = 0
+        with Count():
+            fast = original(self, exit_pos)
+        ops = Count.ops
+        padded, self._padded = self._padded, True  # the tensors' answer
+        try:
+            slow = original(self, exit_pos)
+        finally:
+            self._padded = padded
+        seen.append((padded, fast, slow, ops))
+        return fast
+
+    monkeypatch.setattr(TriStateLayer, "_nothing_competes", spy)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    cache = TriStateCache(model, "hfkv", budget=40, window=4, oq_ratios=False)
+    model.generate(ids, past_key_values=cache, max_new_tokens=44, do_sample=False)
+    assert seen and all(fast == slow for _, fast, slow, _ in seen)
+    assert not any(padded for padded, *_ in seen)  # a prompt without a mask: unpadded, known without a read
+    assert any(fast for _, fast, _, _ in seen)  # admit-only runs first ...
+    assert any(not fast and ops == 0 for _, fast, _, ops in seen)  # ... then the host says no, with no operation
