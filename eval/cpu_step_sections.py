@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_step_sections.json"))
     quiet.add_arguments(ap, default_threads="1")  # --threads, --max-load, --wait-quiet, --force-busy
     args = ap.parse_args(argv)
+    if len(args.threads) != 1:  # one file holds one thread count's sections
+        ap.error(f"--threads={','.join(map(str, args.threads))}: one thread count per run (run once per count)")
     threads = args.threads[0]
     try:
         record = quiet.start([threads], args.max_load, args.wait_quiet, args.force_busy)
