@@ -150,6 +150,22 @@ def git_commit() -> dict[str, Any]:
     return {"git_commit": commit or None, "git_dirty": dirty if commit else None}
 
 
+@functools.lru_cache(maxsize=4)
+def source_digest(root: Path | None = None) -> str:
+    """sha256 (first 16 hex digits) of the package's sources (``*.py``, ``*.cpp``, ``*.h`` under ``root``, default
+    the imported hfkv), by relative path and content.
+
+    The code a result came from, whatever git says: a lent GPU's copy of the checkout once named the previous
+    call's commit while it ran the new files. To match a digest, check out a commit and call this there."""
+    import hashlib
+
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(p for ext in ("py", "cpp", "h") for p in root.rglob(f"*.{ext}")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def provenance(**extra: Any) -> dict[str, Any]:
     """Fields every result row carries: hfkv version, commit, UTC date, library versions, machine."""
     import torch
@@ -160,6 +176,7 @@ def provenance(**extra: Any) -> dict[str, Any]:
     return {
         "hfkv_version": hfkv.__version__,
         **dict(git_commit()),
+        "source_digest": source_digest(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -178,6 +178,8 @@ def summarize(result: dict[str, Any]) -> str:
     """The one-screen text: what ran, each part's figures, failures and skips."""
     ver = f"torch {result.get('torch')}, triton {result.get('triton')}, transformers {result.get('transformers')}"
     commit = result.get("git_commit") or "no git"
+    if result.get("source_digest"):
+        commit += f", sources {result['source_digest']}"
     lines = [f"hfkv gpu_check on {result['device']} ({ver}; hfkv {result.get('hfkv_version')} {commit})"]
     if result.get("dry_run"):
         lines.append("DRY RUN: CPU, Triton's interpreter, toy sizes; the numbers only show that every part runs")
