@@ -62,6 +62,7 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
             assert r[key] > 0, (key, r)
         assert r["backend"] == ("triton" if r["kind"] == "tristate" else "transformers")
         assert r["decode_speedup_median"] > 0  # against the DynamicCache row of its group
+        assert r["steps_that_compiled"] == 0  # the interpreter compiles nothing
         kept = r["kind"] in ("dynamic", "tristate")  # stepped in turns after their own steps; QuantizedCache not
         assert ("interleaved" in r) == kept, r
         if kept:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from hfkv.kernels.compiles import compiled_kernels
 from hfkv.kernels.gpu_check_report import error_text
 
 GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
@@ -132,14 +133,17 @@ def run_cache(
             policy_seen = policy_seen or layer0.steps_since_policy == 0
             i += 1
         row["warmup_steps"] = i
-        clock, times = Clock(ids.device, synced=True), []
+        clock, times, compiled = Clock(ids.device, synced=True), [], 0
         for j in range(i, i + steps):
+            before = compiled_kernels()
             t = clock.start()
             tok = decode_step(model, cache, tok, context + j)
             clock.stop(t, times)
+            compiled += compiled_kernels() > before
             if not cuda:
                 held.append(cache_bytes(cache))
         clock.resolve()
+        row["steps_that_compiled"] = compiled  # a kernel instance compiled inside them (seconds on a GPU, once)
         med = statistics.median(times)
         row |= {
             "decode_ms_median": 1e3 * med,

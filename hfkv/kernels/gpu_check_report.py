@@ -152,6 +152,8 @@ def _e2e_lines(body: dict[str, Any]) -> list[str]:
             turns = f"{r['decode_speedup_median_interleaved']:.2f}x / {r['decode_speedup_mean_interleaved']:.2f}x"
         elif "interleaved" in r:
             turns = f"{r['interleaved']['decode_ms_median']:.2f} / {r['interleaved']['decode_ms_mean']:.2f} ms"
+        if r.get("steps_that_compiled"):
+            turns += f"  ({r['steps_that_compiled']} timed step(s) compiled a kernel: the mean is not steady)"
         lines.append(
             f"{head} {r['prefill_s']:9.2f} {r['decode_ms_median']:10.2f} / {r['decode_ms_mean']:<8.2f}"
             f" {r['peak_bytes'] / GIB:9.2f} {r['kv_bytes'] / GIB:7.2f} {r['compression'] or 0:5.1f}x {sp:>8}"
