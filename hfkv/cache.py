@@ -40,7 +40,7 @@ from hfkv.policy import (
 )
 from hfkv.policy.budget import allocate
 from hfkv.quant.fidelity import tier_fidelity
-from hfkv.quant.formats import QuantFormat, check_ends, encodable_ends
+from hfkv.quant.formats import QuantFormat, check_ends
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.stats_html import cache_html
@@ -303,7 +303,7 @@ class TriStateLayer(CacheLayerMixin):
             rows = torch.arange(bsz * heads, device=self.device).repeat_interleave(m)
             grid = self._exit_heads[(bsz, heads, m)] = (rows // heads, rows % heads)
         flat = (k.reshape(-1, dim), v.reshape(-1, dim), pos.repeat(bsz * heads), score.reshape(-1))
-        self.tiers.append_tokens(ORIGINAL, *grid, *flat, False)
+        self.tiers.append_tokens(ORIGINAL, *grid, *flat)
 
     def _admit(self, k, v, pos: torch.Tensor, score: torch.Tensor, new: torch.Tensor, check_finite: bool) -> None:
         """Write already-classified tokens straight into their tiers (``k, v [B, H, m, D]``, ``pos [m]``).
@@ -315,8 +315,7 @@ class TriStateLayer(CacheLayerMixin):
         for tier, (b, h, i) in _tier_members(new, self.tiers.num_tiers):
             kt, vt = k[b, h, i], v[b, h, i]
             if check_finite:  # the values' ends stay on the device; one read for every tier below
-                lay = self.layouts[tier]
-                f, e = encodable_ends([(lay.key, kt), (lay.value, vt)])
+                f, e = self.layouts[tier].encodable_ends(kt, vt)
                 formats, ends = formats + f, ends + ([e] if e is not None else [])
             self.tiers.append_tokens(tier, b, h, kt, vt, pos[i], score[b, h, i])
         if ends:  # a bad value raises here, its tier written (the prompt cannot be admitted either way)
@@ -467,7 +466,7 @@ class TriStateLayer(CacheLayerMixin):
         exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
         if self.cfg.head_adaptive:
             held, exact = held.sum(-1), exact.sum(-1)
-        fits = (held <= self.room * (heads if self.cfg.head_adaptive else 1)).all()
+        fits = (held <= self.room * per).all()
         rho = self.cache.rho(self.layer_idx)
         if rho is not None:  # both conditions in one host read
             fits = fits & (exact <= self._exact_cap(rho, heads)).all()

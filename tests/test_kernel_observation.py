@@ -54,10 +54,22 @@ def test_triton_a_strided_query_and_fewer_queries_than_keys():
     torch.testing.assert_close(mass, want_mass, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim", [8, 24, 80])
+def test_triton_head_dims_off_a_power_of_two_are_padded_with_zeros(dim):
+    """Below 16 (tl.dot's least) or not a power of two (a model with head_dim 80 or 96 takes this path too)."""
+    query, key = _inputs(1, 4, 2, 70, dim, torch.float32, dim)
+    sums, mass = observation_scores(query, key, dim**-0.5, 32, "max")
+    want_sums, want_mass = observation_scores_reference(query, key, dim**-0.5, 32, "max")
+    torch.testing.assert_close(sums, want_sums, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(mass, want_mass, rtol=2e-5, atol=1e-6)
+
+
 def test_triton_bad_shapes_are_named():
-    query, key = _inputs(1, 4, 2, 40, 24, torch.float32, 1)
-    with pytest.raises(ValueError, match="head_dim=24"):
-        observation_scores(query, key, 0.2, 8, "max")
+    query, key = _inputs(1, 4, 2, 40, 16, torch.float32, 1)
+    with pytest.raises(ValueError, match="do not match"):
+        observation_scores(query, key[..., :8], 0.2, 8, "max")
+    with pytest.raises(ValueError, match="do not match"):
+        observation_scores(torch.cat([query, query], 1)[:, :5], key, 0.2, 8, "max")  # 5 query heads, 2 KV heads
     query, key = _inputs(1, 4, 2, 40, 16, torch.float32, 1)
     with pytest.raises(ValueError, match="unknown GQA reduction 'sum'"):
         observation_scores(query, key, 0.2, 8, "sum")

@@ -186,8 +186,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     with captured_launches() as got:
         for sizes in ([3], [3, 2], [3, 2, 1]):
             tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
-        # a prompt's observation scores: Llama-3.1-8B (groups of 4) and SmolLM2 (groups of 3, dim 64), bf16 and fp32
-        for hq, h, dim, dtype in ((32, 8, 128, torch.bfloat16), (9, 3, 64, torch.bfloat16), (4, 2, 64, torch.float32)):
+        # a prompt's observation scores: Llama-3.1-8B (groups of 4), SmolLM2 (groups of 3, dim 64), a head dim of 80
+        for hq, h, dim, dtype in ((32, 8, 128, torch.bfloat16), (9, 3, 64, torch.bfloat16), (4, 2, 64, torch.float32),
+                                  (8, 2, 80, torch.bfloat16)):  # fmt: skip
             for reduction in ("max", "mean", "l2"):
                 key = torch.zeros(1, h, 40, dim, dtype=dtype)
                 observation_scores(torch.zeros(1, hq, 40, dim, dtype=dtype), key, 0.1, 32, reduction)

@@ -34,7 +34,7 @@ F32, F16, BF16 = 0, 1, 2
 _MODEL_CODES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch shape of encode_write, as eval/encode_bench.py measured it on an H200 (524,288 tokens of 8 KV heads x 128,
-# docs/kernels.md): one warp per program (a row's reductions stay inside the warp), 1.8-2.0x faster than four in
+# docs/kernels.md): one warp per program (a row's reductions stay inside the warp), 1.8-2.1x faster than four in
 # every format; four tokens per program for full-precision records (0.31 ms against 0.41 at one), one for integer
 # ones (0.71 ms against 0.78 at four: their unrolled rows outgrow the instruction cache).
 ENCODE_ROWS_MODEL = 4
@@ -384,7 +384,7 @@ def encode_write(
 
     ``dest`` offsets must be slot starts, ``page * page_bytes + slot * layout.stride`` with ``slot <
     layout.records_per_page(page_bytes)`` (not checked, as that would cost a host sync), and distinct.
-    No finiteness check: callers that want one run ``layout.check_encodable`` first. ``rows`` tokens per
+    No finiteness check: callers that want one read ``layout.encodable_ends`` first. ``rows`` tokens per
     program and ``num_warps`` set the launch shape (a prompt's ~500k tokens a layer at 8k x 8 were as many
     programs of 128 threads each, ~3 ms of an H200's time; defaults: ``ENCODE_ROWS_MODEL`` for full-precision
     records, else ``ENCODE_ROWS``, and ``ENCODE_WARPS``).

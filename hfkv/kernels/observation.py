@@ -40,24 +40,27 @@ def observation_scores_reference(
 
 
 @triton.jit
-def _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr):
+def _rows(
+    q_ptr, b, h, Tq, W, sqb, sqh, sqt, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
+    BD: tl.constexpr,
+):  # fmt: skip
     """The ``GP x WP`` query rows of KV head ``h`` (row ``j * WP + i``: head ``j`` of the group, window query
     ``i``), zeros where ``j >= G`` or ``i >= W``; and which rows are real."""
     r = tl.arange(0, GP * WP)
     j = r // WP
     i = r % WP
     ok = (j < G) & (i < W)
-    d = tl.arange(0, D)
+    d = tl.arange(0, BD)  # the head dim padded to a power of two (>= 16, tl.dot's least): zeros past D
     ptr = q_ptr + b * sqb + (h * G + j)[:, None].to(tl.int64) * sqh + (Tq - W + i)[:, None].to(tl.int64) * sqt
-    q = tl.load(ptr + d[None, :], mask=ok[:, None], other=0.0)
+    q = tl.load(ptr + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
     return q, i, ok
 
 
 @triton.jit
-def _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D: tl.constexpr, IEEE: tl.constexpr):
-    d = tl.arange(0, D)
+def _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr):
+    d = tl.arange(0, BD)
     ptr = k_ptr + b * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :]
-    k = tl.load(ptr, mask=(t < T)[:, None], other=0.0)
+    k = tl.load(ptr, mask=(t < T)[:, None] & (d < D)[None, :], other=0.0)
     if IEEE:
         x = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -69,21 +72,21 @@ def _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D: tl.constexpr, IEEE:
 def _stats_kernel(
     q_ptr, k_ptr, m_ptr, l_ptr, T, Tq, W, S, SPLIT, scaling,
     sqb, sqh, sqt, skb, skh, skt,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // H
     h = bh % H
-    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D)
+    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D, BD)
     qpos = T - W + i  # the query's position among the keys: it sees keys <= qpos
     m = tl.full([GP * WP], float("-inf"), tl.float32)
     acc = tl.zeros([GP * WP], tl.float32)
     end = tl.minimum(s * SPLIT + SPLIT, T)
     for t0 in range(s * SPLIT, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
-        x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, IEEE)
+        x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, BD, IEEE)
         seen = ok[:, None] & (t[None, :] <= qpos[:, None])
         x = tl.where(seen, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 1))
@@ -99,13 +102,13 @@ def _stats_kernel(
 def _scores_kernel(
     q_ptr, k_ptr, m_ptr, l_ptr, sums_ptr, mass_ptr, T, Tq, W, S, scaling,
     sqb, sqh, sqt, skb, skh, skt,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     SP: tl.constexpr, BLOCK: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D)
+    q, i, ok = _rows(q_ptr, b, h, Tq, W, sqb, sqh, sqt, G, GP, WP, D, BD)
     qpos = T - W + i
     # the splits' maxima and normalisers combined: each row's softmax over all its keys
     r = tl.arange(0, GP * WP)
@@ -118,7 +121,7 @@ def _scores_kernel(
     norm = tl.sum(tl.where(ms == float("-inf"), 0.0, ls * tl.exp(ms - mx[None, :])), 0)
     norm = tl.where(norm > 0, norm, 1.0)  # a row that sees nothing has probabilities 0, not NaN
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, IEEE)
+    x = _logits(q, k_ptr, b, h, t, T, skb, skh, skt, scaling, D, BD, IEEE)
     seen = ok[:, None] & (t[None, :] <= qpos[:, None]) & (t < T)[None, :]
     p = tl.where(seen, tl.exp(x - mx[:, None]) / norm[:, None], 0.0)  # [GP * WP, BLOCK]
     grouped = tl.reshape(p, (GP, WP, BLOCK))
@@ -147,13 +150,12 @@ def observation_scores(
     heads, t = key.shape[1], key.shape[2]
     if hq % heads or t < tq or key.shape[3] != dim or key.shape[0] != bsz:
         raise ValueError(f"observation_scores: query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
-    if dim < 16 or dim & (dim - 1):
-        raise ValueError(f"observation_scores: head_dim={dim} must be a power of two >= 16 (tl.dot)")
     group, w = hq // heads, max(0, min(int(obs_window), tq))
-    sums = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
-    mass = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
-    if not (bsz and t and w):
-        return sums, mass.sum(1)
+    if not (bsz and t and w):  # nothing observed: zero scores and mass
+        sums = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
+        return sums, sums.sum(1)
+    sums = torch.empty(bsz, heads, t, dtype=torch.float32, device=key.device)  # every key written below
+    mass = torch.empty_like(sums)
     query = query if query.stride(-1) == 1 else query.contiguous()
     key = key if key.stride(-1) == 1 else key.contiguous()
     gp = triton.next_power_of_2(group)
@@ -166,7 +168,7 @@ def observation_scores(
     # products: bf16 ones are exact in fp32)
     ieee = query.dtype == torch.float32 or interpreter_on()
     strides = (*query.stride()[:3], *key.stride()[:3])
-    shape = dict(H=heads, G=group, GP=gp, WP=wp, D=dim, IEEE=ieee)
+    shape = dict(H=heads, G=group, GP=gp, WP=wp, D=dim, BD=max(16, triton.next_power_of_2(dim)), IEEE=ieee)
     _stats_kernel[(bsz * heads, splits)](
         query, key, m, l_, t, tq, w, splits, split, float(scaling), *strides, BLOCK=BLOCK_T, **shape
     )

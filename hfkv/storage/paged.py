@@ -162,10 +162,10 @@ class PagedTiers:
         v: torch.Tensor,
         pos: torch.Tensor,
         score: torch.Tensor,
-        check_finite: bool = False,
     ) -> None:
         """Encode tokens ``k, v [n, D]`` (positions ``pos [n]``, score sums ``score [n]``) into the tier's
-        format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`).
+        format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`). No finiteness check:
+        a caller that wants one reads ``RecordLayout.encodable_ends`` (the cache, once for a prompt's tiers).
 
         The Triton and CPU backends quantize, pack and write each record in one call, straight into its slot
         (a policy run's few dozen tokens cost the torch encoder some fifty tensor operations).
@@ -178,10 +178,8 @@ class PagedTiers:
         elif self.backend == "cpu":
             from hfkv.kernels.cpu.encode import encode_write_cpu as encode_write
         else:
-            self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite))
+            self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite=False))
             return
-        if check_finite:
-            lay.check_encodable(k, v)
         offsets = self._reserve_offsets(tier, b, h)
         if self.backend == "cpu":  # slots just reserved here: nothing to validate
             encode_write(self.pool.data, offsets, lay, k, v, pos, score, checked=False)

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import torch
 
-from hfkv.quant.formats import INT_BITS, ChunkCodes, QuantFormat, aligned_records, check_encodable_all
+from hfkv.quant.formats import INT_BITS, ChunkCodes, QuantFormat, aligned_records, encodable_ends
 
 META_BYTES = 8  # int32 tag (logical position + 1) + fp32 score sum
 
@@ -105,8 +105,10 @@ class RecordLayout:
         parts.append(_as_bytes(score.to(torch.float32), lead))
         return torch.cat(parts, dim=-1)
 
-    def check_encodable(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        check_encodable_all([(self.key, k), (self.value, v)])
+    def encodable_ends(self, k: torch.Tensor, v: torch.Tensor) -> tuple[list[QuantFormat], torch.Tensor | None]:
+        """The quantized fields' formats and the ends of their values, on the device, for ``check_ends`` to read
+        with other tiers' in one host wait (``hfkv.quant.formats.encodable_ends``)."""
+        return encodable_ends([(self.key, k), (self.value, v)])
 
     def decode_kv(self, rec: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of records ``[..., nbytes]``, read in place when the records are word-aligned."""
