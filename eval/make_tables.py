@@ -1021,6 +1021,12 @@ bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
 python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
 python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
+# the same with DynamicCache's attention and concatenation timed (the model's own step, the bound on any cache),
+# one thread count a file, the random model and SmolLM2 in bf16 (cpu_step_sections_{1t,2t,smollm2_1t,smollm2_2t})
+python eval/cpu_step_sections.py --wait-quiet 900 --threads 1 --specs dynamic hfkv@1024 evict@1024 \\
+    --out eval/results/cpu_step_sections_1t.json
+HF_HUB_OFFLINE=1 python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \\
+    --specs dynamic hfkv@1024 evict@1024 --out eval/results/cpu_step_sections_smollm2_2t.json
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
