@@ -8,9 +8,10 @@ of MB). This script says where that time is, so the fix is aimed, not guessed:
 * each decode step timed alone (synchronised), marked with whether it ran the policy and whether a kernel
   instance compiled inside it (``hfkv.kernels.compiles``; such steps are left out of ``step_ms``);
 * one policy run per layer timed alone (``run_policy``, synchronised before and after);
-* one interval of steps under ``torch.profiler`` with hfkv's sections labelled (``run_policy``,
-  ``read_meta``, ``classify``, ``apply``, ``admit``, ``attend``): host and device milliseconds per
-  section and policy run, kernel launches and host syncs per section, and the top torch ops;
+* one interval of steps under ``torch.profiler`` with hfkv's sections labelled (``run_policy``, ``candidates``
+  (within it ``read_meta`` per tier, except on the CPU backend), ``classify``, ``apply``, ``admit``, ``attend``):
+  host and device milliseconds per section and policy run, kernel launches and host syncs per section, and the
+  top torch ops;
 * a prefill (``prefill`` in the JSON; ``--no-prefill`` skips it): one prefill forward of a DynamicCache
   and of the cache, best of two, interleaved after one warm-up each, then the cache's own prefill work
   per layer with each part synchronised before and after (``synced_ms_per_layer``: host gaps included)
@@ -55,6 +56,7 @@ SECTIONS = (
     ("layer", "_apply", "apply"),
     ("layer", "_admit", "admit"),
     ("layer", "_attend_slots", "attend"),
+    ("tiers", "candidates", "candidates"),
     ("tiers", "read_meta", "read_meta"),
     ("tiers", "remove", "remove"),
     ("tiers", "append_tokens", "append_tokens"),

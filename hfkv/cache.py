@@ -416,25 +416,14 @@ class TriStateLayer(CacheLayerMixin):
                 self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
             self._refresh_tier_peak()
             return
-        metas = [self.tiers.read_meta(t) for t in range(self.tiers.num_tiers)]
-        sizes = [meta[0].shape[-1] for meta in metas]
-        pos = torch.cat([*(meta[0].long() for meta in metas), epos.view(1, 1, m).expand(bsz, heads, m)], -1)
-        valid = torch.cat([*(meta[2] for meta in metas), self._not_padding(epos)], -1)
-        # Each slot's tier; a token leaving the window is a candidate for the original tier.
-        # (filled per part: repeat_interleave with host counts copies them to the device and reads the total back)
-        tier_of = torch.cat(
-            [
-                torch.full((n,), t, dtype=torch.int8, device=self.device)
-                for t, n in zip([*range(len(sizes)), ORIGINAL], [*sizes, m], strict=True)
-            ]
-        )
-        state = torch.where(valid, tier_of, EVICTED).to(torch.int8)
-        scores = self._mean_scores(torch.cat([*(meta[1] for meta in metas), escore], -1), pos)
+        pos, sums, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end)
+        scores = self._mean_scores(sums, pos)
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         changes = self._tier_changes(new, valid, sizes)
-        self._apply(news, [meta[2] for meta in metas], changes, (ek, ev, epos, escore, new_exits) if m else None)
+        valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
+        self._apply(news, valids, changes, (ek, ev, epos, escore, new_exits) if m else None)
         self._refresh_tier_peak()
 
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:

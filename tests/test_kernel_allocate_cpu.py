@@ -76,3 +76,19 @@ def test_decode_sized_rows_are_equal():
         case["state"] = torch.randint(0, 4, case["scores"].shape, generator=torch.Generator().manual_seed(seed))
         case["state"] = case["state"].to(torch.int8)
         assert torch.equal(allocate_cpu(**case), allocate(**case))
+
+
+def test_large_rows_with_ties_and_every_kind_of_cut_are_equal():
+    """Rows of tens of thousands of items go through sampled bracketing rounds before the single pivots: equal to
+    the twin where scores tie in large blocks (the tie-break is the item's index), where the cut falls at the very
+    start or past the end, and at rooms in between."""
+    for seed, (head_adaptive, cap, levels) in enumerate(((True, False, 3), (False, True, 0), (True, True, 2))):
+        case = _step_case(seed, 5000, head_adaptive, cap)
+        g = torch.Generator().manual_seed(seed)
+        if levels:  # a few distinct scores: ties everywhere
+            case["scores"] = torch.randint(1, levels + 1, case["scores"].shape, generator=g).float() / 10
+        case["state"] = torch.randint(0, 4, case["scores"].shape, generator=g).to(torch.int8)
+        full = int(case["room"].flatten()[0])
+        for room in (0, 71, full // 50, full // 3, full, 10 * full):
+            case["room"] = torch.full_like(case["room"], room)
+            assert torch.equal(allocate_cpu(**case), allocate(**case)), (seed, room)

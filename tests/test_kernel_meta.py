@@ -37,3 +37,45 @@ def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, 
         finally:
             tiers.backend = "torch"
         assert all(torch.equal(a, b) for a, b in zip(got, tiers.read_meta(tier), strict=True))
+
+
+@pytest.mark.parametrize("dim,dtype,page_bytes,counts", [
+    (64, torch.float32, None, (40, 70)),
+    (32, torch.bfloat16, 528, (0, 33)),
+])  # fmt: skip
+@pytest.mark.parametrize("m_exit", [0, 5])
+def test_policy_candidates_from_cpp_equal_the_torch_composition(dim, dtype, page_bytes, counts, m_exit):
+    """A policy run's candidates (every tier's slots, then the window's exits; padding evicted) read in one C++ pass
+    equal the torch backend's reads, concatenations and select: positions, scores, validity, state and widths."""
+    layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    tiers: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim + m_exit)
+    g = torch.Generator().manual_seed(m_exit)
+    exit_pos = torch.arange(m_exit, dtype=torch.int64) + 150
+    exit_score = torch.rand(3, 2, m_exit, generator=g)
+    pad_end = torch.tensor([0, 152, 400])  # row 1: two exits are padding; row 2: every exit
+    want = tiers.candidates(exit_pos, exit_score, pad_end)
+    tiers.backend = "cpu"
+    try:
+        got = tiers.candidates(exit_pos, exit_score, pad_end)
+    finally:
+        tiers.backend = "torch"
+    assert got[4] == want[4] and sum(want[4]) + m_exit == want[0].shape[-1]
+    for a, b in zip(got[:4], want[:4], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    state, valid = want[3], want[2]
+    if m_exit:
+        assert (state[1, :, -m_exit:] == torch.tensor([3, 3, 0, 0, 0], dtype=torch.int8)).all()  # EVICTED, ORIGINAL
+        assert not valid[2, :, -m_exit:].any() and valid[0, :, -m_exit:].all()
+    assert (state[..., : want[4][0]][valid[..., : want[4][0]]] == 0).all()  # a live slot's state is its tier
+    assert (state[~valid] == 3).all()
+
+
+def test_policy_candidates_name_a_mismatched_exit_score():
+    from hfkv.kernels.cpu.meta import read_candidates_cpu
+
+    layouts = (_layout("int4", "int2", 32, torch.float32),)
+    tiers: PagedTiers = _storage(layouts, 1, 2, 32, 40, (10,), None, seed=1)
+    with pytest.raises(ValueError, match=r"exit_score \(1, 2, 3\), expected \(1, 2, 4\)"):
+        read_candidates_cpu(tiers.pool.data, tiers.tables, tiers.counts, tiers.tpp, layouts, [tiers.max_slots(0)],
+                            torch.arange(4), torch.zeros(1, 2, 3), torch.zeros(1, dtype=torch.long))  # fmt: skip

@@ -21,7 +21,7 @@ def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
     # the profiled step ran the policy once per layer, inside which the sections nest
     sections = out["sections"]
     assert sections["run_policy"]["calls"] == out["layers"]
-    assert {"read_meta", "classify", "apply"} <= set(sections)
+    assert {"candidates", "classify", "apply"} <= set(sections)
     assert sections["classify"]["host_ms_per_policy_run"] <= sections["run_policy"]["host_ms_per_policy_run"]
     # the labels are taken off again
     from hfkv.cache import TriStateLayer

@@ -72,6 +72,10 @@ def allocate_cpu(
     out = torch.empty((b, h, n), dtype=torch.int8)
     if n == 0:
         return out
+    k = step_cost.numel()
+    if n * (h if head_adaptive else 1) * k >= 2**31:  # the C++ items index a row's (token, item) pairs in 32 bits
+        raise ValueError(f"allocate_cpu: {n} tokens x {h if head_adaptive else 1} heads x {k} items a row exceed "
+                         f"2**31 - 1; allowed: fewer (token, item) pairs per row")  # fmt: skip
     args = [
         scores.to(torch.float32).contiguous(),
         state.to(torch.int8).contiguous(),
@@ -83,7 +87,6 @@ def allocate_cpu(
         None if exact_cap is None else exact_cap.to(torch.int64).contiguous(),
         torch.tensor([0 if c is None else int(c) for c in cost], dtype=torch.int64),
     ]
-    k = step_cost.numel()
     _kernel()(
         *(None if t is None else t.data_ptr() for t in args),
         b, h, n, k,

@@ -69,3 +69,55 @@ void hfkv_tier_changes(const int8_t* fresh, const uint8_t* valid, int64_t rows, 
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// A policy run's candidates in one pass: every tier's slots [0, m[t]) (as hfkv_read_meta reads them), then the
+// window's exits, side by side in rows of n = sum(m) + n_exit columns (hfkv.storage.paged.PagedTiers.candidates'
+// contract, its torch twin: a read per tier, four concatenations, a fill and a select, a dozen tensor operations).
+// tier t: pool offsets and table/counts pointers per tier in the arrays; counts [bh, tiers] row-major. Exits: pos
+// [n_exit] and score [bh, n_exit]; an exit is a candidate for tier `original` unless its position is below the
+// row's pad_end (padding: evicted). state = the slot's tier, or `evicted` where not valid.
+void hfkv_read_candidates(const uint8_t* pool, int64_t page_bytes, int32_t tiers, const int32_t* const* tables,
+                          const int32_t* table_w, const int32_t* tpp, const int32_t* tag_offset,
+                          const int32_t* score_offset, const int64_t* counts, const int32_t* m, int64_t B, int64_t H,
+                          const int64_t* exit_pos, const float* exit_score, int32_t n_exit, const int64_t* pad_end,
+                          int8_t original, int8_t evicted, int64_t* pos, float* score, bool* valid, int8_t* state) {
+    int64_t n = n_exit;
+    for (int32_t t = 0; t < tiers; ++t) n += m[t];
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+        int64_t col = bh * n;
+        for (int32_t t = 0; t < tiers; ++t) {
+            const int64_t cnt = counts[bh * tiers + t], live = cnt < m[t] ? cnt : m[t];
+            int64_t s = 0;
+            for (int32_t pg = 0; pg < table_w[t] && s < live; ++pg) {
+                const uint8_t* page = pool + static_cast<int64_t>(tables[t][bh * table_w[t] + pg]) * page_bytes;
+                for (int32_t i = 0; i < tpp[t] && s < live; ++i, ++s) {
+                    int32_t tag;
+                    std::memcpy(&tag, page + tag_offset[t] + 4 * i, 4);
+                    std::memcpy(score + col + s, page + score_offset[t] + 4 * i, 4);
+                    pos[col + s] = static_cast<int64_t>(tag) - 1;
+                    valid[col + s] = true;
+                    state[col + s] = static_cast<int8_t>(t);
+                }
+            }
+            for (; s < m[t]; ++s) {
+                pos[col + s] = -1;
+                score[col + s] = 0.0f;
+                valid[col + s] = false;
+                state[col + s] = evicted;
+            }
+            col += m[t];
+        }
+        const int64_t pad = pad_end[bh / H];
+        for (int32_t i = 0; i < n_exit; ++i) {
+            const bool ok = exit_pos[i] >= pad;
+            pos[col + i] = exit_pos[i];
+            score[col + i] = exit_score[bh * n_exit + i];
+            valid[col + i] = ok;
+            state[col + i] = ok ? original : evicted;
+        }
+    }
+}
+
+}  // extern "C"

@@ -11,10 +11,10 @@ from functools import cache
 import torch
 
 from hfkv.kernels.cpu.build import library
-from hfkv.states import EVICTED
+from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["read_meta_cpu", "tier_changes_cpu"]
+__all__ = ["read_candidates_cpu", "read_meta_cpu", "tier_changes_cpu"]
 
 
 @cache
@@ -80,3 +80,67 @@ def tier_changes_cpu(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int
     )  # fmt: skip
     flat = out.tolist()
     return [(flat[2 * t], flat[2 * t + 1]) for t in range(len(sizes))]
+
+
+@cache
+def _candidates_kernel():
+    fn = library().hfkv_read_candidates
+    ptr, i8, i32, i64 = ctypes.c_void_p, ctypes.c_int8, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i32, *[ptr] * 7, i64, i64, ptr, ptr, i32, ptr, i8, i8, ptr, ptr, ptr, ptr]
+    fn.restype = None
+    return fn
+
+
+def read_candidates_cpu(
+    pool: torch.Tensor,
+    tables: Sequence[torch.Tensor],
+    counts: torch.Tensor,
+    tpp: Sequence[int],
+    layouts: Sequence[RecordLayout],
+    m: Sequence[int],
+    exit_pos: torch.Tensor,
+    exit_score: torch.Tensor,
+    pad_end: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`hfkv.storage.paged.PagedTiers.candidates` (its torch twin) in one C++ pass over the page tables:
+    ``(pos int64, score fp32, valid bool, state int8)``, each ``[B, H, sum(m) + len(exit_pos)]``."""
+    if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
+        raise ValueError(f"read_candidates_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got "
+                         f"{pool.dtype} on {pool.device}")  # fmt: skip
+    bsz, heads, tiers = counts.shape
+    if not len(tables) == len(tpp) == len(layouts) == len(m) == tiers:
+        raise ValueError(f"read_candidates_cpu: {tiers} tiers in counts, {len(tables)} tables, {len(m)} widths")
+    n_exit = exit_pos.numel()
+    if tuple(exit_score.shape) != (bsz, heads, n_exit):
+        raise ValueError(f"read_candidates_cpu: exit_score {tuple(exit_score.shape)}, expected {(bsz, heads, n_exit)}")
+    n = sum(m) + n_exit
+    tabs = [t.to(torch.int32).contiguous() for t in tables]
+    keep = [
+        counts.to(torch.int64).contiguous(),
+        exit_pos.to(torch.int64).contiguous(),
+        exit_score.to(torch.float32).contiguous(),
+        pad_end.to(torch.int64).contiguous(),
+    ]
+    arrays = [
+        (ctypes.c_void_p * tiers)(*(t.data_ptr() for t in tabs)),
+        *(
+            (ctypes.c_int32 * tiers)(*values)
+            for values in (
+                [t.shape[-1] for t in tabs],
+                tpp,
+                [lay.tag_region(p) for lay, p in zip(layouts, tpp, strict=True)],
+                [lay.score_region(p) for lay, p in zip(layouts, tpp, strict=True)],
+            )
+        ),
+    ]
+    pos = torch.empty(bsz, heads, n, dtype=torch.int64)
+    score = torch.empty(bsz, heads, n, dtype=torch.float32)
+    valid = torch.empty(bsz, heads, n, dtype=torch.bool)
+    state = torch.empty(bsz, heads, n, dtype=torch.int8)
+    if n:
+        _candidates_kernel()(
+            pool.data_ptr(), pool.shape[1], tiers, *arrays, keep[0].data_ptr(), (ctypes.c_int32 * tiers)(*m), bsz,
+            heads, keep[1].data_ptr(), keep[2].data_ptr(), n_exit, keep[3].data_ptr(), ORIGINAL, EVICTED,
+            pos.data_ptr(), score.data_ptr(), valid.data_ptr(), state.data_ptr(),
+        )  # fmt: skip
+    return pos, score, valid, state
