@@ -389,6 +389,23 @@ __attribute__((always_inline)) inline void unpack_int(const uint8_t* src, int gr
         zero[g] = half_to_float(sz[1]);
     }
     if (fused) {
+#if defined(__AVX2__)
+        // Eight bytes widened once to eight 32-bit lanes, each plane then a shift and a mask in the vector
+        // registers (a shift, a mask, a move from a general register and a widening per plane otherwise: 3-5%
+        // of the kernel's time at 8k, K4V2). The fused multiply-add equals torch's code * scale + zero (two
+        // roundings): a code of at most 8 bits times an fp16 scale is exact in fp32, so the first rounds nothing.
+        const __m256i low = _mm256_set1_epi32((1 << BITS) - 1);
+        for (int j = 0; j < plane; j += 8) {
+            const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)));
+            for (int p = 0; p < kPer; ++p) {
+                const int e = p * plane + j, g = e / group;
+                __m256i c = _mm256_srli_epi32(codes, p * BITS);
+                if (p + 1 < kPer) c = _mm256_and_si256(c, low);
+                const __m256 x = _mm256_cvtepi32_ps(c);
+                _mm256_storeu_ps(out + e, _mm256_fmadd_ps(x, _mm256_set1_ps(scale[g]), _mm256_set1_ps(zero[g])));
+            }
+        }
+#else
         for (int j = 0; j < plane; j += 8) {
             uint64_t bytes;
             std::memcpy(&bytes, src + j, 8);
@@ -397,6 +414,7 @@ __attribute__((always_inline)) inline void unpack_int(const uint8_t* src, int gr
                 store_vec(out + e, bytes8_to_floats((bytes >> (p * BITS)) & kMask) * scale[g] + zero[g]);
             }
         }
+#endif
         return;
     }
     for (int j = 0; j < plane; ++j)
