@@ -39,6 +39,7 @@ import hfkv
 from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import interleaved_decode_times
 from hfkv.evaluation.methods import parse_method
+from hfkv.evaluation.results import provenance
 from hfkv.evaluation.shapes import build_random_like
 from hfkv.storage import dynamic_cache_bytes
 
@@ -187,6 +188,8 @@ def main() -> None:
         torch.set_num_threads(torch_threads)
     print("waiting for the run's own load to decay", flush=True)
     quiet.finish(record)
+    # commit, dirty flag and a digest of hfkv's sources: which code a figure measured
+    result |= {k: v for k, v in provenance().items() if k not in result}
     result["busy"] = record["busy"]
     if record["busy"]:
         print(f"busy machine ({quiet.describe(record)}): the result is marked busy, not a result")

@@ -47,6 +47,7 @@ from hfkv.atomic import write_atomic
 from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt
 from hfkv.evaluation.methods import parse_method
+from hfkv.evaluation.results import provenance
 from hfkv.evaluation.shapes import build_random_like
 
 SECTIONS: list[tuple[Any, str]] = [
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(spec, "  ".join(f"{k} {v:.2f}" for k, v in ms.items()), "(ms/step)", flush=True)
     result |= free_attention_bound(result["ms_per_step"])
     quiet.finish(record)
+    # commit, dirty flag and a digest of hfkv's sources: which code a figure measured
+    result |= {k: v for k, v in provenance().items() if k not in result}
     result["busy"] = record["busy"]
     write_atomic(args.out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

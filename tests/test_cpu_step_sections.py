@@ -45,6 +45,7 @@ def test_sections_land_where_each_cache_spends_them_and_give_the_models_floor(tm
     assert got["free_attention_bound"] == pytest.approx(dyn["step"] / got["model_floor_ms"])
     assert got["free_attention_bound"] > 1
     assert got["model"] == "cpu-small" and got["dtype"] == "fp32"
+    assert len(got["source_digest"]) == 16 and "git_commit" in got  # which code the figures measured
 
 
 def test_no_bound_without_a_dynamic_row():
