@@ -103,6 +103,8 @@ CASES = [
     # A chunk of 19 queries x 4 at a constant head dim: the CPU kernel's tiles of 64 and 12 rows, each 8 rows at a
     # time with transposed keys and 4 left over.
     ("int8", "int4", torch.float32, 64, 4, 19, "mean", None, (20, 30)),
+    # SmolLM2's decode step: a 3-way group at head dim 64, whose three output rows the CPU kernel holds at once
+    ("int8", "int4", torch.float32, 64, 3, 1, "max", None, (25, 45)),
 ]
 
 

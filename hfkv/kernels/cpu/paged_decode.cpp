@@ -256,6 +256,27 @@ inline void dot_block(const float* q, int rows, int dim, const float* const* x, 
 // chunk of a slot's values is loaded once for R rows, and the adds into one register are spread over R * D / 8
 // independent chains (one row at a time, each chunk was a chain of kBlock dependent adds between a load and a
 // store of the output: latency-bound, a quarter of split_values' time in a chunked prefill, perf).
+// Rows r .. r + R - 1 of axpy_block, their outputs held in R * D / 8 registers over the block.
+template <int D, int R>
+__attribute__((always_inline)) inline void axpy_rows(float* o, int r, const float* p, int64_t stride, const float* f,
+                                                     const float* const* x, int n) {
+    constexpr int C = D / 8;
+    float* o0 = o + static_cast<int64_t>(r) * D;
+    Vec8 acc[R][C];
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < C; ++c) acc[i][c] = load_vec<Vec8>(o0 + i * D + 8 * c);
+    for (int s = 0; s < n; ++s) {
+        float wv[R];
+        for (int i = 0; i < R; ++i) wv[i] = p[(r + i) * stride + s] * f[2 * (r + i)];
+        for (int c = 0; c < C; ++c) {
+            const Vec8 xv = load_vec<Vec8>(x[s] + 8 * c);
+            for (int i = 0; i < R; ++i) acc[i][c] += wv[i] * xv;
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < C; ++c) store_vec(o0 + i * D + 8 * c, acc[i][c]);
+}
+
 template <int D>
 inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stride, const float* f,
                        const float* const* x_, int n) {
@@ -264,22 +285,17 @@ inline void axpy_block(float* o, int rows, int dim, const float* p, int64_t stri
     int r = 0;
     if constexpr (D != 0 && D % 8 == 0) {
         constexpr int C = D / 8, R = C >= 16 ? 1 : 16 / C;
-        for (; r + R <= rows; r += R) {
-            float* o0 = o + static_cast<int64_t>(r) * D;
-            Vec8 acc[R][C];
-            for (int i = 0; i < R; ++i)
-                for (int c = 0; c < C; ++c) acc[i][c] = load_vec<Vec8>(o0 + i * D + 8 * c);
-            for (int s = 0; s < n; ++s) {
-                float wv[R];
-                for (int i = 0; i < R; ++i) wv[i] = p[(r + i) * stride + s] * f[2 * (r + i)];
-                for (int c = 0; c < C; ++c) {
-                    const Vec8 xv = load_vec<Vec8>(x[s] + 8 * c);
-                    for (int i = 0; i < R; ++i) acc[i][c] += wv[i] * xv;
-                }
+#if defined(__AVX512VL__)
+        // 32 vector registers: three rows of a 64-wide head (24 accumulators) at once, a 3-way GQA group's whole
+        // decode step (SmolLM2's), where pairs left the third row to the generic loop below.
+        if constexpr (C == 8) {
+            if (rows == 3) {
+                axpy_rows<D, 3>(o, 0, p, stride, f, x, n);
+                return;
             }
-            for (int i = 0; i < R; ++i)
-                for (int c = 0; c < C; ++c) store_vec(o0 + i * D + 8 * c, acc[i][c]);
         }
+#endif
+        for (; r + R <= rows; r += R) axpy_rows<D, R>(o, r, p, stride, f, x, n);
     }
     const int d = D ? D : dim;
     const int whole = d / 8 * 8;
