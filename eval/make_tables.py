@@ -1001,9 +1001,10 @@ python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backen
 python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json
 # repeats on later code, `hfkv;evict` at 8k and 512 tokens, 1 thread and all cores (`--out` names each file:
-# cpu_cache_figures_host_policy.json on 24b3560, cpu_cache_figures_policy_cpp.json on 2ddd08a)
+# cpu_cache_figures_host_policy.json on 24b3560, cpu_cache_figures_policy_cpp.json on 2ddd08a,
+# cpu_cache_figures_no_barrier.json on 0af44b3)
 python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --skip-memory \\
-    --out eval/results/cpu_cache_figures_policy_cpp.json
+    --out eval/results/cpu_cache_figures_no_barrier.json
 # prefill of 8k tokens in one forward and in 1,024-token chunks (with decode steps), 1 thread and all cores
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 --name cpu_small_fp32_prefill
