@@ -92,3 +92,16 @@ def test_large_rows_with_ties_and_every_kind_of_cut_are_equal():
         for room in (0, 71, full // 50, full // 3, full, 10 * full):
             case["room"] = torch.full_like(case["room"], room)
             assert torch.equal(allocate_cpu(**case), allocate(**case)), (seed, room)
+
+
+def test_rows_past_32_bit_item_indices_are_refused_by_name():
+    """The C++ items index a row's (token, item) pairs in 32 bits: a row with 2**31 of them is refused before
+    anything is allocated (stride-0 views here, no memory)."""
+    import pytest
+
+    case = _step_case(0, 8, True, False)
+    n = 2**31 // 9 + 1  # x 3 heads x 3 items
+    for name in ("scores", "state", "sink"):
+        case[name] = case[name][..., :1].expand(2, 3, n)
+    with pytest.raises(ValueError, match=r"allocate_cpu: 238609295 tokens x 3 heads x 3 items a row exceed 2\*\*31"):
+        allocate_cpu(**case)

@@ -69,13 +69,13 @@ def allocate_cpu(
         raise ValueError(f"exact_cap must have shape {rows}, got {tuple(exact_cap.shape)}")
     if scores.device.type != "cpu":
         raise ValueError(f"allocate_cpu: tensors must be on the CPU, got scores on {scores.device}")
-    out = torch.empty((b, h, n), dtype=torch.int8)
-    if n == 0:
-        return out
     k = step_cost.numel()
     if n * (h if head_adaptive else 1) * k >= 2**31:  # the C++ items index a row's (token, item) pairs in 32 bits
         raise ValueError(f"allocate_cpu: {n} tokens x {h if head_adaptive else 1} heads x {k} items a row exceed "
                          f"2**31 - 1; allowed: fewer (token, item) pairs per row")  # fmt: skip
+    out = torch.empty((b, h, n), dtype=torch.int8)
+    if n == 0:
+        return out
     args = [
         scores.to(torch.float32).contiguous(),
         state.to(torch.int8).contiguous(),
