@@ -1000,6 +1000,7 @@ python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backen
 # the same at 32k tokens, 2 threads
 python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json
+# the same on 7fbf1ae (the kernel's barrier-free loop): --out eval/results/cpu_cache_figures_32k_no_barrier.json
 # repeats on later code, `hfkv;evict` at 8k and 512 tokens, 1 thread and all cores (`--out` names each file:
 # cpu_cache_figures_host_policy.json on 24b3560, cpu_cache_figures_policy_cpp.json on 2ddd08a,
 # cpu_cache_figures_no_barrier.json on 0af44b3)
