@@ -95,8 +95,7 @@ void take_prefix(std::vector<Item>& items, int64_t lo, int64_t hi, int64_t room,
                  uint64_t seed) {
     bracket_rounds(items, lo, hi, room, taken, seed);
     while (lo < hi) {
-        seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-        const int64_t p = lo + static_cast<int64_t>((seed >> 33) % static_cast<uint64_t>(hi - lo));
+        const int64_t p = lo + static_cast<int64_t>(next_random(seed) % static_cast<uint64_t>(hi - lo));
         std::swap(items[p], items[hi - 1]);
         const Item pivot = items[hi - 1];
         int64_t mid = lo;

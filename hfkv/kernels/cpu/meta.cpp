@@ -7,11 +7,34 @@
 #include <cstdint>
 #include <cstring>
 
+namespace {
+
+// Slots [0, live) of one (row, head) of a tier, page by page through its table row (no division per slot): fn(s,
+// tag, score) with the slot's tag (position + 1) and score sum, read from its page's regions, tag_offset and
+// score_offset bytes into it, 4 bytes a slot (hfkv.storage.record). Returns the slots read.
+template <class F>
+inline int64_t walk_slots(const uint8_t* pool, int64_t page_bytes, const int32_t* table_row, int32_t table_w,
+                          int32_t tpp, int32_t tag_offset, int32_t score_offset, int64_t live, F&& fn) {
+    int64_t s = 0;
+    for (int32_t col = 0; col < table_w && s < live; ++col) {
+        const uint8_t* page = pool + static_cast<int64_t>(table_row[col]) * page_bytes;
+        for (int32_t i = 0; i < tpp && s < live; ++i, ++s) {
+            int32_t tag;
+            float score;
+            std::memcpy(&tag, page + tag_offset + 4 * i, 4);
+            std::memcpy(&score, page + score_offset + 4 * i, 4);
+            fn(s, tag, score);
+        }
+    }
+    return s;
+}
+
+}  // namespace
+
 extern "C" {
 
 // For every (row, head) bh < bh_count and slot s < m: pos = tag - 1 and the score sum of the slot where it lies,
-// valid = s < counts[bh]; invalid slots read as the all-zero null page does (pos -1, score 0). Tags and scores lie
-// in each page's regions, tag_offset and score_offset bytes into it, 4 bytes a slot (hfkv.storage.record).
+// valid = s < counts[bh]; invalid slots read as the all-zero null page does (pos -1, score 0).
 void hfkv_read_meta(const uint8_t* pool, int64_t page_bytes, const int32_t* table, int64_t bh_count, int32_t table_w,
                     int32_t tpp, int32_t tag_offset, int32_t score_offset, const int64_t* counts,
                     int32_t m, int32_t* pos, float* score, bool* valid) {
@@ -20,17 +43,12 @@ void hfkv_read_meta(const uint8_t* pool, int64_t page_bytes, const int32_t* tabl
         int32_t* p = pos + bh * m;
         float* sc = score + bh * m;
         bool* ok = valid + bh * m;
-        int64_t s = 0;
-        for (int32_t col = 0; col < table_w && s < n; ++col) {
-            const uint8_t* page = pool + static_cast<int64_t>(table[bh * table_w + col]) * page_bytes;
-            for (int32_t i = 0; i < tpp && s < n; ++i, ++s) {
-                int32_t tag;
-                std::memcpy(&tag, page + tag_offset + 4 * i, 4);
-                std::memcpy(sc + s, page + score_offset + 4 * i, 4);
-                p[s] = tag - 1;
-                ok[s] = true;
-            }
-        }
+        int64_t s = walk_slots(pool, page_bytes, table + bh * table_w, table_w, tpp, tag_offset, score_offset, n,
+                               [&](int64_t j, int32_t tag, float v) {
+                                   p[j] = tag - 1;
+                                   sc[j] = v;
+                                   ok[j] = true;
+                               });
         for (; s < m; ++s) {
             p[s] = -1;
             sc[s] = 0.0f;
@@ -89,18 +107,13 @@ void hfkv_read_candidates(const uint8_t* pool, int64_t page_bytes, int32_t tiers
         int64_t col = bh * n;
         for (int32_t t = 0; t < tiers; ++t) {
             const int64_t cnt = counts[bh * tiers + t], live = cnt < m[t] ? cnt : m[t];
-            int64_t s = 0;
-            for (int32_t pg = 0; pg < table_w[t] && s < live; ++pg) {
-                const uint8_t* page = pool + static_cast<int64_t>(tables[t][bh * table_w[t] + pg]) * page_bytes;
-                for (int32_t i = 0; i < tpp[t] && s < live; ++i, ++s) {
-                    int32_t tag;
-                    std::memcpy(&tag, page + tag_offset[t] + 4 * i, 4);
-                    std::memcpy(score + col + s, page + score_offset[t] + 4 * i, 4);
-                    pos[col + s] = static_cast<int64_t>(tag) - 1;
-                    valid[col + s] = true;
-                    state[col + s] = static_cast<int8_t>(t);
-                }
-            }
+            int64_t s = walk_slots(pool, page_bytes, tables[t] + bh * table_w[t], table_w[t], tpp[t], tag_offset[t],
+                                   score_offset[t], live, [&](int64_t j, int32_t tag, float v) {
+                                       pos[col + j] = static_cast<int64_t>(tag) - 1;
+                                       score[col + j] = v;
+                                       valid[col + j] = true;
+                                       state[col + j] = static_cast<int8_t>(t);
+                                   });
             for (; s < m[t]; ++s) {
                 pos[col + s] = -1;
                 score[col + s] = 0.0f;

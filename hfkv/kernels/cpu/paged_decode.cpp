@@ -900,10 +900,8 @@ void attend_all(Work& w, int64_t BH, int threads) {
         for (int64_t i = 0; i < rows_all; ++i) combine_row(w, i / w.rows(), static_cast<int>(i % w.rows()));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) split_values<D>(w, it / w.nsplit, static_cast<int>(it % w.nsplit));
-        if (w.nsplit > 1) {
 #pragma omp for schedule(static)
-            for (int64_t bh = 0; bh < BH; ++bh) sum_splits(w, bh);
-        }
+        for (int64_t bh = 0; bh < BH; ++bh) sum_splits(w, bh);  // split-K only here: nsplit > 1
     }
 }
 
