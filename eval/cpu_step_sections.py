@@ -16,6 +16,13 @@ included at their share):
   less these two is the model's own work, the floor no cache goes below (``model_floor_ms``), and the
   DynamicCache step over that floor is the most any cache could speed it up (``free_attention_bound``).
 
+Attention cannot cost less than its multiply-adds: a decode step attends each query row to every token its KV
+head holds, keys and values (``held_tokens`` x group x head dim x 2 a step), and the machine's fp32 multiply-add
+rate is measured as its best square sgemm at the run's thread count (``fp32_peak_gmacs``; the kernel computes
+in fp32 whatever the model's dtype). ``mac_floor_ms`` is that work at that rate and ``attend_all_bound`` the most
+a cache that attends to what it holds could speed DynamicCache up: policy runs free and the kernel at sgemm's
+rate, the model floor above included.
+
     python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
         --out eval/results/cpu_step_sections.json
     python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \
@@ -83,9 +90,33 @@ def build_model(name: str, dtype: torch.dtype | None, context: int):
     return build_random_like(name, dtype=dtype, max_positions=max(16384, 2 * context))
 
 
+def fp32_peak_gmacs(sizes: tuple[int, ...] = (512, 768, 1024), repeats: int = 20) -> float:
+    """The best fp32 multiply-add rate (10^9 a second) of torch's sgemm on square matrices at the current thread
+    count: the rate a well-tuned kernel reaches on this machine, the one a step's attention is compared with."""
+    best = 0.0
+    for n in sizes:
+        a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        for _ in range(3):
+            torch.mm(a, b, out=c)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=c)
+            best = max(best, n**3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def held_tokens(cache, layers: int, kv_heads: int) -> int:
+    """Tokens the decode kernel attends to, summed over layers, batch rows and KV heads: every state but
+    evicted (a DynamicCache holds every position)."""
+    if isinstance(cache, hfkv.cache.TriStateCache):
+        return sum(sum(n for name, n in layer.totals().items() if name != "evicted") for layer in cache.stats().layers)
+    return cache.get_seq_length() * layers * kv_heads
+
+
 @torch.inference_mode()
 def measure(model, spec: str, context: int, steps: int, warmup: int = 8) -> dict[str, float]:
-    """Milliseconds per decode step: ``step`` in all, and per section."""
+    """Milliseconds per decode step: ``step`` in all, and per section; and ``attention_macs`` (multiply-adds a
+    step's attention cannot avoid over the tokens held at the end)."""
     cache = DynamicCache() if spec == "dynamic" else parse_method(spec).make_cache(model)
     fill_cache(model, cache, random_prompt(model.config.vocab_size, 1, context), 1024)
     tok, pos = torch.zeros(1, 1, dtype=torch.long), context
@@ -105,9 +136,15 @@ def measure(model, spec: str, context: int, steps: int, warmup: int = 8) -> dict
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
-    return {"step": total / steps * 1e3} | {
-        LABELS.get(name, name): spent[LABELS.get(name, name)] / steps * 1e3 for _, name in SECTIONS
-    }
+    cfg = model.config
+    kv_heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    held = held_tokens(cache, cfg.num_hidden_layers, kv_heads)
+    return (
+        {"step": total / steps * 1e3}
+        | {LABELS.get(name, name): spent[LABELS.get(name, name)] / steps * 1e3 for _, name in SECTIONS}
+        | {"held_tokens": held, "attention_macs": held * (cfg.num_attention_heads // kv_heads) * dim * 2}
+    )
 
 
 def free_attention_bound(ms: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -118,6 +155,19 @@ def free_attention_bound(ms: dict[str, dict[str, float]]) -> dict[str, float]:
         return {}
     floor = dyn["step"] - dyn["sdpa"] - dyn["dynamic_update"]
     return {"model_floor_ms": floor, "free_attention_bound": dyn["step"] / floor}
+
+
+def attend_all_bounds(ms: dict[str, dict[str, float]], gmacs: float) -> dict[str, dict[str, float]]:
+    """Per spec: its attention's multiply-adds at the machine's sgemm rate (``mac_floor_ms``) and, with a
+    ``dynamic`` row, DynamicCache's step over the model floor plus that (``attend_all_bound``)."""
+    floor = free_attention_bound(ms).get("model_floor_ms")
+    out = {}
+    for spec, row in ms.items():
+        mac_ms = row["attention_macs"] / (gmacs * 1e9) * 1e3
+        out[spec] = {"mac_floor_ms": mac_ms}
+        if floor is not None:
+            out[spec]["attend_all_bound"] = ms["dynamic"]["step"] / (floor + mac_ms)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         result["ms_per_step"][spec] = ms
         print(spec, "  ".join(f"{k} {v:.2f}" for k, v in ms.items()), "(ms/step)", flush=True)
     result |= free_attention_bound(result["ms_per_step"])
+    result["fp32_peak_gmacs"] = fp32_peak_gmacs()
+    result["attend_all"] = attend_all_bounds(result["ms_per_step"], result["fp32_peak_gmacs"])
+    for spec, row in result["attend_all"].items():
+        print(spec, "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     quiet.finish(record)
     # commit, dirty flag and a digest of hfkv's sources: which code a figure measured
     result |= {k: v for k, v in provenance().items() if k not in result}

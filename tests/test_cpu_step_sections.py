@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +47,39 @@ def test_sections_land_where_each_cache_spends_them_and_give_the_models_floor(tm
     assert got["free_attention_bound"] > 1
     assert got["model"] == "cpu-small" and got["dtype"] == "fp32"
     assert len(got["source_digest"]) == 16 and "git_commit" in got  # which code the figures measured
+    # cpu-small: 8 layers, 8 query heads on 2 KV heads of 64; DynamicCache holds the prompt, 8 warm-up and 8 steps
+    assert dyn["held_tokens"] == (96 + 8 + 8) * 8 * 2
+    assert dyn["attention_macs"] == dyn["held_tokens"] * 4 * 64 * 2
+    assert 0 < hf["held_tokens"] <= dyn["held_tokens"]
+    assert got["fp32_peak_gmacs"] > 0.1
+    bound = got["attend_all"]
+    assert bound["hfkv@1024"]["mac_floor_ms"] == pytest.approx(hf["attention_macs"] / got["fp32_peak_gmacs"] / 1e6)
+    assert bound["hfkv@1024"]["attend_all_bound"] == pytest.approx(
+        dyn["step"] / (got["model_floor_ms"] + bound["hfkv@1024"]["mac_floor_ms"])
+    )
+    assert bound["hfkv@1024"]["attend_all_bound"] < got["free_attention_bound"]
+
+
+def test_held_tokens_leave_out_the_evicted():
+    """A cache that evicted holds fewer tokens than its length: what the kernel attends to, summed over layers and
+    heads, is what cache.stats() counts outside the evicted state."""
+    from hfkv import TriStateCache
+    from hfkv.evaluation.bench import fill_cache, random_prompt
+    from hfkv.evaluation.shapes import build_random_like
+
+    model = build_random_like("cpu-small", max_positions=512)
+    cache = TriStateCache(model, "evict", budget=48)
+    with torch.inference_mode():
+        fill_cache(model, cache, random_prompt(model.config.vocab_size, 1, 160), 64)
+    held = _module().held_tokens(cache, 8, 2)
+    per_layer = [sum(n for k, n in layer.totals().items() if k != "evicted") for layer in cache.stats().layers]
+    assert held == sum(per_layer) < 160 * 8 * 2
+    assert all(n <= 48 * 2 + 2 * 16 for n in per_layer)  # budget per head, plus what the window may add
+
+
+def test_no_attend_all_bound_without_a_dynamic_row():
+    got = _module().attend_all_bounds({"hfkv@1024": {"step": 10.0, "attention_macs": 2e9}}, gmacs=40.0)
+    assert got == {"hfkv@1024": {"mac_floor_ms": pytest.approx(50.0)}}
 
 
 def test_no_bound_without_a_dynamic_row():
