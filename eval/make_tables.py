@@ -6,6 +6,7 @@ Inputs (whatever they hold; a method or budget missing from a file gives "—" c
     eval/results/fidelity_sweep.jsonl   eval/sweep_fidelity.py  teacher-forced KL / top-1 vs KV memory
     eval/results/ruler_*.jsonl          eval/sweep_ruler.py     RULER (lm-eval's offline tasks) score vs KV memory
     eval/results/bench/*.json           hfkv bench              decode / prefill speed and memory ratios
+    eval/results/cpu_step_sections_*.json  eval/cpu_step_sections.py  where a CPU decode step goes, and its bounds
     eval/results/demo.json              hfkv demo --out         README's demo table and run time
 
 Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md between
@@ -40,6 +41,7 @@ BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 DEMO = "eval/results/demo.json"
 CPU_SCALING = "eval/results/cpu_kernel_scaling.json"
+STEP_SECTIONS = "eval/results/cpu_step_sections_*.json"
 KERNELS_DOC = "docs/kernels.md"
 GPU_RUNS = "eval/results/gpu/gpu_check_*.json"
 GPU_VARIANTS = "eval/results/gpu/kernel_variants_*.json"
@@ -693,6 +695,73 @@ def cpu_figures_section(res: dict[str, Any] | None, heading: str = CPU_FIGURES_H
     return out
 
 
+STEP_SECTIONS_HEADING = "## Where a CPU decode step goes (`eval/cpu_step_sections.py`)"
+
+
+def step_sections_section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One table per file of eval/cpu_step_sections.py that has a DynamicCache row and its attention's multiply-add
+    floor (older files lack them): each cache's step, kernel and policy time, what it holds, and the two bounds."""
+    from hfkv.evaluation.quiet import verdict
+
+    out = [
+        STEP_SECTIONS_HEADING,
+        "",
+        "Milliseconds a decode step, summed over layers, averaged over the timed steps (policy runs at their share), "
+        "each cache timed on its own after the others (not interleaved: compare within a table). `model floor` is "
+        "DynamicCache's step less its attention and concatenation, which no cache removes; `free` the most a cache "
+        "whose attention and policy cost nothing could speed DynamicCache up. A step attends every held token's key "
+        "and value from each query row of its group: `MAC floor` is that work at the machine's best fp32 sgemm rate "
+        "(measured in the run), and `attend-all` the most a cache that attends to what it holds could speed "
+        "DynamicCache up with policy runs free and its kernel at sgemm's rate.",
+        "",
+    ]
+    shown = 0
+    for name, res in files:
+        ms = res.get("ms_per_step", {})
+        if "dynamic" not in ms or "fp32_peak_gmacs" not in res or verdict(res.get("quiet")) is not None:
+            continue
+        bounds = res["attend_all"]
+        rows = []
+        for spec, r in ms.items():
+            kernel = r.get("paged_attention_cpu", 0.0) or r.get("sdpa", 0.0) + r.get("dynamic_update", 0.0)
+            heads = r["held_tokens"] / res["ms_per_step"]["dynamic"]["held_tokens"]
+            rows.append(
+                [
+                    "DynamicCache" if spec == "dynamic" else f"`{spec}`",
+                    fmt(r["step"], ".2f"),
+                    fmt(kernel, ".2f"),
+                    fmt(r.get("run_policy"), ".2f"),
+                    f"{100 * heads:.0f}%",
+                    fmt(bounds[spec]["mac_floor_ms"], ".2f"),
+                    fmt(bounds[spec].get("attend_all_bound"), ".2f", "x"),
+                ]
+            )
+        threads = (res.get("quiet") or {}).get("threads", [None])[0]
+        out += [
+            f"`{name}`: {res['model']} ({res['dtype']}), {res['context']:,} tokens, "
+            f"{threads_label(threads, (res.get('quiet') or {}).get('cpu_count'))}; model floor "
+            f"{res['model_floor_ms']:.2f} ms, free {res['free_attention_bound']:.2f}x; sgemm "
+            f"{res['fp32_peak_gmacs']:.0f} GMAC/s; {timing_note(res.get('quiet'))}; "
+            f"code {res.get('git_commit', DASH)}.",
+            "",
+            md_table(
+                ["cache", "step", "attention", "policy", "tokens held", "MAC floor", "attend-all"],
+                rows,
+                "lrrrrrr",
+            ),
+            "",
+        ]
+        shown += 1
+    if not shown:
+        out += ["No step-section file with a DynamicCache row and the multiply-add floor yet.", ""]
+    out += [
+        "`attention`: the CPU kernel for hfkv caches, SDPA and the concatenation for DynamicCache; `tokens held`: "
+        "of DynamicCache's (the rest evicted).",
+        "",
+    ]
+    return out
+
+
 def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     """docs/kernels.md's table of ``eval/cpu_kernel_scaling.py``: the CPU kernel from one thread to every core."""
     from hfkv.evaluation.quiet import verdict
@@ -953,6 +1022,9 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += cpu_figures_section(json.loads(cpu.read_text(encoding="utf-8")) if cpu.exists() else None)
     for extra in sorted(cpu.parent.glob(f"{cpu.stem}_*.json")):  # other contexts (a 32k run)
         lines += cpu_figures_section(json.loads(extra.read_text(encoding="utf-8")), heading=f"### `{extra.name}`")
+    lines += step_sections_section(
+        [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(STEP_SECTIONS))]
+    )
     lines += COMMANDS.splitlines()
     demo = root / DEMO
     return "\n".join(lines).rstrip() + "\n", demo_table(json.loads(demo.read_text()) if demo.exists() else None)
@@ -1026,6 +1098,17 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 # the same at 8k on cc8e645, one prefill
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu_final
+# SmolLM2 bf16 in 1,024-token chunks at 8k (chunked prefill, and decode after it)
+HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --prefill-chunk 1024 \\
+    --wait-quiet 900 --name smollm2_bf16_cpu_chunked
+# issue 20's closing figures (2026-11-27), the commands above under new names: `cpu_cache_figures.py --timed
+# "hfkv;evict" --skip-memory` to cpu_cache_figures_final.json and, with `--threads 2 --long-context 32768 --steps 32`,
+# cpu_cache_figures_32k_final.json; the random model's one-shot and chunked prefill benches as
+# cpu_small_fp32_prefill_final and cpu_small_fp32_chunked_final; SmolLM2 at 512 and 8k, one-shot prefill best of 2:
+HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
+    --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
+    --name smollm2_bf16_cpu_session11
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
@@ -1040,6 +1123,8 @@ python eval/cpu_step_sections.py --wait-quiet 900 --threads 1 --specs dynamic hf
     --out eval/results/cpu_step_sections_1t.json
 HF_HUB_OFFLINE=1 python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \\
     --specs dynamic hfkv@1024 evict@1024 --out eval/results/cpu_step_sections_smollm2_2t.json
+# (since 2026-11-27 these files also hold each cache's held tokens, the machine's sgemm rate and the multiply-add
+# bound they set: eval/README.md, "Where a CPU decode step goes")
 # policy runs' share at 32k (random model, 2 threads)
 python eval/cpu_step_sections.py --wait-quiet 900 --context 32768 --threads 2 --specs hfkv@1024 \\
     --out eval/results/cpu_step_sections_32k_2t.json

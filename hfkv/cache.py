@@ -35,6 +35,7 @@ from hfkv.policy import (
     observation_probs,
     oq_ratios,
     oq_score,
+    oq_score_from_mass,
     smooth_scores,
     token_scores,
 )
@@ -578,8 +579,11 @@ class TriStateLayer(CacheLayerMixin):
         cfg = self.cfg
         w = min(cfg.obs_window, t)
         probs = mass = None
-        if self.backend == "triton" and mask is None and cfg.gamma == 0:  # without the [B, Hq, w, T] probabilities
-            from hfkv.kernels.observation import observation_scores
+        if self.backend != "torch" and mask is None and cfg.gamma == 0:  # without the [B, Hq, w, T] probabilities
+            if self.backend == "triton":
+                from hfkv.kernels.observation import observation_scores
+            else:  # the CPU's: the same logits, then one C++ pass (a dozen tensor operations a layer on torch's path)
+                from hfkv.kernels.cpu.observation import observation_scores_cpu as observation_scores
 
             sums, mass = observation_scores(query, k, scaling, cfg.obs_window, cfg.score_reduction)
             sums = smooth_scores(sums, w, cfg.pool_kernel, cfg.carry)  # [B, H, T]
@@ -598,10 +602,12 @@ class TriStateLayer(CacheLayerMixin):
             considered = key_valid & (torch.arange(t, device=self.device) < rest)
             if mass is None:
                 self.oq = oq_score(probs, considered, cfg.tau)
-            else:
+            elif self.backend == "triton":
                 from hfkv.kernels.observation import oq_score_triton
 
                 self.oq = oq_score_triton(mass, considered, cfg.tau)
+            else:
+                self.oq = oq_score_from_mass(mass, considered, cfg.tau)
             self.cache.invalidate_rho()
         self.window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
         self.window.score[:, :, :nw] = sums[..., rest:]

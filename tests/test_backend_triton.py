@@ -82,32 +82,41 @@ def test_second_generate_call_goes_through_the_chunk_path():
         assert results[backend][1] == results["torch"][1]
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_triton_prompt_scores_come_from_the_observation_kernel(family, monkeypatch):
-    """An unpadded prompt's scores and OQ statistics on the Triton backend come from the observation kernel (no
-    probabilities held) and equal the torch backend's; a padded prompt keeps the probabilities' path."""
-    import hfkv.kernels.observation as obs
+def test_prompt_scores_come_from_the_observation_kernel(family, backend, monkeypatch):
+    """An unpadded prompt's scores and OQ statistics on a kernel backend come from its observation kernel (no
+    probabilities held: Triton's, or the CPU's one pass over the logits) and equal the torch backend's; a padded
+    prompt keeps the probabilities' path."""
+    if backend == "triton":
+        import hfkv.kernels.observation as obs
 
+        name = "observation_scores"
+    else:
+        import hfkv.kernels.cpu.observation as obs
+
+        name = "observation_scores_cpu"
     calls = []
-    real = obs.observation_scores
-    monkeypatch.setattr(obs, "observation_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(obs, name)
+    monkeypatch.setattr(obs, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model(family, num_hidden_layers=2)
     ids = torch.randint(3, 128, (1, 45), generator=torch.Generator().manual_seed(2))
     caches = {}
-    for backend in ("torch", "triton"):
-        caches[backend] = TriStateCache(model, "hfkv", backend=backend, budget=16, window=4)
+    for b in ("torch", backend):
+        caches[b] = TriStateCache(model, "hfkv", backend=b, budget=16, window=4)
         with torch.no_grad():
-            model(ids, past_key_values=caches[backend], use_cache=True)
-    assert len(calls) == 2  # one per layer, Triton only
+            model(ids, past_key_values=caches[b], use_cache=True)
+    assert len(calls) == 2  # one per layer, the kernel backend only
     for layer in range(2):
-        ref, got = caches["torch"].layers[layer], caches["triton"].layers[layer]
+        ref, got = caches["torch"].layers[layer], caches[backend].layers[layer]
         torch.testing.assert_close(got.oq, ref.oq, rtol=1e-5, atol=0)
-        torch.testing.assert_close(caches["triton"].token_scores(layer), caches["torch"].token_scores(layer),
+        torch.testing.assert_close(caches[backend].token_scores(layer), caches["torch"].token_scores(layer),
                                    rtol=1e-5, atol=1e-7, equal_nan=True)  # fmt: skip  (NaN: evicted)
+        assert torch.equal(caches[backend].token_states(layer), caches["torch"].token_states(layer))
     calls.clear()
     ids, mask = left_padded_batch(lengths=(28, 19))
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=TriStateCache(model, "hfkv", backend="triton"), use_cache=True)
+        model(ids, attention_mask=mask, past_key_values=TriStateCache(model, "hfkv", backend=backend), use_cache=True)
     assert calls == []
 
 

@@ -297,3 +297,33 @@ def test_calibration_block_compares_each_base_point_with_the_best_trial_at_or_be
     assert "At 15% of DynamicCache's memory" in block and "- `hfkv`: none" in block
     assert "no calibrated config beats the base" in block
     assert mt.calibration_block(None, []).startswith("_No committed")
+
+
+def _sections_file(quiet_after: bool = True) -> dict:
+    quiet = {"max_load": 0.5, "cpu_count": 2, "threads": [2], "load_before": 0.4, "quiet_before": True,
+             "load_after": 0.45 if quiet_after else 1.3, "quiet_after": quiet_after, "force_busy": False,
+             "busy": not quiet_after}  # fmt: skip
+    dyn = {"step": 20.0, "sdpa": 5.0, "dynamic_update": 3.0, "paged_attention_cpu": 0.0, "run_policy": 0.0,
+           "held_tokens": 1000, "attention_macs": 512000}  # fmt: skip
+    hf = {"step": 15.0, "sdpa": 0.0, "dynamic_update": 0.0, "paged_attention_cpu": 2.5, "run_policy": 1.25,
+          "held_tokens": 750, "attention_macs": 384000}  # fmt: skip
+    return {"model": "cpu-small", "dtype": "fp32", "context": 8192, "quiet": quiet, "git_commit": "abc1234",
+            "ms_per_step": {"dynamic": dyn, "hfkv@1024": hf}, "model_floor_ms": 12.0,
+            "free_attention_bound": 20 / 12, "fp32_peak_gmacs": 100.0,
+            "attend_all": {"dynamic": {"mac_floor_ms": 0.5, "attend_all_bound": 20 / 12.5},
+                           "hfkv@1024": {"mac_floor_ms": 0.25, "attend_all_bound": 20 / 12.25}}}  # fmt: skip
+
+
+def test_step_sections_table_gives_each_caches_attention_policy_and_bounds():
+    old = {"model": "cpu-small", "ms_per_step": {"hfkv@1024": {"step": 1.0}}}  # before the floor: left out
+    sec = "\n".join(mt.step_sections_section([("a.json", _sections_file()), ("b.json", old)]))
+    assert "`a.json`: cpu-small (fp32), 8,192 tokens" in sec and "`b.json`" not in sec
+    assert "model floor 12.00 ms, free 1.67x; sgemm 100 GMAC/s" in sec and "code abc1234" in sec
+    assert "| DynamicCache | 20.00 | 8.00 | 0.00 | 100% | 0.50 | 1.60x |" in sec
+    assert "| `hfkv@1024` | 15.00 | 2.50 | 1.25 | 75% | 0.25 | 1.63x |" in sec
+
+
+def test_step_sections_from_a_busy_machine_are_not_shown():
+    sec = "\n".join(mt.step_sections_section([("a.json", _sections_file(quiet_after=False))]))
+    assert "`a.json`" not in sec
+    assert "No step-section file with a DynamicCache row and the multiply-add floor yet." in sec

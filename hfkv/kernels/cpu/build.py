@@ -23,8 +23,11 @@ from pathlib import Path
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_decode.cpp", "allocate.cpp", "encode.cpp", "meta.cpp", "compact.cpp", "reserve.cpp")
+    for name in (
+        "paged_decode.cpp", "observation.cpp", "allocate.cpp", "encode.cpp", "meta.cpp", "compact.cpp", "reserve.cpp"
+    )
 )
+HEADERS = (Path(__file__).with_name("simd.h"),)  # included by the sources: part of what a build's name hashes
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fPIC", "-shared", "-fno-math-errno")
 ARCH_FLAGS = ("-march=native",)
 # Threads through the OpenMP runtime torch loaded: both name libgomp.so.1, so the library binds to torch's
@@ -98,7 +101,7 @@ def library() -> ctypes.CDLL:
     errors = []
     # A compiler without OpenMP or -march=native still builds (single-threaded, or generic SIMD).
     for flags in (FLAGS + OPENMP_FLAGS + ARCH_FLAGS, FLAGS + OPENMP_FLAGS, FLAGS + ARCH_FLAGS, FLAGS):
-        texts = [src.read_text() for src in SOURCES]
+        texts = [src.read_text() for src in (*SOURCES, *HEADERS)]
         key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, _cpu_features()]).encode())
         target = cache_dir() / f"hfkv_cpu-{key.hexdigest()[:20]}.so"
         if not target.exists():
