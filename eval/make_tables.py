@@ -1109,6 +1109,8 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
     --name smollm2_bf16_cpu_session11
+# a 512-token prompt's prefill, best of 5, before and after the CPU observation pass (1ece239 in a worktree, then
+# 53455b4): --contexts 512 --decode-steps 16 --prefill-repeats 5, names smollm2_bf16_cpu_512_{before,observation}
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
