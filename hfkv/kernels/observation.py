@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
-from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, reduce_gqa
+from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, observation_shape, reduce_gqa
 
 __all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
 
@@ -144,13 +144,8 @@ def observation_scores(
     ``query [B, Hq, Tq, D]`` (the last ``w = min(obs_window, Tq)`` rows are the window), ``key [B, H, T, D]``
     with ``T >= Tq``, plain causal; last dimensions contiguous.
     """
-    if reduction not in GQA_REDUCTIONS:
-        raise ValueError(f"unknown GQA reduction {reduction!r}; expected one of {GQA_REDUCTIONS}")
-    bsz, hq, tq, dim = query.shape
-    heads, t = key.shape[1], key.shape[2]
-    if hq % heads or t < tq or key.shape[3] != dim or key.shape[0] != bsz:
-        raise ValueError(f"observation_scores: query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
-    group, w = hq // heads, max(0, min(int(obs_window), tq))
+    bsz, heads, t, tq, group, w = observation_shape(query, key, obs_window, reduction, "observation_scores")
+    dim = query.shape[3]
     if not (bsz and t and w):  # nothing observed: zero scores and mass
         sums = torch.zeros(bsz, heads, t, dtype=torch.float32, device=key.device)
         return sums, sums.sum(1)

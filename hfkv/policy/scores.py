@@ -47,6 +47,7 @@ __all__ = [
     "carry_forward",
     "observation_counts",
     "observation_probs",
+    "observation_shape",
     "reduce_gqa",
     "smooth_scores",
     "token_scores",
@@ -165,6 +166,21 @@ def observation_probs(
     probs = torch.softmax(logits, dim=-1)
     # Fully masked rows give NaN in softmax; make them zeros.
     return probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)
+
+
+def observation_shape(
+    query: Tensor, key: Tensor, obs_window: int, reduction: str, where: str
+) -> tuple[int, int, int, int, int, int]:
+    """``(B, H, T, Tq, group, w)`` of an observation-window scores call (``query [B, Hq, Tq, D]``, ``key [B, H, T,
+    D]``, ``T >= Tq``, the window the last ``w = min(obs_window, Tq)`` queries), the arguments checked by name for
+    ``where`` (each backend's kernel wrapper)."""
+    if reduction not in GQA_REDUCTIONS:
+        raise ValueError(f"unknown GQA reduction {reduction!r}; expected one of {GQA_REDUCTIONS}")
+    bsz, hq, tq, dim = query.shape
+    heads, t = key.shape[1], key.shape[2]
+    if hq % heads or t < tq or key.shape[3] != dim or key.shape[0] != bsz:
+        raise ValueError(f"{where}: query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
+    return bsz, heads, t, tq, hq // heads, max(0, min(int(obs_window), tq))
 
 
 def observation_counts(t_k: int, w: int, device: torch.device | str | None = None) -> Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hfkv.kernels.cpu.build import function
-from hfkv.policy.scores import GQA_REDUCTIONS
+from hfkv.policy.scores import GQA_REDUCTIONS, observation_shape
 
 __all__ = ["observation_scores_cpu"]
 
@@ -20,15 +20,10 @@ def observation_scores_cpu(
     """``(sums [B, H, T], mass [B, T])`` fp32 of the last ``w = min(obs_window, Tq)`` queries of ``query [B, Hq, Tq,
     D]`` over ``key [B, H, T, D]`` (``T >= Tq``, plain causal: no padding), as
     :func:`~hfkv.kernels.observation.observation_scores` returns them; CPU tensors, any float dtype."""
-    if reduction not in GQA_REDUCTIONS:
-        raise ValueError(f"unknown GQA reduction {reduction!r}; expected one of {GQA_REDUCTIONS}")
+    bsz, heads, t, tq, group, w = observation_shape(query, key, obs_window, reduction, "observation_scores_cpu")
     if query.device.type != "cpu" or key.device.type != "cpu":
         raise ValueError(f"observation_scores_cpu: tensors must be on the CPU, got {query.device} / {key.device}")
-    bsz, hq, tq, dim = query.shape
-    heads, t = key.shape[1], key.shape[2]
-    if hq % heads or t < tq or key.shape[3] != dim or key.shape[0] != bsz:
-        raise ValueError(f"observation_scores_cpu: query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
-    group, w = hq // heads, max(0, min(int(obs_window), tq))
+    dim = query.shape[3]
     if not (bsz and t and w):  # nothing observed: zero scores and mass
         sums = torch.zeros(bsz, heads, t, dtype=torch.float32)
         return sums, sums.sum(1)
