@@ -262,3 +262,21 @@ def test_cache_on_a_model_with_accelerate_offloaded_layers(tmp_path):
     for layer in cache.layers:
         assert layer.device == torch.device("cpu")
         assert all(t.device == torch.device("cpu") for t in layer.held_tensors())
+
+
+def test_sdpa_backends_limit_what_torch_may_pick():
+    """The baseline's SDPA backends are a real restriction: on a CPU, 'efficient' alone has no kernel,
+    'math' alone gives default SDPA's result, and a wrong name is refused naming it."""
+    from hfkv.evaluation.bench import sdpa_backends
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with sdpa_backends("math"):
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(got, want)
+    with sdpa_backends("efficient"), pytest.raises(RuntimeError):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with sdpa_backends("default"):
+        torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), want)
+    with pytest.raises(ValueError, match="'flash,fast'.*fast not allowed"):
+        sdpa_backends("flash,fast")

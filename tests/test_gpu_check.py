@@ -54,6 +54,7 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
 
     e2e = parts["e2e"]
     methods = {r["method"] for r in e2e["rows"]}
+    assert e2e["sdpa_backends"] == "flash,efficient,math"  # cuDNN's per-length plans out of the baseline
     assert {"dynamic", "hfkv@48:backend=triton", "hfkv@64:backend=triton"} <= methods
     assert ("quanto-int4" in methods) == e2e["quantized_cache"]["available"]
     for r in e2e["rows"]:
@@ -111,6 +112,7 @@ def test_pytest_outcomes_count_each_test_once_by_its_worst_phase():
         (["--budget-s", "5"], "--budget-s", "between 30 and 3600"),
         (["--kinds", "full,int4"], "--kinds", "'int4' is not a storage kind"),
         (["--e2e-batches", "0"], "--e2e-batches", "positive integer"),
+        (["--e2e-sdpa", "flash,cudnn2"], "--e2e-sdpa", "cudnn2 not allowed"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_runs(tmp_path, capsys, argv, option, words):

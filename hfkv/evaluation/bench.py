@@ -44,6 +44,40 @@ DEFAULT_METHODS = "dynamic,hfkv,evict,quant"
 DEFAULT_OUT = "eval/results/bench"
 
 
+# ------------------------------------------------------------------------------------- SDPA backends
+SDPA_BACKEND_NAMES = ("flash", "efficient", "math", "cudnn")
+# Without cuDNN: torch 2.11 picks cuDNN attention for a decode step on an H200, and cuDNN builds a plan for
+# every new key length: ~1.3 ms of host time a layer, 42 of DynamicCache's ~70 ms step at 8k x 8 (gpu_check
+# run 12, eval/interleave_probe.py), or nothing where an earlier cache already stepped through those lengths.
+BASELINE_SDPA = "flash,efficient,math"
+
+
+def sdpa_backends(spec: str):
+    """A context in which torch's SDPA may use only the backends of ``spec`` ("flash,efficient,math"), in
+    that order of priority; "default": torch's own choice. Baselines that call SDPA every step (DynamicCache,
+    QuantizedCache) are timed under it so their step does not depend on what ran before."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if spec == "default":
+        return contextlib.nullcontext()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in SDPA_BACKEND_NAMES]
+    if bad or not names:
+        raise ValueError(
+            f"SDPA backends {spec!r}: {', '.join(bad) or 'none given'} not allowed; "
+            f"use 'default' or a comma list of {', '.join(SDPA_BACKEND_NAMES)}"
+        )
+    table = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+    return sdpa_kernel([table[n] for n in names], set_priority=True)
+
+
 # ---------------------------------------------------------------------------------------------- timing
 class Clock:
     """Wall time of a region: CUDA events on a GPU (no host sync inside the region), perf_counter on CPU.

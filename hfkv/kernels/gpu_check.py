@@ -479,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill chunk of DynamicCache / QuantizedCache where one forward runs out of memory (default 4096)",
     )
     e.add_argument(
+        "--e2e-sdpa",
+        default="flash,efficient,math",
+        help="torch SDPA backends the end-to-end part may use, by priority ('default': torch's choice, which "
+        "on an H200 is cuDNN, whose plan per new key length costs DynamicCache ~1.3 ms a layer; default: %(default)s)",
+    )
+    e.add_argument(
         "--quanto-cuda-extension",
         action="store_true",
         help="let optimum-quanto build its CUDA extension (minutes of nvcc); default: its Python unpack",
@@ -510,6 +516,12 @@ def check_args(args) -> None:
         args.budget_s = DRY_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
     if "hfkv" in args.kinds and min(args.contexts) <= 24:
         raise ca.UsageError("--contexts", f"{min(args.contexts)} must exceed 24, the hfkv kind's window ring")
+    from hfkv.evaluation.bench import sdpa_backends
+
+    try:
+        sdpa_backends(args.e2e_sdpa)
+    except ValueError as exc:
+        raise ca.UsageError("--e2e-sdpa", str(exc)) from None
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ca.UsageError("--out", f"{args.out!r} is a file; give a folder (it is created if missing)")

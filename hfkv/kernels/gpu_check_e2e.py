@@ -303,7 +303,16 @@ def graph_capture(model, method, ids: torch.Tensor, steps: int) -> dict[str, Any
 
 def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
     """The e2e part of gpu_check (module docstring), filling ``out``: rows per (context, batch, cache),
-    largest batches; ``save()`` after each row, so a run stopped from outside keeps them."""
+    largest batches; ``save()`` after each row, so a run stopped from outside keeps them. Every forward
+    runs with torch's SDPA limited to ``--e2e-sdpa`` (``bench.sdpa_backends``)."""
+    from hfkv.evaluation.bench import sdpa_backends
+
+    out["sdpa_backends"] = args.e2e_sdpa
+    with sdpa_backends(args.e2e_sdpa):
+        return _run_e2e(args, budget, device, out, save)
+
+
+def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
     from hfkv.evaluation.bench import random_prompt
     from hfkv.evaluation.methods import parse_method
     from hfkv.evaluation.shapes import build_random_like, get_shape
