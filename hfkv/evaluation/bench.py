@@ -85,8 +85,7 @@ class Clock:
     ``synced``: on a GPU too, perf_counter between two device synchronisations: each region's whole cost, host
     and device, as ``generate`` sees a step (it reads the finished flags every step). Where the host is the
     bottleneck, unsynchronised events give a region the GPU's idle wait for the next one's launches, and
-    regions of different caches in turns trade time (a lent H200: DynamicCache's step read 22 ms alone, 63 in
-    turns)."""
+    regions of different caches in turns trade time."""
 
     def __init__(self, device: torch.device | str, synced: bool = False):
         self.cuda = torch.device(device).type == "cuda"

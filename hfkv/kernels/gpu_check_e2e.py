@@ -9,8 +9,12 @@ timed one by one, each between two device synchronisations (its host and device 
 sees a step; bench.Clock says why not events), so the median is a step between policy runs and the mean
 includes them. Then DynamicCache and the hfkv caches, kept alive (hfkv's run first, DynamicCache last,
 so a kept cache never crowds a prefill), step in turns (``--e2e-interleave`` steps each, from where
-each left off): the lent machines' hosts drift, and only steps taken in turns see the same host, so
-the ``*_interleaved`` ratios are the ones to trust. Each cache's peak is its own:
+each left off): only steps taken in turns see the same host, so the ``*_interleaved`` ratios hold where
+a lent machine's host moves (the same DynamicCache step took 23 and 32 ms a minute apart in run 13). Every
+forward runs with SDPA limited to ``--e2e-sdpa`` (flash, efficient, math): left to torch, an H200 picks
+cuDNN attention, which plans every new key length on the host (~1.3 ms a layer), so DynamicCache's step
+depended on whether an earlier cache had stepped through the same lengths (runs 1-12, withdrawn).
+Each cache's peak is its own:
 ``torch.cuda.max_memory_allocated`` above what was allocated before it (the weights and the caches
 kept for the turns), over its prefill and decode. A one-forward prefill that runs out
 of memory is retried in chunks for DynamicCache and QuantizedCache (recorded as ``prefill_chunk``);
@@ -174,10 +178,10 @@ def run_cache(
 def interleave(model, rows: list[dict[str, Any]], lives: dict[str, SimpleNamespace], steps: int) -> None:
     """Step the kept caches in turns, ``steps`` each, and add each one's ``interleaved`` times to its row.
 
-    A lent machine's host drifts (DynamicCache's step at 32k x 8 took 52-94 ms across leases, and one
-    cache's steps can run twice as slow as the next cache's a minute later), and each cache alone sees
-    its own stretch of it; stepping them in turns shows every cache the same host, so the ratios
-    (``decode_speedup_*_interleaved``) hold where absolute times move. The caches go on from where
+    A lent machine's host moves (run 13: DynamicCache's step at 8k x 8 took 32 ms alone and 23 ms in
+    turns a minute later), and each cache alone sees its own stretch of it; stepping them in turns shows
+    every cache the same host, so the ratios (``decode_speedup_*_interleaved``) hold where absolute times
+    move. The caches go on from where
     their own steps left them, policy runs included (every ``interval`` steps of each).
     """
     from hfkv.evaluation.bench import Clock, interleaved_decode
