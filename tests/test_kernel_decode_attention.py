@@ -332,6 +332,60 @@ def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
         call([t.clone() for t in (k, v, pos, score)], PendingWrite(new_k, new_v, cap, length))
 
 
+@pytest.mark.parametrize("first_slot", [7, 11])  # 11: the second step's slot wraps to 0
+def test_a_device_step_replays_the_same_launch_for_the_next_token(first_slot):
+    """With ``step`` the decode launches read the position and ring slot from the device and advance them, so
+    the same call made twice (same tensors, same host numbers: what a CUDA graph replays), with the next
+    token's query, keys and values copied into its inputs, is the next step exactly: output, scores, ring."""
+    from hfkv.kernels.decode_attention import plan_attention, run_plan
+    from hfkv.storage.window import PendingWrite
+
+    bsz, heads, dim, ratio, length, cap, filled = 2, 2, 32, 2, 80, 12, 7
+    layouts = (_layout("model", "model", dim, torch.float32), _layout("int8", "int4", dim, torch.float32))
+    tiers = _storage(layouts, bsz, heads, dim, length, (24, 40), None, seed=5)
+    k, v, pos, score = _window(bsz, heads, dim, torch.float32, length, cap, filled, seed=9)
+    score[..., filled:] = 0
+    g = torch.Generator().manual_seed(3)
+    new = [
+        (torch.randn(bsz, heads * ratio, 1, dim, generator=g), torch.randn(bsz, heads, 1, dim, generator=g),
+         torch.randn(bsz, heads, 1, dim, generator=g))
+        for _ in range(2)
+    ]  # fmt: skip
+    pad_end = torch.tensor([0, 5])
+    slots = [first_slot, (first_slot + 1) % cap]
+
+    def storage():
+        ring = [t.clone() for t in (k, v, pos, score)]
+        pool = tiers.pool.data.clone()
+        parts = [DenseSlots(*ring)]
+        parts += [PagedSlots(pool, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+        plan = plan_attention(new[0][0], parts, pad_end, "max", split_slots=32, block_n=16, window_write=True)
+        return ring, pool, plan
+
+    ring, pool, plan = storage()  # host numbers, one call per step
+    want = [
+        run_plan(plan, q, length + i, pad_end, dim**-0.5, PendingWrite(nk, nv, slots[i], length + i))[0]
+        for i, (q, nk, nv) in enumerate(new)
+    ]
+    ring_d, pool_d, plan_d = storage()  # the first step's call, made twice
+    step = torch.tensor([length, first_slot])
+    q_buf, k_buf, v_buf = (t.clone() for t in new[0])
+    write = PendingWrite(k_buf, v_buf, first_slot, length)
+    got = []
+    for i, (q, nk, nv) in enumerate(new):
+        q_buf.copy_(q), k_buf.copy_(nk), v_buf.copy_(nv)
+        got.append(run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, checked=i == 0, step=step)[0])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(ring_d + [pool_d], ring + [pool], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # ring (both tokens, scores) and the records' scores
+    assert step.tolist() == [length + 2, (first_slot + 2) % cap]
+    with pytest.raises(ValueError, match="q_start=81 differs from the window_write's pos=80"):
+        run_plan(plan_d, q_buf, length + 1, pad_end, dim**-0.5, write, step=step)
+    with pytest.raises(ValueError, match="step must be a contiguous int64"):
+        run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, step=step.int())
+
+
 def test_cpu_plan_describes_parts_once_and_refuses_copies():
     """A CpuPlan gives the kernel's results without describing the parts again; a part that would need a
     copy to describe (here a non-contiguous ring) gets no plan, since a copy would go stale."""

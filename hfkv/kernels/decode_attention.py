@@ -374,6 +374,7 @@ def _partial_kernel(
     wv_sh,
     w_slot,
     w_pos,
+    step_ptr,
     FMTS: tl.constexpr,
     NP: tl.constexpr,
     G: tl.constexpr,
@@ -388,20 +389,33 @@ def _partial_kernel(
     INT_TILE: tl.constexpr,
     INT_PIECES: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
+    DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
-    parts in order, and each part's code (its formats are constants) runs for its own splits."""
+    parts in order, and each part's code (its formats are constants) runs for its own splits.
+
+    ``DEV_STEP``: the decode step's position and ring slot are read from ``step_ptr`` (``[position, slot]``,
+    advanced by the score kernel) instead of ``q_start`` / ``w_slot`` / ``w_pos``, so consecutive steps
+    launch with the same arguments and one CUDA graph replays them all."""
     sp = tl.program_id(1)
+    if DEV_STEP:
+        q_at = tl.load(step_ptr).to(tl.int32)
+        w_at = tl.load(step_ptr + 1).to(tl.int32)
+        p_at = q_at
+    else:
+        q_at = q_start
+        w_at = w_slot
+        p_at = w_pos
     for i in tl.static_range(NP):
         part = parts[i]
         split0 = tl.load(meta_ptr + i * META + 6).to(tl.int32)
         n_splits = tl.load(meta_ptr + i * META + 7).to(tl.int32)
         if (sp >= split0) & (sp < split0 + n_splits):
             _partial_part(
-                q_ptr, pad_end_ptr, q_start, scaling, pool_ptr, page_bytes, part, meta_ptr + i * META, sp - split0,
+                q_ptr, pad_end_ptr, q_at, scaling, pool_ptr, page_bytes, part, meta_ptr + i * META, sp - split0,
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
-                w_slot, w_pos, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
+                w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
                 INT_PIECES, TABLE_AHEAD,
             )  # fmt: skip
 
@@ -556,6 +570,8 @@ def _score_kernel(
     parts,
     meta_ptr,
     H,
+    step_ptr,
+    ring_slots,
     FMTS: tl.constexpr,
     NP: tl.constexpr,
     WRITE_DELTA: tl.constexpr,
@@ -566,9 +582,20 @@ def _score_kernel(
     NQB: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    DEV_STEP: tl.constexpr,
 ):
-    """Every part in one launch: program (row x head, block of slots numbered across the parts)."""
+    """Every part in one launch: program (row x head, block of slots numbered across the parts).
+
+    ``DEV_STEP``: program (0, 0) advances the step the partial kernel read (``[position + 1, (slot + 1) %
+    ring_slots]``); every partial program has read it by now (the launches run in order)."""
     j = tl.program_id(1)
+    if DEV_STEP:
+        two = tl.arange(0, 2)
+        cur = tl.load(step_ptr + two)
+        nxt = tl.where(two == 0, cur + 1, (cur + 1) % ring_slots)
+        # vector operands: the interpreter rejects a mask made of scalars
+        first = (two * 0 + tl.program_id(0) == 0) & (two * 0 + j == 0)
+        tl.store(step_ptr + two, nxt, mask=first)
     for i in tl.static_range(NP):
         part = parts[i]
         block0 = tl.load(meta_ptr + i * META + 5).to(tl.int32)
@@ -836,15 +863,23 @@ def run_plan(
     scaling: float,
     window_write=None,
     checked: bool = True,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The three launches of ``plan`` for ``query`` (shaped as the plan's) at logical positions ``q_start ..``.
 
     ``checked=False`` skips validating ``window_write`` against the ring: for a caller whose pending write
     comes from the ring itself (the cache's, ``WindowRing.push_deferred``), where the checks are a few
     microseconds of a step's host time and can never fail.
+
+    ``step`` (a decode step with a ``window_write``): an int64 ``[2]`` tensor on the query's device holding the
+    step's ``[position, ring slot]``, which must equal ``q_start`` and the write's ``pos`` and ``slot``; the
+    kernels read them from it and advance it to the next step's (``[position + 1, (slot + 1) % ring slots]``),
+    so the host numbers are not launch arguments and a CUDA graph of one step replays the next ones.
     """
     if (window_write is None) != (plan.ring is None):
         raise ValueError("paged_attention: a plan made for a window_write needs one at every call, and only it")
+    if step is not None and checked:
+        _check_step(step, plan, query, q_start, window_write)
     bsz, qlen, hq, dim = plan.out_shape
     heads, device = plan.heads, query.device
     query = query.contiguous()
@@ -862,7 +897,7 @@ def run_plan(
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
     _partial_kernel[plan.grid](
         query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, plan.p_meta, logits, plan.s_total,
-        m, l_, acc, plan.ns_total, heads, hq, *wargs, **plan.constants,
+        m, l_, acc, plan.ns_total, heads, hq, *wargs, step, **plan.constants, DEV_STEP=step is not None,
     )  # fmt: skip
     _combine_kernel[plan.grid[0], plan.grid[2]](
         m, l_, acc, plan.ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=plan.constants["BLOCK_D"], **plan.shape
@@ -878,9 +913,26 @@ def run_plan(
         plan.s_args,
         plan.s_meta,
         heads,
+        step,
+        plan.ring.slots if step is not None else 0,
         **plan.score_constants,
+        DEV_STEP=step is not None,
     )
     return out, delta
+
+
+def _check_step(step: torch.Tensor, plan: DecodePlan, query: torch.Tensor, q_start: int, write) -> None:
+    """``run_plan``'s ``step``: a device ``[position, slot]`` of a one-token step with a ring write. Its values
+    are not read here (that would wait on the device); the cache keeps them equal to the host's."""
+    if write is None or plan.out_shape[1] != 1:
+        raise ValueError("paged_attention: step is for a one-token decode step with a window_write")
+    if step.dtype != torch.int64 or step.shape != (2,) or step.device != query.device or not step.is_contiguous():
+        raise ValueError(
+            f"paged_attention: step must be a contiguous int64 [2] tensor on {query.device}; got {step.dtype} "
+            f"{tuple(step.shape)} on {step.device}"
+        )
+    if q_start != write.pos:
+        raise ValueError(f"paged_attention: q_start={q_start} differs from the window_write's pos={write.pos}")
 
 
 def paged_attention(
