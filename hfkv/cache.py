@@ -142,6 +142,13 @@ class TriStateLayer(CacheLayerMixin):
         self._tier_peak = 0
         self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
         self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
+        # A Triton decode step reads its position and ring slot from the device ([position, slot], advanced by
+        # its own launches), so consecutive steps launch alike and a CUDA graph replays them (hfkv.graphs).
+        # _step_next is the host's copy of what the device holds for the next step; where they would part
+        # (the first step, a policy run's step, whose token a tensor op wrote) two fills set the device.
+        self._step_dev: torch.Tensor | None = None
+        self._step_next: tuple[int, int] | None = None
+        self.step_fills = 0  # how many times the device step was set from the host (hfkv.graphs checks it)
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -333,18 +340,67 @@ class TriStateLayer(CacheLayerMixin):
 
     def _maybe_run_policy(self) -> None:
         self.steps_since_policy += 1
+        if self._policy_due(self.steps_since_policy, self.window.count):
+            self.run_policy()
+
+    def _policy_due(self, steps: int, count: int) -> bool:
+        """Whether a step that leaves ``steps`` steps since the last policy run and ``count`` tokens in the window
+        runs the policy (host numbers only: no step waits on the device to decide)."""
         cfg = self.cfg
         # The ring (W + interval slots) fills exactly `interval` steps after the last batched exit.
-        due = self.steps_since_policy >= cfg.interval or self.window.count == self.window.capacity
-        if not due and cfg.budget is not None:
-            # Between policy runs only the window grows, by the same count in every head.
-            heads = self.window.shape[1] if cfg.head_adaptive else 1
-            if self.memory_budget:
-                due = self._tier_peak + heads * self.window.count * self.window_cost > heads * self.cap
-            else:
-                due = self._tier_peak + heads * self.window.count > heads * cfg.budget
-        if due:
-            self.run_policy()
+        if steps >= cfg.interval or count == self.window.capacity:
+            return True
+        if cfg.budget is None:
+            return False
+        # Between policy runs only the window grows, by the same count in every head.
+        heads = self.window.shape[1] if cfg.head_adaptive else 1
+        if self.memory_budget:
+            return self._tier_peak + heads * count * self.window_cost > heads * self.cap
+        return self._tier_peak + heads * count > heads * cfg.budget
+
+    def decode_steps_before_policy(self, limit: int = 4096) -> int:
+        """How many of the next one-token steps run no policy run (at most ``limit``): the steps a CUDA graph of
+        one of them can replay (hfkv.graphs)."""
+        if not self.is_initialized or self.length == 0:
+            return 0
+        steps, count = self.steps_since_policy, self.window.count
+        for n in range(limit):
+            steps, count = steps + 1, count + 1
+            if count > self.window.capacity or self._policy_due(steps, count):
+                return n
+        return limit
+
+    def replayed_step(self) -> None:
+        """The host side of a one-token step whose launches a CUDA graph replayed: what update() and attend()
+        change on the host for a step between policy runs (the window took the token, which the kernel wrote,
+        and the device step advanced)."""
+        if self._step_next is None or self.window.pending is not None or self.decode_steps_before_policy(1) < 1:
+            raise RuntimeError(
+                f"hfkv: layer {self.layer_idx} cannot take a replayed step here (one runs the policy, or no "
+                "Triton decode step ran since the last change of the ring)"
+            )
+        pos, slot = self._step_next
+        self.window.count += 1
+        self.length += 1
+        self.steps_since_policy += 1
+        self._step_next = (pos + 1, (slot + 1) % self.window.capacity)
+
+    def _device_step(self, write) -> torch.Tensor:
+        """The device ``[position, slot]`` of this step's ring write, set from the host only where it is not
+        already there (run_plan's ``step``)."""
+        if self._step_dev is None:
+            self._step_dev = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if self._step_next != (write.pos, write.slot):
+            self._set_device_step(write.pos, write.slot)
+        self._step_next = (write.pos + 1, (write.slot + 1) % self.window.capacity)
+        return self._step_dev
+
+    def _set_device_step(self, pos: int, slot: int) -> None:
+        # fill_ takes the numbers as launch arguments: no host-to-device copy, nothing waits
+        self._step_dev[0:1].fill_(pos)
+        self._step_dev[1:2].fill_(slot)
+        self._step_next = (pos, slot)
+        self.step_fills += 1
 
     def _mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if self.cfg.score_mode == "sum":
@@ -703,7 +759,15 @@ class TriStateLayer(CacheLayerMixin):
                     self._plan = kernels.plan_cpu(query, parts)
             self._plan_sig, self._plan_parts = sig, parts
         if self.backend == "triton":
-            out, _ = kernels.run_plan(self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False)
+            step = self._device_step(write) if write is not None else None
+            out, _ = kernels.run_plan(
+                self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False, step=step
+            )
+            if write is None and q == 1 and self._step_dev is not None:
+                # a step whose token a tensor op wrote (a policy run's): the next step's numbers, set now, in
+                # this step, so the next one launches as the steps after it will
+                win = self.window
+                self._set_device_step(self.length, (win.start + win.count) % win.capacity)
         else:
             out, _ = kernels.paged_attention_cpu(
                 query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False,
@@ -763,6 +827,7 @@ class TriStateLayer(CacheLayerMixin):
             bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
         self._tier_peak, self._plan, self._plan_sig, self._plan_parts = 0, None, None, None
+        self._step_next = None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self._padded = True

@@ -892,6 +892,8 @@ def run_plan(
     else:
         k, v = window_write.k, window_write.v
         wargs = (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), window_write.slot, window_write.pos)
+    if step is not None:  # the kernels read these from `step`: no number that changes per step is an argument
+        q_start, wargs = 0, (*wargs[:6], 0, 0)
     logits, m, l_, acc, mf, lf = plan.scratch
     out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
