@@ -171,3 +171,113 @@ def test_steps_before_policy_match_what_eager_steps_do(overrides):
     # the device step is set from the host on the first step and in the steps that run the policy (whose token
     # a tensor op wrote), never in the steps after them: a graph captured there replays what the next ones do
     assert filled[0] and filled[1:] == ran[1:]
+
+
+# ------------------------------------------------------------------------------ the decoder on a recorded step
+class _Tape:
+    """A CUDA graph's semantics on a CPU. Capture records the step's aten ops and Triton launches and runs the
+    launches not at all (as a capture runs nothing); a host read of a device value fails, as it does in a
+    capture. Replay runs the record again with every tensor where the capture left it, each op's result copied
+    into the tensor the capture made (a graph's fixed addresses), the launches on those same tensors."""
+
+    def __init__(self, run_launch):
+        self.ops: list[tuple] = []
+        self.run_launch = run_launch
+
+    def replay(self) -> None:
+        for kind, fn, args, kwargs, out in self.ops:
+            if kind == "triton":
+                self.run_launch(fn, *args, **kwargs)
+                continue
+            res = fn(*args, **kwargs)
+            for o, r in zip(_tensors(out), _tensors(res), strict=True):
+                if o.data_ptr() != r.data_ptr():
+                    o.copy_(r)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in _flat(x) if isinstance(t, torch.Tensor)]
+
+
+class _TapeGraphs:
+    requires_cuda = False
+
+    def pool(self):
+        return None
+
+    def new(self) -> _Tape:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return _Tape(InterpretedFunction.run)
+
+    def capture(self, tape: _Tape, pool):
+        import contextlib
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from triton.runtime.interpreter import InterpretedFunction
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                    raise AssertionError(f"host read of a device value during a capture: {func}")
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                tape.ops.append(("aten", func, args, kwargs, out))
+                return out
+
+        @contextlib.contextmanager
+        def recording():
+            original = InterpretedFunction.run
+
+            def record(fn, *args, grid, warmup, **kwargs):
+                tape.ops.append(("triton", fn, args, dict(kwargs, grid=grid, warmup=warmup), None))
+
+            InterpretedFunction.run = record
+            try:
+                with Record():
+                    yield
+            finally:
+                InterpretedFunction.run = original
+
+        return recording()
+
+
+def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
+    """GraphedDecoder's choices (eager for a policy step and the one after it, capture, replays, the host's
+    bookkeeping) over several policy runs, with a recording standing in for CUDA graphs: the tokens and every
+    layer's token states are eager decoding's."""
+    from hfkv.evaluation.bench import decode_step
+    from hfkv.graphs import GraphedDecoder
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    caches = [TriStateCache(model, "hfkv", backend="triton", budget=16, window=4, interval=6) for _ in range(2)]
+    n = 19
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
+        eager = [out.logits[:, -1:].argmax(-1)]
+        for i in range(n - 1):
+            eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
+    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs())
+    got = decoder.generate(ids, n)
+    assert torch.equal(got, torch.cat(eager, dim=1))
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.token_states(), b.token_states())
+    # interval 6: per policy run, the policy step and the next eager, one captured, three replayed
+    assert decoder.counts["captured"] >= 2 and decoder.counts["replayed"] >= 2 * decoder.counts["captured"]
+    assert sum(decoder.counts.values()) == n - 1
+
+
+def test_graphed_decoder_refuses_what_it_cannot_replay():
+    from transformers import DynamicCache
+
+    from hfkv.graphs import GraphedDecoder
+
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="cache must be a TriStateCache, got DynamicCache"):
+        GraphedDecoder(model, DynamicCache())
+    with pytest.raises(ValueError, match="every layer must be a compressed TriStateLayer"):
+        GraphedDecoder(model, TriStateCache(model, "full"))
+    decoder = GraphedDecoder(model, TriStateCache(model, "hfkv", backend="triton", budget=16, window=4))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; tokens are on cpu"):
+        decoder.generate(torch.randint(3, 128, (1, 30)), 4)

@@ -333,7 +333,7 @@ def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
 
 
 @pytest.mark.parametrize("first_slot", [7, 11])  # 11: the second step's slot wraps to 0
-def test_a_device_step_replays_the_same_launch_for_the_next_token(first_slot):
+def test_triton_device_step_replays_the_same_launch_for_the_next_token(first_slot):
     """With ``step`` the decode launches read the position and ring slot from the device and advance them, so
     the same call made twice (same tensors, same host numbers: what a CUDA graph replays), with the next
     token's query, keys and values copied into its inputs, is the next step exactly: output, scores, ring."""

@@ -206,6 +206,12 @@ def _generate_check(tb, models, family: str, preset: str, device: str, new_token
     return True, f"{got.shape[1] - ids.shape[1]} tokens equal, backend {backend}"
 
 
+def torch_cuda_device(device: str) -> bool:
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
 def _no_sync_check(models, device: str) -> tuple[bool, str]:
     """Decode steps between policy runs read no device value on the host (test_backend_triton's test, on ``device``).
 
@@ -263,6 +269,37 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     return True, f"3 decode steps, no host sync ({how})"
 
 
+def _graph_check(models, device: str, new_tokens: int = 40) -> tuple[bool, str]:
+    """Greedy decoding through hfkv.graphs.GraphedDecoder (steps between policy runs replayed from a CUDA graph)
+    gives the tokens and token states of eager decoding with the same cache configuration."""
+    import torch
+
+    from hfkv import TriStateCache
+    from hfkv.evaluation.bench import decode_step
+    from hfkv.graphs import GraphedDecoder
+
+    model = models.tiny_model("llama", num_hidden_layers=2).to(device)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(6)).to(device)
+    caches = [TriStateCache(model, "hfkv", backend="triton", budget=20, window=4) for _ in range(2)]
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
+        eager = [out.logits[:, -1:].argmax(-1)]
+        for i in range(new_tokens - 1):  # as GraphedDecoder.generate steps
+            eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
+    eager = torch.cat(eager, dim=1)
+    decoder = GraphedDecoder(model, caches[1])
+    graphed = decoder.generate(ids, new_tokens)
+    if not torch.equal(graphed, eager):
+        first = int((graphed != eager).any(0).nonzero()[0])
+        return False, f"tokens from step {first}: graphed {graphed[:, first:].tolist()}, eager {eager[:, first:]}"
+    for i, (a, b) in enumerate(zip(caches[0].layers, caches[1].layers, strict=True)):
+        if not torch.equal(a.token_states(), b.token_states()):
+            return False, f"layer {i}: token states differ after {new_tokens} tokens"
+    if decoder.counts["replayed"] < 1:
+        return False, f"no step was replayed: {decoder.counts}"
+    return True, f"{new_tokens} tokens and token states equal; steps {decoder.counts}"
+
+
 def run_tests(
     repo: Path | None, device: str, budget: Budget, dry_run: bool, new_tokens: int, out: dict, save: Callable
 ) -> dict[str, Any]:
@@ -293,6 +330,10 @@ def run_tests(
             name = f"generate {family} {preset}: triton == torch on {device}"
             plan.append((name, lambda f=family, p=preset: _generate_check(tb, models, f, p, device, new_tokens)))
     plan.append((f"decode step makes no host sync on {device}", lambda: _no_sync_check(models, device)))
+    if torch_cuda_device(device):
+        plan.append((f"CUDA graph replay of decode steps == eager on {device}", lambda: _graph_check(models, device)))
+    else:
+        budget.skip("tests", "CUDA graph replay check", "CUDA graphs need a CUDA device")
     est = 5.0
     for name, check in plan:
         if not budget.allows("tests", name, est):
@@ -477,6 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=ca.integer(1),
         default=4096,
         help="prefill chunk of DynamicCache / QuantizedCache where one forward runs out of memory (default 4096)",
+    )
+    e.add_argument(
+        "--no-e2e-graphs",
+        dest="e2e_graphs",
+        action="store_false",
+        help="skip the hfkv rows whose decode steps between policy runs replay a CUDA graph (hfkv.graphs)",
     )
     e.add_argument(
         "--e2e-sdpa",

@@ -46,6 +46,7 @@ GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
 WARMUP_POLICY_STEPS = 64  # at most this many more warm-up steps, waiting for the first policy run
 HEADROOM = 0.95  # of the free memory a predicted batch may plan to use
 INTERLEAVED_KINDS = ("dynamic", "tristate")  # kept alive for the interleaved steps (QuantizedCache is ~3x slower)
+GRAPHED = " graphed"  # the label suffix of an hfkv cache's rows whose steps between policy runs replay a CUDA graph
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -88,19 +89,30 @@ def _free(cuda: bool) -> None:
 
 
 def run_cache(
-    model, method, ids: torch.Tensor, steps: int, warmup: int, chunk: int, keep: bool = False, extra: int = 0
+    model,
+    method,
+    ids: torch.Tensor,
+    steps: int,
+    warmup: int,
+    chunk: int,
+    keep: bool = False,
+    extra: int = 0,
+    graphed: bool = False,
 ) -> tuple[dict[str, Any], SimpleNamespace | None]:
     """One cache alone: prefill time, decode step times (median, mean, p20, p80), bytes, peak.
 
     With ``keep`` a cache that ran is handed back alive (``cache``, next ``tok`` and its ``position``)
-    for the interleaved steps, with room for ``extra`` more tokens."""
+    for the interleaved steps, with room for ``extra`` more tokens. With ``graphed`` (a TriStateCache on
+    CUDA) the decode steps go through :class:`hfkv.graphs.GraphedDecoder`: those between policy runs are
+    replayed from a CUDA graph (the row's ``graph_counts``: eager, captured, replayed steps)."""
     from hfkv.evaluation.bench import Clock, decode_step, fill_cache
     from hfkv.evaluation.methods import kv_and_dense_bytes
     from hfkv.storage.memory import cache_bytes
 
     batch, context = ids.shape
     cuda = ids.device.type == "cuda"
-    row: dict[str, Any] = {"method": method.label, "kind": method.kind, "context": context, "batch": batch}
+    label = method.label + (GRAPHED if graphed else "")
+    row: dict[str, Any] = {"method": label, "kind": method.kind, "context": context, "batch": batch}
     cache, live = None, None
     try:
         _free(cuda)
@@ -127,13 +139,24 @@ def run_cache(
                 torch.cuda.reset_peak_memory_stats()
         row["prefill_chunk"] = prefill_chunk
         held = [cache_bytes(cache)]
+        if graphed:
+            from hfkv.graphs import GraphedDecoder
+
+            decoder = GraphedDecoder(model, cache)
+            step = decoder.step
+        else:
+            decoder = None
+
+            def step(tok, position):
+                return decode_step(model, cache, tok, position)
+
         # Warm-up lasts until a policy run has happened too: its first run compiles the encode and move
         # kernels (seconds, once per process and shape), which is no step's cost.
         layer0 = getattr(cache, "layers", [None])[0]
         policy_seen = not hasattr(layer0, "steps_since_policy")
         i = 0
         while i < warmup or (not policy_seen and i < warmup + WARMUP_POLICY_STEPS):
-            tok = decode_step(model, cache, tok, context + i)
+            tok = step(tok, context + i)
             policy_seen = policy_seen or layer0.steps_since_policy == 0
             i += 1
         row["warmup_steps"] = i
@@ -141,13 +164,15 @@ def run_cache(
         for j in range(i, i + steps):
             before = compiled_kernels()
             t = clock.start()
-            tok = decode_step(model, cache, tok, context + j)
+            tok = step(tok, context + j)
             clock.stop(t, times)
             compiled += compiled_kernels() > before
             if not cuda:
                 held.append(cache_bytes(cache))
         clock.resolve()
         row["steps_that_compiled"] = compiled  # a kernel instance compiled inside them (seconds on a GPU, once)
+        if decoder is not None:
+            row["graph_counts"] = dict(decoder.counts)
         med = statistics.median(times)
         row |= {
             "decode_ms_median": 1e3 * med,
@@ -334,6 +359,8 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
         methods.append(parse_method("quanto-int4"))
     else:
         budget.skip("e2e", "QuantizedCache", note)
+    if args.e2e_graphs and not cuda:
+        budget.skip("e2e", "graphed hfkv rows", "CUDA graphs need a CUDA device")
     if not budget.allows("e2e", "model", 40.0 if cuda else 5.0):
         return out
     t0 = time.perf_counter()
@@ -378,6 +405,16 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
                     rates[m.label] = min(rates.get(m.label, 1e12), context * batch / max(row["prefill_s"], 1e-6))
                     steps_s[m.label] = max(row["decode_ms_mean"], row["decode_ms_p80"]) / 1e3
                 print(_line(row), flush=True)
+                if args.e2e_graphs and cuda and m.kind == "tristate" and row["status"] == "ok":
+                    need = 5 + 1.5 * context * batch / rates[m.label] + n_steps * steps_s[m.label] * 1.5
+                    if budget.allows("e2e", f"{m.label}{GRAPHED} context {context} batch {batch}", need):
+                        grow, _ = run_cache(
+                            model, m, ids, args.e2e_steps, args.e2e_warmup, args.e2e_chunk, graphed=True
+                        )
+                        group.append(grow)
+                        out["rows"].append(grow)
+                        save()
+                        print(_line(grow), flush=True)
             if len(lives) > 1 and budget.allows(
                 "e2e", f"interleaved steps at context {context} batch {batch}",
                 5 + 1.5 * args.e2e_interleave * sum(steps_s.get(name, 0.15) for name in lives),
@@ -386,9 +423,11 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
                 save()
             lives = live = None
             _free(cuda)
-            if group:  # rows in the methods' order, DynamicCache first
+            if group:  # rows in the methods' order, DynamicCache first, each graphed row after its cache's
                 order = {m.label: i for i, m in enumerate(methods)}
-                out["rows"][-len(group) :] = sorted(group, key=lambda r: order[r["method"]])
+                out["rows"][-len(group) :] = sorted(
+                    group, key=lambda r: (order[r["method"].removesuffix(GRAPHED)], r["method"].endswith(GRAPHED))
+                )
     add_ratios(out["rows"])
     if budget.allows("e2e", "CUDA graph capture of a decode step", 20.0 if cuda else 1.0):
         context = min(args.e2e_contexts)
