@@ -179,6 +179,8 @@ def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None) -> l
             t.copy_(s)
         ring.start, ring.count = saved[1], saved[2]
         layer.length, layer.steps_since_policy = counters
+        if layer._step_dev is not None:  # the device step the rewound ring's next token has, as a run's would
+            layer._set_device_step(layer.length, (ring.start + ring.count) % ring.capacity)
 
     times = []
     for i, (k, v, q) in enumerate(inputs):
