@@ -385,6 +385,11 @@ class TriStateLayer(CacheLayerMixin):
         self.steps_since_policy += 1
         self._step_next = (pos + 1, (slot + 1) % self.window.capacity)
 
+    def plan_kept(self) -> bool:
+        """Whether the last step's decode launch plan (built and compiled for the storage as it is now) serves
+        the next step: no policy run or chunk changed the storage after that step's attention (hfkv.graphs)."""
+        return self._plan is not None and self._plan_sig is not None
+
     def _device_step(self, write) -> torch.Tensor:
         """The device ``[position, slot]`` of this step's ring write, set from the host only where it is not
         already there (run_plan's ``step``)."""
@@ -764,8 +769,8 @@ class TriStateLayer(CacheLayerMixin):
                 self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False, step=step
             )
             if write is None and q == 1 and self._step_dev is not None:
-                # a step whose token a tensor op wrote (a policy run's): the next step's numbers, set now, in
-                # this step, so the next one launches as the steps after it will
+                # a step whose token a tensor op wrote (a full ring's, or after rows were selected): the next
+                # step's numbers, set now, in this step, so the next one launches as the steps after it will
                 win = self.window
                 self._set_device_step(self.length, (win.start + win.count) % win.capacity)
         else:

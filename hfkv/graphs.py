@@ -8,11 +8,12 @@ move, the decode kernels read the step's position and ring slot from the device
 (``run_plan(step=...)``), and the host knows how many steps are left before the next policy run
 (``TriStateLayer.decode_steps_before_policy``). DynamicCache's step cannot be (its tensors grow every step).
 
-:class:`GraphedDecoder` runs greedy one-token steps: the step that runs a policy run eagerly, the next one
-eagerly too (it builds the new launch plan and compiles what is new), the one after that captured into a
-graph, and every later step until the next policy run replayed from it, with the host's bookkeeping
-(``TriStateLayer.replayed_step``) in place of ``update()`` and ``attend()``. So with the default interval of
-8 steps, five steps of eight are replays.
+:class:`GraphedDecoder` runs greedy one-token steps: the step that runs a policy run eagerly (its decode
+kernels run on the storage the run leaves: the new launch plan is built, what is new compiled), the next
+one captured into a graph, and every later step until the next policy run replayed
+from it, with the host's bookkeeping (``TriStateLayer.replayed_step``) in place of ``update()`` and
+``attend()``. So with the default interval of 8 steps, six steps of eight are replays. (The first decode
+step, and a step after one whose storage changed after its attention, run eagerly before a capture.)
 
     decoder = GraphedDecoder(model, cache)
     tokens = decoder.generate(input_ids, max_new_tokens=256)     # greedy; [batch, max_new_tokens]
@@ -86,8 +87,15 @@ class GraphedDecoder:
             self._check_ready(tokens)
         left = min(layer.decode_steps_before_policy(2) for layer in self.layers)  # this step and the next
         if left == 0:  # this step runs a policy run: the storage moves, so the graph is stale after it
-            self._graph, self._warm = None, False
-            return self._eager(tokens, position)
+            self._graph = None
+            fills = [layer.step_fills for layer in self.layers]
+            out = self._eager(tokens, position)
+            # Its decode kernels ran on the storage the run left (plan built, kernels compiled, device step
+            # advanced by them): the next step can be captured as it is.
+            self._warm = fills == [layer.step_fills for layer in self.layers] and all(
+                layer.plan_kept() for layer in self.layers
+            )
+            return out
         if self._graph is not None:
             self._tok.copy_(tokens)
             self._pos.fill_(position)

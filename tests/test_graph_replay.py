@@ -168,9 +168,9 @@ def test_steps_before_policy_match_what_eager_steps_do(overrides):
     assert sum(ran) >= 2
     assert [p == 0 for p in predicted] == ran
     assert all(a == b + 1 for a, b in zip(predicted[:-1], predicted[1:], strict=True) if a > 0)
-    # the device step is set from the host on the first step and in the steps that run the policy (whose token
-    # a tensor op wrote), never in the steps after them: a graph captured there replays what the next ones do
-    assert filled[0] and filled[1:] == ran[1:]
+    # the device step is set from the host on the first step only: the steps that run the policy keep their
+    # token pending for the kernel, so they launch as every other step does
+    assert filled[0] and not any(filled[1:])
 
 
 # ------------------------------------------------------------------------------ the decoder on a recorded step
@@ -243,7 +243,7 @@ class _TapeGraphs:
 
 
 def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
-    """GraphedDecoder's choices (eager for a policy step and the one after it, capture, replays, the host's
+    """GraphedDecoder's choices (eager for a policy step and the first step, capture, replays, the host's
     bookkeeping) over several policy runs, with a recording standing in for CUDA graphs: the tokens and every
     layer's token states are eager decoding's."""
     from hfkv.evaluation.bench import decode_step
@@ -263,8 +263,8 @@ def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
     assert torch.equal(got, torch.cat(eager, dim=1))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(a.token_states(), b.token_states())
-    # interval 6: per policy run, the policy step and the next eager, one captured, three replayed
-    assert decoder.counts["captured"] >= 2 and decoder.counts["replayed"] >= 2 * decoder.counts["captured"]
+    # interval 6: per policy run the policy step eager, one captured, four replayed
+    assert decoder.counts["captured"] >= 2 and decoder.counts["replayed"] >= 3 * decoder.counts["captured"]
     assert sum(decoder.counts.values()) == n - 1
 
 

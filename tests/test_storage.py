@@ -395,6 +395,24 @@ def test_window_ring_against_deque(script):
             assert torch.equal(ring.score[:, :, slot], r[3]), "a new slot must start with score 0"
 
 
+def test_window_ring_pop_keeps_a_pending_token_unless_it_is_popped():
+    """A policy run pops the oldest tokens while the step's own token is pending for the decode kernel: the pop
+    returns the oldest as pushed and leaves the pending write to the kernel; popping it too writes it first."""
+    g = torch.Generator().manual_seed(0)
+    ring = WindowRing(1, 2, 3, 4, torch.float32, "cpu", extra=2)
+    toks = [(torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g)) for _ in range(5)]
+    for p, (k, v) in enumerate(toks[:4]):
+        ring.push(k, v, p)
+    slot = ring.push_deferred(*toks[4], 4)
+    k, v, pos, _ = ring.pop_oldest(2)
+    assert ring.pending is not None and ring.pending.slot == slot and ring.count == 3
+    assert pos.tolist() == [0, 1] and torch.equal(k, torch.cat([toks[0][0], toks[1][0]], dim=2))
+    assert ring.raw()[2][slot] == -1  # not written: the kernel of this step writes it
+    k, v, pos, _ = ring.pop_oldest(3)  # the pending token among them: written, then popped
+    assert ring.pending is None and pos.tolist() == [2, 3, 4]
+    assert torch.equal(k[:, :, 2:], toks[4][0]) and torch.equal(v[:, :, 2:], toks[4][1])
+
+
 def test_window_ring_rejects_empty_window():
     with pytest.raises(ValueError, match="window"):
         WindowRing(1, 1, 0, 4, torch.float16, "cpu")

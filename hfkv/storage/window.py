@@ -118,10 +118,15 @@ class WindowRing:
         return self.k[:, :, slots], self.v[:, :, slots], self.pos[slots], self.score[:, :, slots]
 
     def pop_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Remove and return the ``n`` oldest tokens ``(k, v [B, H, n, D], pos [n], score [B, H, n])``."""
+        """Remove and return the ``n`` oldest tokens ``(k, v [B, H, n, D], pos [n], score [B, H, n])``.
+
+        A pending token (the newest) stays pending unless it is popped too: the decode kernel of its step
+        still writes it, so a policy run's step launches as the steps between runs do."""
         n = max(0, min(n, self.count))
-        slots = (self.start + torch.arange(n, device=self.pos.device)) % self.capacity
-        out = self._take(slots)
+        if self.pending is not None and n >= self.count:
+            self.flush()
+        slots = (self.start + torch.arange(n, device=self._pos.device)) % self.capacity
+        out = self._k[:, :, slots], self._v[:, :, slots], self._pos[slots], self._score[:, :, slots]
         self._pos.index_fill_(0, slots, -1)  # index_fill_: the value is a launch argument, not a copied tensor
         self._score.index_fill_(2, slots, 0.0)
         self.start = (self.start + n) % self.capacity
