@@ -125,6 +125,7 @@ def bench_run(tmp_path_factory):
 
 def test_bench_writes_json_csv_plot(bench_run):
     result = json.loads((bench_run / "t.json").read_text())
+    assert result["args"]["sdpa"] == bench.BASELINE_SDPA  # the baselines' SDPA without cuDNN's per-length plans
     assert result["device"] and result["model"]["random_like"] == "cpu-small" and result["model"]["layers"] == 2
     assert result["hfkv_version"] == hfkv.__version__ and result["dtype"] == "fp32"
     assert [(g["threads"], g["context"], g["batch"]) for g in result["groups"]] == [
@@ -280,3 +281,9 @@ def test_sdpa_backends_limit_what_torch_may_pick():
         torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), want)
     with pytest.raises(ValueError, match="'flash,fast'.*fast not allowed"):
         sdpa_backends("flash,fast")
+
+
+def test_bench_names_a_bad_sdpa_backend(tmp_path, capsys):
+    assert bench.main([*ARGS, "--out-dir", str(tmp_path), "--sdpa", "flash,cudnn9"]) == 2
+    err = capsys.readouterr().err
+    assert "--sdpa" in err and "cudnn9 not allowed" in err and not list(tmp_path.iterdir())
