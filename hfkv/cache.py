@@ -370,11 +370,13 @@ class TriStateLayer(CacheLayerMixin):
                 return n
         return limit
 
-    def replayed_step(self) -> None:
+    def replayed_step(self, checked: bool = True) -> None:
         """The host side of a one-token step whose launches a CUDA graph replayed: what update() and attend()
         change on the host for a step between policy runs (the window took the token, which the kernel wrote,
-        and the device step advanced)."""
-        if self._step_next is None or self.window.pending is not None or self.decode_steps_before_policy(1) < 1:
+        and the device step advanced). ``checked=False``: the caller counted the policy-free steps already."""
+        if checked and (
+            self._step_next is None or self.window.pending is not None or self.decode_steps_before_policy(1) < 1
+        ):
             raise RuntimeError(
                 f"hfkv: layer {self.layer_idx} cannot take a replayed step here (one runs the policy, or no "
                 "Triton decode step ran since the last change of the ring)"

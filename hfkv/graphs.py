@@ -48,7 +48,7 @@ class GraphedDecoder:
 
     Needs every layer compressed (a TriStateLayer on the Triton backend: an uncompressed sliding layer
     grows like DynamicCache's) and a CUDA device. ``counts`` says how many steps ran eagerly, were captured
-    and were replayed.
+    and were replayed. Step the cache through the decoder only: what it replays was counted at the capture.
     """
 
     def __init__(self, model: torch.nn.Module, cache: TriStateCache, graphs=None) -> None:
@@ -65,6 +65,7 @@ class GraphedDecoder:
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         self._graph = None
+        self._replays_left = 0
         self._pool = None
         self._warm = False  # an eager step ran on the storage as it is now (plan built, kernels compiled)
         self._tok = self._pos = self._next = None
@@ -85,6 +86,15 @@ class GraphedDecoder:
         """One token per row (``tokens [B, 1]``) at logical ``position``; the next greedy tokens ``[B, 1]``."""
         if self._next is None:
             self._check_ready(tokens)
+        if self._graph is not None and self._replays_left > 0:
+            self._tok.copy_(tokens)
+            self._pos.fill_(position)
+            self._graph.replay()
+            for layer in self.layers:  # counted when the graph was captured: no per-layer check here
+                layer.replayed_step(checked=False)
+            self._replays_left -= 1
+            self.counts["replayed"] += 1
+            return self._next.clone()
         left = min(layer.decode_steps_before_policy(2) for layer in self.layers)  # this step and the next
         if left == 0:  # this step runs a policy run: the storage moves, so the graph is stale after it
             self._graph = None
@@ -96,14 +106,6 @@ class GraphedDecoder:
                 layer.plan_kept() for layer in self.layers
             )
             return out
-        if self._graph is not None:
-            self._tok.copy_(tokens)
-            self._pos.fill_(position)
-            self._graph.replay()
-            for layer in self.layers:
-                layer.replayed_step()
-            self.counts["replayed"] += 1
-            return self._next.clone()
         if not self._warm or left < 2:  # a graph needs a step to replay after the one it captures
             self._warm = True
             return self._eager(tokens, position)
@@ -134,6 +136,8 @@ class GraphedDecoder:
         # they would rewind every later step. Then this graph serves this step only.
         if [layer.step_fills for layer in self.layers] == fills:
             self._graph = graph
+            # the steps after this one that run no policy run: the replays this graph serves
+            self._replays_left = min(layer.decode_steps_before_policy() for layer in self.layers)
         return self._next.clone()
 
     @torch.inference_mode()
