@@ -801,6 +801,11 @@ def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     return "\n".join([*lines, md_table(header, rows, "lllrrrrr")])
 
 
+def natural(paths) -> list:
+    """Paths in name order with their numbers read as numbers (run2 before run10)."""
+    return sorted(paths, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+
+
 def gpu_runs_block(
     runs: list[tuple[str, dict[str, Any]]],
     variants: list[tuple[str, dict[str, Any]]],
@@ -1251,7 +1256,9 @@ def main(argv: list[str] | None = None) -> int:
         scaling = root / CPU_SCALING
         block = cpu_scaling_table(json.loads(scaling.read_text(encoding="utf-8")) if scaling.exists() else None)
         text = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
-        load = lambda pattern: [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(pattern))]  # noqa: E731
+        def load(pattern: str) -> list:
+            return [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in natural(root.glob(pattern))]
+
         gpu = gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS), load(GPU_POLICY))
         targets[kernels] = replace_block(text, gpu, GPU_START, GPU_END)
     calib = root / CALIB_DOC
