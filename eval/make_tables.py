@@ -837,7 +837,8 @@ def gpu_runs_block(
         e2e = run["parts"].get("e2e", {})
         big = [r for r in e2e.get("rows", []) if (r["context"], r["batch"]) == (32768, 8) and r["kind"] == "tristate"]
         speed = [
-            f"{re.sub(r':[^ ]*', '', r['method'])} {fmt(r.get('decode_speedup_median'), '.2f', 'x')} / "
+            f"{re.sub(r':backend=triton(?=$| )', '', r['method'].replace(',backend=triton', ''))} "
+            f"{fmt(r.get('decode_speedup_median'), '.2f', 'x')} / "
             f"{fmt(r.get('decode_speedup_mean'), '.2f', 'x')}"
             + (
                 f" (in turns {fmt(r['decode_speedup_median_interleaved'], '.2f', 'x')} / "

@@ -114,6 +114,7 @@ def test_pytest_outcomes_count_each_test_once_by_its_worst_phase():
         (["--kinds", "full,int4"], "--kinds", "'int4' is not a storage kind"),
         (["--e2e-batches", "0"], "--e2e-batches", "positive integer"),
         (["--e2e-sdpa", "flash,cudnn2"], "--e2e-sdpa", "cudnn2 not allowed"),
+        (["--e2e-extra", "hfkv@1024:intervall=32"], "--e2e-extra", "interval"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_runs(tmp_path, capsys, argv, option, words):
@@ -224,3 +225,15 @@ def test_offload_routes_every_launch_of_a_generate_through_the_wrappers(monkeypa
     # decode steps, and full policy runs that read the tiers' metadata
     assert {"_partial_kernel", "_encode_write_kernel", "_read_meta_kernel"} <= set(launches)
     assert outside == []
+
+
+def test_extra_caches_run_hfkv_on_triton_unless_told_and_keep_short_labels():
+    from hfkv.kernels.gpu_check_e2e import GRAPHED, extra_methods
+    from hfkv.kernels.gpu_check_report import _short
+
+    got = extra_methods(["hfkv@1024:interval=32", "evict@512,hfkv@256:backend=torch", "dynamic"])
+    assert [m.label for m in got] == [
+        "hfkv@1024:interval=32,backend=triton", "evict@512:backend=triton", "hfkv@256:backend=torch", "dynamic"
+    ]  # fmt: skip
+    assert got[0].config.interval == 32 and got[0].config.backend == "triton"
+    assert [_short(m.label + GRAPHED) for m in got[:2]] == ["hfkv@1024:interval=32 graphed", "evict@512 graphed"]

@@ -520,6 +520,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill chunk of DynamicCache / QuantizedCache where one forward runs out of memory (default 4096)",
     )
     e.add_argument(
+        "--e2e-extra",
+        nargs="+",
+        type=ca.method_specs,
+        default=[],
+        metavar="SPEC",
+        help="more caches for the end-to-end part, as hfkv bench's method specs (hfkv ones on the Triton backend "
+        "unless the spec names one), e.g. 'hfkv@1024:interval=32'",
+    )
+    e.add_argument(
         "--no-e2e-graphs",
         dest="e2e_graphs",
         action="store_false",

@@ -353,6 +353,7 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
     dtype = torch.bfloat16 if cuda else torch.float32
     out |= {"rows": [], "max_batch": {}}
     methods = [parse_method("dynamic")] + [parse_method(f"hfkv@{b}:backend=triton") for b in args.budgets]
+    methods += extra_methods(getattr(args, "e2e_extra", []))
     ok, note = quantized_backend(args.quanto_cuda_extension)
     out["quantized_cache"] = {"available": ok, "note": note}
     if ok:
@@ -438,6 +439,19 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
     out["max_batch"] = largest_batches(model, methods, out["rows"], max(args.e2e_contexts), budget, cuda)
     del model
     _free(cuda)
+    return out
+
+
+def extra_methods(specs: list[str]) -> list:
+    """``--e2e-extra``'s caches: hfkv's on the Triton backend unless a spec names a backend."""
+    from hfkv.evaluation.methods import parse_method, split_specs
+
+    out = []
+    for spec in split_specs(specs):
+        m = parse_method(spec)
+        if m.kind == "tristate" and "backend=" not in spec:
+            m = parse_method(spec + (",backend=triton" if ":" in spec else ":backend=triton"))
+        out.append(m)
     return out
 
 
