@@ -144,8 +144,8 @@ class TriStateLayer(CacheLayerMixin):
         self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
         # A Triton decode step reads its position and ring slot from the device ([position, slot], advanced by
         # its own launches), so consecutive steps launch alike and a CUDA graph replays them (hfkv.graphs).
-        # _step_next is the host's copy of what the device holds for the next step; where they would part
-        # (the first step, a policy run's step, whose token a tensor op wrote) two fills set the device.
+        # _step_next is the host's copy of what the device holds for the next step; where a step's write is not
+        # that (the first step, one after a token a tensor op wrote) two fills set the device first.
         self._step_dev: torch.Tensor | None = None
         self._step_next: tuple[int, int] | None = None
         self.step_fills = 0  # how many times the device step was set from the host (hfkv.graphs checks it)
@@ -770,11 +770,6 @@ class TriStateLayer(CacheLayerMixin):
             out, _ = kernels.run_plan(
                 self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False, step=step
             )
-            if write is None and q == 1 and self._step_dev is not None:
-                # a step whose token a tensor op wrote (a full ring's, or after rows were selected): the next
-                # step's numbers, set now, in this step, so the next one launches as the steps after it will
-                win = self.window
-                self._set_device_step(self.length, (win.start + win.count) % win.capacity)
         else:
             out, _ = kernels.paged_attention_cpu(
                 query, parts, self.length - q, self.pad_end, scaling, self.cfg.score_reduction, return_delta=False,
@@ -834,7 +829,6 @@ class TriStateLayer(CacheLayerMixin):
             bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
         self._tier_peak, self._plan, self._plan_sig, self._plan_parts = 0, None, None, None
-        self._step_next = None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self._padded = True

@@ -45,7 +45,10 @@ DEFAULT_OUT = "eval/results/bench"
 
 
 # ------------------------------------------------------------------------------------- SDPA backends
-SDPA_BACKEND_NAMES = ("flash", "efficient", "math", "cudnn")
+# --sdpa's names -> torch.nn.attention.SDPBackend members
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION"
+}  # fmt: skip
 # Without cuDNN: torch 2.11 picks cuDNN attention for a decode step on an H200, and cuDNN builds a plan for
 # every new key length: ~1.3 ms of host time a layer, 42 of DynamicCache's ~70 ms step at 8k x 8 (gpu_check
 # run 12, eval/interleave_probe.py), or nothing where an earlier cache already stepped through those lengths.
@@ -63,19 +66,13 @@ def sdpa_backends(spec: str):
     if spec == "default":
         return contextlib.nullcontext()
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    bad = [n for n in names if n not in SDPA_BACKEND_NAMES]
+    bad = [n for n in names if n not in SDPA_BACKENDS]
     if bad or not names:
         raise ValueError(
             f"SDPA backends {spec!r}: {', '.join(bad) or 'none given'} not allowed; "
-            f"use 'default' or a comma list of {', '.join(SDPA_BACKEND_NAMES)}"
+            f"use 'default' or a comma list of {', '.join(SDPA_BACKENDS)}"
         )
-    table = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-    }
-    return sdpa_kernel([table[n] for n in names], set_priority=True)
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in names], set_priority=True)
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -630,8 +627,6 @@ def run(args) -> int:
     """``hfkv bench``: every forward with torch's SDPA limited to ``--sdpa`` (:func:`sdpa_backends`)."""
     from hfkv import cli_args as ca
 
-    if not hasattr(args, "sdpa"):  # a caller's namespace from before the option
-        args.sdpa = BASELINE_SDPA
     try:
         backends = sdpa_backends(args.sdpa)
     except ValueError as exc:
