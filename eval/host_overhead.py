@@ -73,6 +73,10 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 # what the allocation decides): they run as well as being recorded, or a policy run would decide from
 # uninitialised memory.
 INTERPRETING = [False]  # a recorded kernel runs in the interpreter now: its tensor copies are not counted
+# Within a policy run's count every kernel but the decode step's runs too: the moves' compactions and reservations
+# are read back (the step's attention would take minutes in the interpreter; its scores and ring are not read back).
+RUN_ALL = [False]
+DECODE_KERNELS = frozenset({"_partial_kernel", "_score_kernel", "_combine_kernel"})
 RUN_WHILE_RECORDING = frozenset(
     {"_read_meta_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel", "_changes_kernel"}
 )
@@ -89,7 +93,8 @@ def recorded_triton_launches():
     def record(self, *args, grid, warmup, **kwargs):
         name = getattr(getattr(self, "fn", None), "__name__", str(self))
         names.append(name)
-        if name in RUN_WHILE_RECORDING:  # its outputs are read on the host: empty tensors would steer the policy
+        # its outputs are read on the host: empty tensors would steer the policy
+        if name in RUN_WHILE_RECORDING or (RUN_ALL[0] and name not in DECODE_KERNELS):
             INTERPRETING[0] = True  # the interpreter's copies in and out are not the launch's device work
             try:
                 return run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -104,12 +109,31 @@ def recorded_triton_launches():
 
 
 class DeviceOps(TorchDispatchMode):
-    """Counts the aten ops that would launch a kernel on a GPU: all but views, allocations and metadata."""
+    """Counts the aten ops that would launch a kernel on a GPU: all but views, allocations and metadata; and the host
+    reads among them, with ``Tensor.tolist`` (which reads a CPU tensor's memory without an aten op; on a GPU it is a
+    copy to the host and a wait)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
+        self._tolist = None
+
+    def __enter__(self):
+        tolist = self._tolist = torch.Tensor.tolist
+        syncs = self.syncs
+
+        def counted_tolist(tensor):
+            if not INTERPRETING[0]:
+                syncs["tolist"] += 1
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -255,8 +279,11 @@ def measure(
         times = [t for ts in rounds_times for t in ts]
         timed_policy_runs = policy_runs[0]
         # Then what a policy run itself launches and waits for (counted, not timed): steps run on until two ran.
-        watching[0] = True
-        run_steps(cache, layer, decode_inputs(batch, info, 2 * (between + 1), seed=4), 10**9)
+        watching[0] = RUN_ALL[0] = True
+        try:
+            run_steps(cache, layer, decode_inputs(batch, info, 2 * (between + 1), seed=4), 10**9)
+        finally:
+            RUN_ALL[0] = False
     triton = sum((s["triton"] for s in per_step), Counter())
     torch_ops = sum((s["torch"] for s in per_step), Counter())
     n = len(per_step)

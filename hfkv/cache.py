@@ -46,6 +46,7 @@ from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.stats_html import cache_html
 from hfkv.storage import PagedTiers, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
+from hfkv.storage.paged import score_means
 from hfkv.storage.pool import GROWTH
 
 _UNCOMPRESSED_TYPES = ("sliding_attention", "chunked_attention")
@@ -409,11 +410,12 @@ class TriStateLayer(CacheLayerMixin):
         self._step_next = (pos, slot)
         self.step_fills += 1
 
+    def _mean_over(self) -> tuple[int, int] | None:
+        """What a score sum is averaged over (``score_mode="mean"``): the queries since ``score_start``."""
+        return None if self.cfg.score_mode == "sum" else (self.length, self.score_start)
+
     def _mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if self.cfg.score_mode == "sum":
-            return sums
-        count = (self.length - torch.clamp(pos, min=self.score_start)).clamp_min(1)
-        return sums / count
+        return score_means(sums, pos, self._mean_over())
 
     def _classify(self, scores, state, pos, window_count: int, rho) -> torch.Tensor:
         bsz, heads = scores.shape[:2]
@@ -480,11 +482,14 @@ class TriStateLayer(CacheLayerMixin):
                 self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
             self._refresh_tier_peak()
             return
-        pos, sums, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end)
-        scores = self._mean_scores(sums, pos)
+        pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over())
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho)
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
+        if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
+            self._apply_planned(new, valid, sizes, news, (ek, ev, epos, escore))
+            self._refresh_tier_peak()
+            return
         changes = self._tier_changes(new, valid, sizes)
         valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
         self._apply(news, valids, changes, (ek, ev, epos, escore, new_exits) if m else None)
@@ -591,6 +596,39 @@ class TriStateLayer(CacheLayerMixin):
                 end = start + n
                 tiers.append_tokens(tier, b[start:end], h[start:end], k[start:end], v[start:end], pos[start:end],
                                     score[start:end])  # fmt: skip
+            start += n
+
+    def _apply_planned(
+        self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], news: list[torch.Tensor], exits: tuple
+    ) -> None:
+        """:meth:`_apply` from a move plan made on the device (``hfkv.kernels.moves.plan_moves``, from the run's
+        candidates ``new, valid``): the movers read and decoded into one buffer (a launch per source), the sources
+        compacted, then one append per destination of its slice of the buffer. The storage it leaves is
+        :meth:`_apply`'s, byte for byte."""
+        from hfkv.kernels.moves import gather_exits, plan_moves
+
+        changes, entering, b, h, src, idx = plan_moves(new, valid, sizes)
+        tiers, total = self.tiers, b.numel()
+        if total:
+            dim = exits[0].shape[-1]
+            out = (torch.empty(total, dim, dtype=torch.float32, device=b.device),
+                   torch.empty(total, dim, dtype=torch.float32, device=b.device),
+                   torch.empty(total, dtype=torch.int64, device=b.device),
+                   torch.empty(total, dtype=torch.float32, device=b.device))  # fmt: skip
+            for tier, (demoted, _) in enumerate(changes):
+                if demoted:
+                    tiers.gather_decoded_into(tier, b, h, idx, src, out)
+            if total > sum(d for d, _ in changes):
+                gather_exits(*exits, b, h, src, idx, out)
+        # the old slots freed before the movers take new ones (as _apply)
+        for tier, (_, leaving) in enumerate(changes):
+            if leaving:
+                tiers.remove(tier, news[tier] == tier)
+        start = 0
+        for tier, n in enumerate(entering):
+            if n:
+                end = start + n
+                tiers.append_tokens(tier, b[start:end], h[start:end], *(x[start:end] for x in out))
             start += n
 
     # ------------------------------------------------------------ attention

@@ -44,9 +44,11 @@ def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, 
     (32, torch.bfloat16, 528, (0, 33)),
 ])  # fmt: skip
 @pytest.mark.parametrize("m_exit", [0, 5])
-def test_policy_candidates_from_cpp_equal_the_torch_composition(dim, dtype, page_bytes, counts, m_exit):
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_policy_candidates_from_kernels_equal_the_torch_composition(backend, dim, dtype, page_bytes, counts, m_exit):
     """A policy run's candidates (every tier's slots, then the window's exits; padding evicted) read in one C++ pass
-    equal the torch backend's reads, concatenations and select: positions, scores, validity, state and widths."""
+    or a Triton launch per part equal the torch backend's reads, concatenations and select: positions, scores,
+    validity, state and widths."""
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
     tiers: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim + m_exit)
     g = torch.Generator().manual_seed(m_exit)
@@ -54,11 +56,15 @@ def test_policy_candidates_from_cpp_equal_the_torch_composition(dim, dtype, page
     exit_score = torch.rand(3, 2, m_exit, generator=g)
     pad_end = torch.tensor([0, 152, 400])  # row 1: two exits are padding; row 2: every exit
     want = tiers.candidates(exit_pos, exit_score, pad_end)
-    tiers.backend = "cpu"
+    means = tiers.candidates(exit_pos, exit_score, pad_end, (170, 40))  # sums over the queries since 40 of 170
+    tiers.backend = backend
     try:
         got = tiers.candidates(exit_pos, exit_score, pad_end)
+        got_means = tiers.candidates(exit_pos, exit_score, pad_end, (170, 40))
     finally:
         tiers.backend = "torch"
+    assert torch.equal(got_means[1], means[1]) and not torch.equal(means[1], want[1])
+    assert torch.equal(means[1], want[1] / (170 - want[0].clamp(min=40)).clamp_min(1))
     assert got[4] == want[4] and sum(want[4]) + m_exit == want[0].shape[-1]
     for a, b in zip(got[:4], want[:4], strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape

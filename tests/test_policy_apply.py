@@ -80,3 +80,48 @@ def test_relocation_leaves_the_storage_of_tier_by_tier_appends(overrides, monkey
         assert torch.equal(counts, ref_counts)
         for a, b in zip(recs, ref_recs, strict=True):
             assert torch.equal(a, b)  # every record's bytes, slot by slot
+
+
+
+def _apply_unplanned(self, new, valid, sizes, news, exits):
+    """The Triton backend's relocation before its moves were planned on the device: :meth:`TriStateLayer._apply`
+    with what changed asked per tier."""
+    m = exits[2].numel()
+    valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
+    new_exits = torch.split(new, [*sizes, m], dim=-1)[-1]
+    self._apply(news, valids, self._tier_changes(new, valid, sizes), (*exits, new_exits) if m else None)
+
+
+def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatch):
+    """The Triton backend plans a run's moves on the device (hfkv.kernels.moves): the same pool, byte for byte
+    (records, page tables, counts), as :meth:`TriStateLayer._apply`, over runs that demote tokens and admit exits."""
+    import hfkv.kernels.moves
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(12, 7))
+    planned = []
+    plan_moves = hfkv.kernels.moves.plan_moves
+
+    def spy(new, valid, sizes):
+        plan = plan_moves(new, valid, sizes)
+        planned.append((sum(d for d, _ in plan[0]), plan[2].numel()))
+        return plan
+
+    monkeypatch.setattr(hfkv.kernels.moves, "plan_moves", spy)
+    results = []
+    for unplanned in (False, True):
+        if unplanned:
+            monkeypatch.setattr(TriStateLayer, "_apply_planned", _apply_unplanned)
+        # (Triton's interpreter is slow: a budget that demotes at the first run, a short generation)
+        cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
+        tiers = [layer.tiers for layer in cache.layers]
+        results.append((out, [(t.counts.clone(), [x.clone() for x in t.tables], t.pool.data.clone()) for t in tiers]))
+    (out, state), (ref_out, ref_state) = results
+    demoted, moved = sum(d for d, _ in planned), sum(n for _, n in planned)
+    assert demoted > 0 and moved > demoted  # runs that re-encoded demoted tokens and admitted exits
+    assert torch.equal(out, ref_out)
+    for (counts, tables, pool), (ref_counts, ref_tables, ref_pool) in zip(state, ref_state, strict=True):
+        assert torch.equal(counts, ref_counts)
+        assert all(torch.equal(a, b) for a, b in zip(tables, ref_tables, strict=True))
+        assert torch.equal(pool, ref_pool)

@@ -4,9 +4,9 @@ launches around one sort (the torch function is the twin; ``hfkv.kernels.cpu.all
 A policy run on a GPU is bound by its launches (docs/kernels.md, "Runs on a GPU"): the torch allocation is some
 sixty element-wise operations around its sort, each a launch of a few microseconds of host time over a few
 hundred kilobytes. Here the element-wise work before the sort (floors, items, their sort keys, the bytes each
-row holds) is one launch, the scan after it (exact cap, bytes spent, items taken) one program per row, and the
-decision per token one more. The sort stays torch's (a stable radix sort of int64 keys); so does the one host
-read of the fast path (everything fits: nothing moves).
+row holds) is one launch, whether everything fits (nothing moves: the one host read) one program, the scan after
+the sort (exact cap, bytes spent, items taken) one program per row, and the decision per token one more. The sort
+stays torch's (a stable radix sort of int64 keys).
 
 Exactness: every number the decisions compare is computed by the same IEEE-rounded fp32 / int64 operations as
 in the twin (divisions by ``div_rn``, not the approximate fp32 division Triton emits for ``/``), and the items are
@@ -31,6 +31,7 @@ __all__ = ["allocate_triton"]
 
 _BLOCK = 256  # tokens per program of the item and decision passes
 _SCAN_BLOCK = 1024  # sorted items per iteration of a row's scan
+_FITS_BLOCK = 128  # rows per iteration of the fast path's check
 _EVICTED = tl.constexpr(EVICTED)  # the kernels' copies of the states
 _ORIGINAL = tl.constexpr(ORIGINAL)
 
@@ -86,6 +87,36 @@ def _items_kernel(
         else:  # one row per (b, head): (token, item)
             dst = bh * (n * K) + i.to(tl.int64) * K + j
         tl.store(key_ptr + dst, key, mask=inside)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _fits_kernel(
+    sums_ptr, room_ptr, cap_ptr, left_ptr, flag_ptr, rows, HEADS: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: each row's room left past its sinks' bytes (the scan's room), and whether every row's candidates
+    fit it (and its exact ones the cap): the fast path's flag, read back once. ``HEADS``: sums a row adds up (the
+    KV heads when head-adaptive: a row is then a batch row, else 1)."""
+    n = rows * HEADS  # entries of each of the three sums ([B, H])
+    fits = tl.full((), 1, tl.int32)
+    for r0 in range(0, rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        inside = r < rows
+        sink = tl.zeros([BLOCK], tl.int64)
+        cand = tl.zeros([BLOCK], tl.int64)
+        exact = tl.zeros([BLOCK], tl.int64)
+        for h in tl.static_range(HEADS):
+            at = r * HEADS + h
+            sink += tl.load(sums_ptr + at, mask=inside, other=0)
+            cand += tl.load(sums_ptr + n + at, mask=inside, other=0)
+            exact += tl.load(sums_ptr + 2 * n + at, mask=inside, other=0)
+        left = tl.load(room_ptr + r, mask=inside, other=0) - sink
+        tl.store(left_ptr + r, left, mask=inside)
+        ok = cand <= left
+        if HAS_CAP:
+            ok = ok & (exact <= tl.load(cap_ptr + r, mask=inside, other=0))
+        fits = tl.minimum(fits, tl.min(tl.where(inside & ~ok, 0, 1), 0))
+    tl.store(flag_ptr, fits)
 
 
 @triton.jit(do_not_specialize=["length"])
@@ -194,19 +225,20 @@ def allocate_triton(
         EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK,
         enable_fp_fusion=False,  # score + reciprocal(N) * prior rounded twice, as torch computes it (no FMA)
     )  # fmt: skip
-    if head_adaptive:
-        sums = sums.sum(-1)
-    room = room.to(device=device, dtype=torch.int64) - sums[0]
-    fits = sums[1] <= room
-    if exact_cap is not None:
-        fits &= sums[2] <= exact_cap.to(device)
-    if bool(fits.all()):  # the one host read: nothing moves
+    n_rows = keys.shape[0]
+    left = torch.empty(n_rows, dtype=torch.int64, device=device)  # each row's room past its sinks
+    flag = torch.empty(1, dtype=torch.int32, device=device)
+    cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else left
+    _fits_kernel[(1,)](
+        sums, room.to(device=device, dtype=torch.int64).reshape(-1).contiguous(), cap, left, flag, n_rows,
+        HEADS=h if head_adaptive else 1, HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK,
+    )  # fmt: skip
+    if flag.item():  # the one host read: nothing moves
         return new
     sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
     taken = torch.zeros((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)
-    cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else room
-    _scan_kernel[(keys.shape[0],)](
-        sorted_keys, order, step_cost_t, target_t, room.reshape(-1).contiguous(), cap, taken, keys.shape[1],
+    _scan_kernel[(n_rows,)](
+        sorted_keys, order, step_cost_t, target_t, left, cap, taken, keys.shape[1],
         K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
     )  # fmt: skip
     out = torch.empty_like(new)

@@ -135,7 +135,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.kernels.encode import encode_write
     from hfkv.kernels.gather import gather_decode
-    from hfkv.kernels.meta import read_meta_triton
+    from hfkv.kernels.meta import read_candidates_triton, read_meta_triton
     from hfkv.kernels.move import clear_tags, compact, move_records, release_pages
     from hfkv.kernels.reserve import count_appends, reserve_slots
     from hfkv.quant.formats import QuantFormat
@@ -166,6 +166,10 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                                  torch.zeros(2, dtype=torch.long), torch.zeros(2), *shape)  # fmt: skip
             move_records(tiers.pool.data, torch.zeros(1, dtype=torch.long), torch.ones(1).long() * 4, 8)
             clear_tags(tiers.pool.data, torch.zeros(1, dtype=torch.long))
+            for mean_over in (None, (40, 3)):  # score sums, and their means (score_mode="mean")
+                read_candidates_triton(tiers.pool.data, tiers.tables, tiers.counts, tiers.tpp, lay, [5, 5],
+                                       torch.arange(4), torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.long),
+                                       mean_over)  # fmt: skip
             for t in range(2):
                 read_meta_triton(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], tiers.tpp[t], lay[t], 5)
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)
@@ -174,6 +178,8 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                               tiers.pool.n_free)  # fmt: skip
                 one = torch.zeros(1, dtype=torch.long)
                 gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one)
+                out = (torch.zeros(1, dim), torch.zeros(1, dim), one.clone(), torch.zeros(1))
+                gather_decode(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay[t], one, one, one, (one, t), out)
                 count_appends(one, one, tiers.counts[..., t].clone(), tiers.tpp[t])
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
@@ -181,11 +187,21 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
         calls += got
     calls += _allocate_calls()
     from hfkv.kernels.changes import tier_changes
+    from hfkv.kernels.moves import EXIT, gather_exits, place_moves, plan_moves
     from hfkv.kernels.observation import observation_scores, oq_score_triton
 
     with captured_launches() as got:
         for sizes in ([3], [3, 2], [3, 2, 1]):
             tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
+            # a move plan's launches: its count (recorded here, so it reads zeros back) and its placing of 10 movers
+            new, valid = torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool)
+            plan_moves(new, valid, sizes)
+            place_moves(new, valid, sizes, torch.zeros(len(sizes), 2, dtype=torch.int32), [10] + [0] * (len(sizes) - 1))
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # the exits' model dtypes
+            kv = torch.zeros(1, 2, 4, 128, dtype=dtype)
+            one = torch.zeros(1, dtype=torch.long)
+            gather_exits(kv, kv, one, torch.zeros(1, 2, 4), one, one, one + EXIT, one,
+                         (torch.zeros(1, 128), torch.zeros(1, 128), one.clone(), torch.zeros(1)))  # fmt: skip
         # a prompt's observation scores: Llama-3.1-8B (groups of 4), SmolLM2 (groups of 3, dim 64), a head dim of 80
         for hq, h, dim, dtype in ((32, 8, 128, torch.bfloat16), (9, 3, 64, torch.bfloat16), (4, 2, 64, torch.float32),
                                   (8, 2, 80, torch.bfloat16)):  # fmt: skip

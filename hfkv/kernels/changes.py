@@ -33,14 +33,23 @@ def tier_changes_reference(new: torch.Tensor, valid: torch.Tensor, sizes: Sequen
     return out
 
 
-@triton.jit(do_not_specialize=["n", "end0", "end1", "end2"])
-def _changes_kernel(new_ptr, valid_ptr, out_ptr, n, end0, end1, end2, NT: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "end0", "end1", "end2", "rows"])
+def _changes_kernel(
+    new_ptr, valid_ptr, out_ptr, enter_ptr, rows, n, end0, end1, end2, NT: tl.constexpr, ENTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     new = tl.load(new_ptr + bh * n + i, mask=inside, other=0).to(tl.int32)
     ok = inside & (tl.load(valid_ptr + bh * n + i, mask=inside, other=0) != 0)
-    tier = tl.where(i < end0, 0, tl.where(i < end1, 1, 2))
+    tier = tl.where(i < end0, 0, tl.where(i < end1, 1, tl.where(i < end2, 2, 3)))  # 3: a window exit
+    if ENTER:  # what enters each tier, per head: demoted tokens and the exits kept (moves.plan_moves' counts)
+        moving = inside & (new != _EVICTED) & ((tier == 3) | (ok & (new > tier)))
+        for t in tl.static_range(NT):
+            entering = tl.sum((moving & (new == t)).to(tl.int32), 0)
+            tl.atomic_add(enter_ptr + t * rows + bh, entering)
+            tl.atomic_add(out_ptr + 2 * NT + t, entering)
     ok = ok & (i < end2)  # the last tier's end (ends past the tiers repeat it): the window's exits are not asked
     for t in tl.static_range(NT):
         mine = ok & (tier == t)
@@ -50,18 +59,31 @@ def _changes_kernel(new_ptr, valid_ptr, out_ptr, n, end0, end1, end2, NT: tl.con
         tl.atomic_add(out_ptr + 2 * t + 1, leaving)
 
 
-def tier_changes(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """:func:`tier_changes_reference` in one launch (``new`` int8, ``valid`` bool, both ``[B, H, N]`` contiguous;
-    slots past the tiers' are ignored); at most three tiers."""
+def count_changes(
+    new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int], entering: bool = False
+) -> tuple[list[int], torch.Tensor | None]:
+    """The launch behind :func:`tier_changes` and ``moves.plan_moves``: ``[demoted, leaving] * tiers`` and, with
+    ``entering``, then the tokens entering each tier (demoted ones and kept window exits), read in one host read;
+    and those per head, ``[tiers, B * H]`` int32 on the device (None without ``entering``)."""
     if not 1 <= len(sizes) <= 3:
         raise ValueError(f"tier_changes: between 1 and 3 tiers, got sizes={list(sizes)}")
     bsz, heads, n = new.shape
-    out = torch.zeros(2 * len(sizes), dtype=torch.int32, device=new.device)
-    if n and bsz * heads:
-        ends = [sum(sizes[: t + 1]) for t in range(len(sizes))]
+    nt, rows = len(sizes), bsz * heads
+    counts = (3 if entering else 2) * nt
+    buf = torch.zeros(counts + (nt * rows if entering else 0), dtype=torch.int32, device=new.device)  # one memset
+    out, per_head = buf[:counts], buf[counts:].view(nt, rows) if entering else None
+    if n and rows:
+        ends = [sum(sizes[: t + 1]) for t in range(nt)]
         ends += [ends[-1]] * (3 - len(ends))
-        _changes_kernel[(bsz * heads, triton.cdiv(n, _BLOCK))](
-            new.contiguous(), valid.contiguous().view(torch.uint8), out, n, *ends, NT=len(sizes), BLOCK=_BLOCK
-        )
-    flat = out.tolist()  # the run's one wait for what changed
+        _changes_kernel[(rows, triton.cdiv(n, _BLOCK))](
+            new.contiguous(), valid.contiguous().view(torch.uint8), out, out if per_head is None else per_head, rows,
+            n, *ends, NT=nt, ENTER=entering, BLOCK=_BLOCK,
+        )  # fmt: skip
+    return out.tolist(), per_head  # the run's one wait for what changed
+
+
+def tier_changes(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """:func:`tier_changes_reference` in one launch (``new`` int8, ``valid`` bool, both ``[B, H, N]`` contiguous;
+    slots past the tiers' are ignored); at most three tiers."""
+    flat, _ = count_changes(new, valid, sizes)
     return [(flat[2 * t], flat[2 * t + 1]) for t in range(len(sizes))]

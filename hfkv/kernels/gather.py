@@ -25,9 +25,10 @@ __all__ = ["gather_decode"]
 _BLOCK_N = 16
 
 
-@triton.jit(do_not_specialize=["n", "table_w", "heads", "tpp", "page_bytes"])
+@triton.jit(do_not_specialize=["n", "table_w", "heads", "tpp", "page_bytes", "code"])
 def _gather_decode_kernel(
     pool_ptr, table_ptr, table_w, heads, b_ptr, h_ptr, s_ptr, n, tpp, page_bytes, k_ptr, v_ptr, pos_ptr, score_ptr,
+    src_ptr, code, WHERE: tl.constexpr,
     K_FAM: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_DTYPE: tl.constexpr,
     V_FAM: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_DTYPE: tl.constexpr,
     V_OFF: tl.constexpr, REC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -35,6 +36,8 @@ def _gather_decode_kernel(
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = i < n
+    if WHERE:  # only the rows of one source (a move plan's), the others left to their own launch
+        live = live & (tl.load(src_ptr + i, mask=live, other=-1) == code)
     b = tl.load(b_ptr + i, mask=live, other=0).to(tl.int64)
     h = tl.load(h_ptr + i, mask=live, other=0).to(tl.int64)
     s = tl.load(s_ptr + i, mask=live, other=0).to(tl.int64)
@@ -59,23 +62,28 @@ def _gather_decode_kernel(
 def gather_decode(
     pool: torch.Tensor, table: torch.Tensor, tpp: int, layout: RecordLayout, b: torch.Tensor, h: torch.Tensor,
     s: torch.Tensor,
+    where: tuple[torch.Tensor, int] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the live slots ``(b, h, s)`` of one tier
     (``table [B, H, W]`` its page table, ``tpp`` records per page), equal to ``PagedTiers.gather_decoded``'s torch
-    path."""
+    path. With ``where=(source, code)`` only rows whose ``source`` is ``code`` are read (a move plan's rows of this
+    tier), into ``out`` (the others keep what they hold)."""
     check_pool(pool, "gather_decode")
     n, dim = s.numel(), layout.key.head_dim
-    k = torch.empty(n, dim, dtype=torch.float32, device=pool.device)
-    v = torch.empty(n, dim, dtype=torch.float32, device=pool.device)
-    pos = torch.empty(n, dtype=torch.int64, device=pool.device)
-    score = torch.empty(n, dtype=torch.float32, device=pool.device)
+    if out is None:
+        out = (torch.empty(n, dim, dtype=torch.float32, device=pool.device),
+               torch.empty(n, dim, dtype=torch.float32, device=pool.device),
+               torch.empty(n, dtype=torch.int64, device=pool.device),
+               torch.empty(n, dtype=torch.float32, device=pool.device))  # fmt: skip
+    k, v, pos, score = out
     if n == 0:
         return k, v, pos, score
     kc, vc = format_constants(layout.key), format_constants(layout.value)
     _gather_decode_kernel[(triton.cdiv(n, _BLOCK_N),)](
         pool, table.contiguous(), table.shape[-1], table.shape[1], b.contiguous(), h.contiguous(), s.contiguous(), n,
-        tpp, pool.shape[1], k, v, pos, score,
-        K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"],
+        tpp, pool.shape[1], k, v, pos, score, s if where is None else where[0], 0 if where is None else where[1],
+        WHERE=where is not None, K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"],
         V_FAM=vc["fam"], V_BITS=vc["bits"], V_GROUP=vc["group"], V_DTYPE=vc["dtype"],
         V_OFF=layout.key.nbytes, REC=layout.stride, D=dim,
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,

@@ -58,6 +58,7 @@ KERNEL_TESTS = (
     "tests/test_kernel_changes.py",
     "tests/test_kernel_gather.py",
     "tests/test_kernel_observation.py",
+    "tests/test_policy_apply.py",
     "tests/test_backend_triton.py",
 )
 # The kernel and generate tests; not the CPU kernel's, nor those about the interpreter or the CPU's backend choice.

@@ -1,16 +1,16 @@
 """A pytest plugin that runs the kernel tests' Triton launches on a GPU while the tests keep CPU tensors.
 
-The kernel tests (``tests/test_kernel_decode_attention.py``, ``test_kernel_encode.py``) and the ``generate``
-equality tests (``test_backend_triton.py``) build their storage on the CPU and compare with the torch twins there,
-so on a machine without a GPU they run the kernels in Triton's interpreter. To run the same tests against the
-*compiled* kernels, with the same comparisons, this plugin wraps the Triton entry points (``paged_attention`` and
-the cache's ``run_plan``, ``encode_write``, ``move_records``, ``clear_tags``, ``compact``, ``release_pages``,
-``read_meta_triton``, ``allocate_triton``, ``count_appends``, ``reserve_slots``, ``tier_changes``,
-``gather_decode``, ``observation_scores``, ``oq_score_triton``): a call copies the storage behind every tensor
-argument to the device once (views of one storage stay views of one copy, so parts that share a pool share it there
-too), runs the wrapper there, and copies each storage back, so in-place writes (pool bytes, score sums) land in the
-tests' tensors as if the kernel had run on them. Returned tensors come back to the CPU. The cache's backend check
-lets ``backend="triton"`` run on CPU tensors for the same reason.
+The kernel tests (``tests/test_kernel_decode_attention.py``, ``test_kernel_encode.py``) and the ``generate`` equality
+tests (``test_backend_triton.py``) build their storage on the CPU and compare with the torch twins there, so on a
+machine without a GPU they run the kernels in Triton's interpreter. To run the same tests against the *compiled*
+kernels, with the same comparisons, this plugin wraps the Triton entry points (``paged_attention`` and the cache's
+``run_plan``, ``encode_write``, ``move_records``, ``clear_tags``, ``compact``, ``release_pages``,
+``read_meta_triton``, ``read_candidates_triton``, ``allocate_triton``, ``count_appends``, ``reserve_slots``,
+``tier_changes``, ``plan_moves``, ``gather_exits``, ``gather_decode``, ``observation_scores``, ``oq_score_triton``): a
+call copies the storage behind every tensor argument to the device once (views of one storage stay views of one copy,
+so parts that share a pool share it there too), runs the wrapper there, and copies each storage back, so in-place
+writes (pool bytes, score sums) land in the tests' tensors as if the kernel had run on them. Returned tensors come
+back to the CPU. The cache's backend check lets ``backend="triton"`` run on CPU tensors for the same reason.
 
     HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
 
@@ -46,10 +46,13 @@ WRAPPED = (
     ("hfkv.kernels.move", "compact"),
     ("hfkv.kernels.move", "release_pages"),
     ("hfkv.kernels.meta", "read_meta_triton"),
+    ("hfkv.kernels.meta", "read_candidates_triton"),
     ("hfkv.kernels.allocate", "allocate_triton"),
     ("hfkv.kernels.reserve", "count_appends"),
     ("hfkv.kernels.reserve", "reserve_slots"),
     ("hfkv.kernels.changes", "tier_changes"),
+    ("hfkv.kernels.moves", "plan_moves"),
+    ("hfkv.kernels.moves", "gather_exits"),
     ("hfkv.kernels.gather", "gather_decode"),
     ("hfkv.kernels.observation", "observation_scores"),
     ("hfkv.kernels.observation", "oq_score_triton"),

@@ -3,40 +3,82 @@ backend (the torch path of ``read_meta`` is its twin; ``hfkv.kernels.cpu.meta`` 
 
 A policy run reads the position and score sum of every slot of every tier. The torch path builds slot indices,
 page lookups, masks and two strided gathers per tier, about a dozen launches; on a GPU a policy run is bound by
-its launches (docs/kernels.md, "Runs on a GPU"), so here it is one per tier.
+its launches (docs/kernels.md, "Runs on a GPU"), so here it is one per tier. :func:`read_candidates_triton` writes
+a run's whole candidate list (every tier's slots, then the window's exits, with their states) the same way, one
+launch per tier and one for the exits, where the torch composition concatenates and selects in ten more.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
+from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.record import RecordLayout
 
-__all__ = ["read_meta_triton"]
+__all__ = ["read_candidates_triton", "read_meta_triton"]
 
 _BLOCK = 256
+_EVICTED = tl.constexpr(EVICTED)
+_ORIGINAL = tl.constexpr(ORIGINAL)
 
 
-@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp"])
+@triton.jit
+def _mean(score, pos, length, score_start):
+    """A score sum over the queries that saw the token: ``cache._mean_scores``' division, IEEE-rounded as torch's."""
+    count = tl.maximum(length - tl.maximum(pos, score_start), 1)
+    return tl.math.div_rn(score, count.to(tl.float32))
+
+
+@triton.jit(
+    do_not_specialize=["table_w", "count_step", "m", "page_words", "tpp", "row", "col0", "tier", "length", "start"]
+)
 def _read_meta_kernel(
-    words_ptr, table_ptr, table_w, counts_ptr, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
-    REC_W: tl.constexpr, BLOCK: tl.constexpr,
+    words_ptr, table_ptr, table_w, counts_ptr, count_step, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
+    state_ptr, row, col0, tier, length, start, REC_W: tl.constexpr, STATE: tl.constexpr, MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = s < m
-    live = inside & (s < tl.load(counts_ptr + bh))
+    live = inside & (s < tl.load(counts_ptr + bh * count_step))
     page = tl.load(table_ptr + bh * table_w + s // tpp, mask=live, other=0).to(tl.int64)
     at = page * page_words + tpp * REC_W + s % tpp  # the tag in the page's tag region, the score past it
     tag = tl.load(words_ptr + at, mask=live, other=0)  # slots past the count: as the null page reads
     score = tl.load(words_ptr.to(tl.pointer_type(tl.float32)) + at + tpp, mask=live, other=0.0)
-    out = bh * m + s
-    tl.store(pos_ptr + out, tag - 1, mask=inside)
+    out = bh * row + col0 + s  # rows of ``row`` entries, this tier's from ``col0`` (read_meta_triton: m and 0)
+    tl.store(pos_ptr + out, (tag - 1).to(pos_ptr.dtype.element_ty), mask=inside)
+    if MEAN:
+        score = _mean(score, (tag - 1).to(tl.int64), length, start)
     tl.store(score_ptr + out, score, mask=inside)
     tl.store(valid_ptr + out, live.to(tl.uint8), mask=inside)
+    if STATE:  # a candidate's state: its tier where live, else evicted
+        tl.store(state_ptr + out, tl.where(live, tier, _EVICTED).to(tl.int8), mask=inside)
+
+
+@triton.jit(do_not_specialize=["m", "heads", "row", "col0", "ssb", "ssh", "ssm", "length", "start"])
+def _exit_candidates_kernel(
+    exit_pos_ptr, exit_score_ptr, ssb, ssh, ssm, pad_end_ptr, m, heads, pos_ptr, score_ptr, valid_ptr, state_ptr,
+    row, col0, length, start, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < m
+    b, h = bh // heads, bh % heads
+    pos = tl.load(exit_pos_ptr + i, mask=inside, other=0).to(tl.int64)
+    live = inside & (pos >= tl.load(pad_end_ptr + b).to(tl.int64))  # an exit below its row's padding end: padding
+    out = bh * row + col0 + i
+    tl.store(pos_ptr + out, pos, mask=inside)
+    score = tl.load(exit_score_ptr + b * ssb + h * ssh + i * ssm, mask=inside).to(tl.float32)
+    if MEAN:
+        score = _mean(score, pos, length, start)
+    tl.store(score_ptr + out, score, mask=inside)
+    tl.store(valid_ptr + out, live.to(tl.uint8), mask=inside)
+    tl.store(state_ptr + out, tl.where(live, _ORIGINAL, _EVICTED).to(tl.int8), mask=inside)
 
 
 def read_meta_triton(
@@ -56,7 +98,58 @@ def read_meta_triton(
             valid.zero_()
         else:
             _read_meta_kernel[(bsz * heads, triton.cdiv(m, _BLOCK))](
-                pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(), m,
-                pool.shape[1] // 4, tpp, pos, score, valid, REC_W=layout.stride // 4, BLOCK=_BLOCK,
+                pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(), 1, m,
+                pool.shape[1] // 4, tpp, pos, score, valid, valid, m, 0, 0, 0, 0, REC_W=layout.stride // 4, STATE=False,
+                MEAN=False, BLOCK=_BLOCK,
             )  # fmt: skip
     return pos, score, valid.view(torch.bool)
+
+
+def read_candidates_triton(
+    pool: torch.Tensor,
+    tables: Sequence[torch.Tensor],
+    counts: torch.Tensor,
+    tpp: Sequence[int],
+    layouts: Sequence[RecordLayout],
+    m: Sequence[int],
+    exit_pos: torch.Tensor,
+    exit_score: torch.Tensor,
+    pad_end: torch.Tensor,
+    mean_over: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`hfkv.storage.paged.PagedTiers.candidates` (its torch twin) in one launch per tier with slots and one
+    for the exits: ``(pos int64, score fp32, valid bool, state int8)``, each ``[B, H, sum(m) + len(exit_pos)]``
+    (``read_candidates_cpu``'s contract). With ``mean_over=(length, score_start)`` the scores are the sums' means
+    over the queries that saw each token, as the cache ranks them."""
+    check_pool(pool, "read_candidates_triton")
+    bsz, heads, tiers = counts.shape
+    if not len(tables) == len(tpp) == len(layouts) == len(m) == tiers:
+        raise ValueError(f"read_candidates_triton: {tiers} tiers in counts, {len(tables)} tables, {len(m)} widths")
+    n_exit = exit_pos.numel()
+    if tuple(exit_score.shape) != (bsz, heads, n_exit):
+        raise ValueError(
+            f"read_candidates_triton: exit_score {tuple(exit_score.shape)}, expected {(bsz, heads, n_exit)}"
+        )
+    n, dev, rows = sum(m) + n_exit, pool.device, bsz * heads
+    pos = torch.empty(bsz, heads, n, dtype=torch.int64, device=dev)
+    score = torch.empty(bsz, heads, n, dtype=torch.float32, device=dev)
+    valid = torch.empty(bsz, heads, n, dtype=torch.uint8, device=dev)
+    state = torch.empty(bsz, heads, n, dtype=torch.int8, device=dev)
+    if rows == 0 or n == 0:
+        return pos, score, valid.view(torch.bool), state
+    words, counts64, col = pool.view(torch.int32), counts.to(torch.int64).contiguous(), 0
+    mean = mean_over if mean_over is not None else (0, 0)
+    for tier, (table, lay, width) in enumerate(zip(tables, layouts, m, strict=True)):
+        if width:  # a tier without pages is read as nothing live (its count is 0: no page is looked up)
+            _read_meta_kernel[(rows, triton.cdiv(width, _BLOCK))](
+                words, table.contiguous(), table.shape[-1], counts64[..., tier], tiers, width, pool.shape[1] // 4,
+                tpp[tier], pos, score, valid, state, n, col, tier, *mean, REC_W=lay.stride // 4, STATE=True,
+                MEAN=mean_over is not None, BLOCK=_BLOCK,
+            )  # fmt: skip
+        col += width
+    if n_exit:
+        _exit_candidates_kernel[(rows, triton.cdiv(n_exit, _BLOCK))](
+            exit_pos.contiguous(), exit_score, *exit_score.stride(), pad_end.contiguous(), n_exit, heads, pos, score,
+            valid, state, n, col, *mean, MEAN=mean_over is not None, BLOCK=_BLOCK,
+        )  # fmt: skip
+    return pos, score, valid.view(torch.bool), state

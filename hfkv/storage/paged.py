@@ -33,6 +33,14 @@ def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
 
 
+def score_means(sums: torch.Tensor, pos: torch.Tensor, mean_over: tuple[int, int] | None) -> torch.Tensor:
+    """Score sums as means over the queries that saw each token (``mean_over=(length, score_start)``), or as is."""
+    if mean_over is None:
+        return sums
+    length, score_start = mean_over
+    return sums / (length - torch.clamp(pos, min=score_start)).clamp_min(1)
+
+
 def auto_page_bytes(
     record_sizes: Sequence[int], records: int = 8, high: int = 16384, max_tail_waste: float = 0.01
 ) -> int:
@@ -380,23 +388,34 @@ class PagedTiers:
         return pos, self.pool.scores(lay)[page, off], valid
 
     def candidates(
-        self, exit_pos: torch.Tensor, exit_score: torch.Tensor, pad_end: torch.Tensor
+        self,
+        exit_pos: torch.Tensor,
+        exit_score: torch.Tensor,
+        pad_end: torch.Tensor,
+        mean_over: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """What a policy run ranks: every tier's slots (:meth:`read_meta`'s, ``max_slots`` a head) and then the
         window's exits (``exit_pos [m]``, ``exit_score [B, H, m]``), side by side: ``(pos int64, score fp32,
         valid bool, state int8)``, each ``[B, H, N]``, and the tiers' widths. A slot's state is its tier, an
         exit's ``ORIGINAL`` unless it lies below its row's ``pad_end`` (padding), anything not valid ``EVICTED``.
 
-        On the CPU backend one C++ pass (a dozen tensor operations here, a tenth of a policy run at 8k)."""
+        With ``mean_over=(length, score_start)`` the scores are each sum's mean over the queries that saw the token
+        (``score_start`` the first observed position; at least one), what a policy run ranks in ``mean`` mode.
+
+        On the CPU backend one C++ pass (a dozen tensor operations here, a tenth of a policy run at 8k), on the Triton
+        one a launch per tier and one for the exits, the means taken in them."""
         sizes = [self.max_slots(t) for t in range(self.num_tiers)]
-        if self.backend == "cpu":
+        if self.backend in ("cpu", "triton"):
+            args = (self.pool.data, self.tables, self.counts, self.tpp, self.layouts, sizes, exit_pos, exit_score,
+                    pad_end)  # fmt: skip
+            if self.backend == "triton":
+                from hfkv.kernels.meta import read_candidates_triton
+
+                return (*read_candidates_triton(*args, mean_over), sizes)
             from hfkv.kernels.cpu.meta import read_candidates_cpu
 
-            return (
-                *read_candidates_cpu(self.pool.data, self.tables, self.counts, self.tpp, self.layouts, sizes,
-                                     exit_pos, exit_score, pad_end),  # fmt: skip
-                sizes,
-            )
+            pos, score, valid, state = read_candidates_cpu(*args)
+            return pos, score_means(score, pos, mean_over), valid, state, sizes
         metas = [self.read_meta(t, m) for t, m in enumerate(sizes)]
         bsz, heads, m = exit_score.shape
         exit_valid = (exit_pos.view(1, 1, m) >= pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
@@ -412,7 +431,7 @@ class PagedTiers:
         )
         state = torch.where(valid, tier_of, EVICTED).to(torch.int8)
         score = torch.cat([*(meta[1] for meta in metas), exit_score.float()], -1)
-        return pos, score, valid, state, sizes
+        return pos, score_means(score, pos, mean_over), valid, state, sizes
 
     def read_slots(self, tier: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention needs of a tier: every slot's keys and values, ``[B, H, M, layout.stride]`` uint8,
@@ -448,6 +467,22 @@ class PagedTiers:
         page, off = self._locate(tier, b, h, s)
         k, v = lay.decode_kv(self.pool.bodies(lay)[page, off], torch.float32)
         return k, v, self.pool.tags(lay)[page, off].long() - 1, self.pool.scores(lay)[page, off]
+
+    def gather_decoded_into(
+        self, tier: int, b: torch.Tensor, h: torch.Tensor, s: torch.Tensor, source: torch.Tensor, out: tuple
+    ) -> None:
+        """:meth:`gather_decoded` of the rows whose ``source`` is ``tier`` (a move plan's), written into ``out``
+        (``(k, v [n, D], pos [n], score [n])``) at those rows; the others keep what they hold. One launch on the
+        Triton backend, no host read."""
+        if self.backend == "triton":
+            from hfkv.kernels.gather import gather_decode
+
+            lay = self.layouts[tier]
+            gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s, (source, tier), out)
+            return
+        sel = source == tier
+        for o, x in zip(out, self.gather_decoded(tier, b[sel], h[sel], s[sel]), strict=True):
+            o[sel] = x
 
     # --------------------------------------------------------------- lifecycle
     def reset(self) -> None:

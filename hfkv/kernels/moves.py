@@ -1,0 +1,162 @@
+"""A policy run's moves planned on the device: which tokens enter which tier, in append order, in two launches.
+
+After the allocation a run re-encodes the tokens it demotes and admits the window's exits it keeps, one append
+per destination tier, each head's tokens in their order (demoted from each tier in tier order, then the exits).
+Built in torch, that order was a ``nonzero`` per source (a host wait each), a concatenation, a stable sort by
+destination and head, a count read back, and a gather per field: three dozen launches and three waits of a run's
+~150 launches and ~12 waits per layer on a GPU, where a run is bound by them (docs/kernels.md, "Runs on a GPU").
+
+Here :func:`hfkv.kernels.changes.count_changes` counts, besides what each tier loses, what enters each tier per
+head (the host reads the totals with the counts it already waited for), and one program per head writes its
+movers straight to their places: ``(b, h, source, index)`` per token, destination after destination, heads in
+order within one, candidates in order within a head. Then one launch per source reads and decodes the tokens
+(``gather_decode`` with ``where=``, :func:`gather_exits`) into one buffer the appends slice.
+:func:`plan_moves_reference` is the torch twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hfkv.kernels.changes import count_changes
+from hfkv.states import EVICTED
+
+__all__ = ["EXIT", "gather_exits", "place_moves", "plan_moves", "plan_moves_reference"]
+
+EXIT = 3  # a plan's source code of a window exit (tiers are 0..2)
+_EVICTED = tl.constexpr(EVICTED)
+_BLOCK = 256
+_ROWS = 128
+_BLOCK_N = 16
+
+# (changes [(demoted, leaving)] per tier, entering [tokens] per tier, b, h, source, index [total] int64 each)
+Plan = tuple[list[tuple[int, int]], list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@triton.jit(do_not_specialize=["n", "end0", "end1", "end2", "rows", "heads", "base1", "base2"])
+def _plan_kernel(
+    new_ptr, valid_ptr, enter_ptr, n, end0, end1, end2, rows, heads, base1, base2, b_ptr, h_ptr, src_ptr, idx_ptr,
+    NT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    dest = tl.arange(0, 4)  # destination tiers (NT <= 3), one lane spare
+    # where this head's segment of each destination starts: the destination's base and the heads before it
+    before = tl.zeros([4], tl.int64)
+    for r0 in range(0, r, ROWS):
+        rr = r0 + tl.arange(0, ROWS)
+        m = (dest < NT)[:, None] & (rr < r)[None, :]
+        before += tl.sum(tl.load(enter_ptr + dest[:, None] * rows + rr[None, :], mask=m, other=0).to(tl.int64), 1)
+    at = before + tl.where(dest == 1, base1, tl.where(dest == 2, base2, 0)).to(tl.int64)
+    row = r.to(tl.int64)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        inside = i < n
+        new = tl.load(new_ptr + row * n + i, mask=inside, other=_EVICTED).to(tl.int32)
+        ok = inside & (tl.load(valid_ptr + row * n + i, mask=inside, other=0) != 0)
+        tier = tl.where(i < end0, 0, tl.where(i < end1, 1, tl.where(i < end2, 2, 3)))
+        moving = inside & (new != _EVICTED) & ((tier == 3) | (ok & (new > tier)))
+        sel = moving[None, :] & (new[None, :] == dest[:, None])  # [4, BLOCK]: at most one destination a column
+        rank = tl.cumsum(sel.to(tl.int64), 1) - 1
+        where = tl.sum(tl.where(sel, at[:, None] + rank, 0), 0)
+        start = tl.where(tier == 0, 0, tl.where(tier == 1, end0, tl.where(tier == 2, end1, end2)))
+        tl.store(b_ptr + where, row // heads, mask=moving)
+        tl.store(h_ptr + where, row % heads, mask=moving)
+        tl.store(src_ptr + where, tier.to(tl.int64), mask=moving)
+        tl.store(idx_ptr + where, (i - start).to(tl.int64), mask=moving)
+        at += tl.sum(sel.to(tl.int64), 1)
+
+
+def plan_moves(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> Plan:
+    """What a run moves (``new, valid [B, H, N]``: the allocation's states of the candidates, every tier's slots
+    (``sizes``) then the window's exits): ``(changes, entering, b, h, source, index)``, ``changes`` as
+    :func:`hfkv.kernels.changes.tier_changes` gives them, ``entering[t]`` the tokens tier ``t`` takes, and per
+    token, destination after destination, its head, its source (a tier, or :data:`EXIT`) and its slot there (or
+    its exit index). Two launches and one host read."""
+    nt = len(sizes)
+    flat, entering_rows = count_changes(new, valid, sizes, entering=True)
+    changes = [(flat[2 * t], flat[2 * t + 1]) for t in range(nt)]
+    entering = flat[2 * nt :]
+    return changes, entering, *place_moves(new, valid, sizes, entering_rows, entering)
+
+
+def place_moves(
+    new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int], entering_rows: torch.Tensor, entering: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`plan_moves`' second launch: each mover's ``(b, h, source, index)`` at its place, from the tokens
+    entering each tier per head (``entering_rows [tiers, B * H]``) and in all (``entering``, on the host)."""
+    bsz, heads, n = new.shape
+    nt, rows, total = len(sizes), bsz * heads, sum(entering)
+    b, h, src, idx = (torch.empty(total, dtype=torch.int64, device=new.device) for _ in range(4))
+    if total:
+        ends = [sum(sizes[: t + 1]) for t in range(nt)]
+        ends += [ends[-1]] * (3 - len(ends))
+        base1 = entering[0]
+        base2 = base1 + (entering[1] if nt > 1 else 0)
+        _plan_kernel[(rows,)](
+            new.contiguous(), valid.contiguous().view(torch.uint8), entering_rows, n, *ends, rows, heads, base1, base2,
+            b, h, src, idx, NT=nt, BLOCK=_BLOCK, ROWS=_ROWS,
+        )  # fmt: skip
+    return b, h, src, idx
+
+
+def plan_moves_reference(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> Plan:
+    """Torch twin of :func:`plan_moves`: the movers found with ``nonzero`` and put in order by a stable sort."""
+    from hfkv.kernels.changes import tier_changes_reference
+
+    bsz, heads, n = new.shape
+    nt = len(sizes)
+    ends = [sum(sizes[: t + 1]) for t in range(nt)]
+    tier = torch.full((n,), EXIT, dtype=torch.int64)
+    for t in reversed(range(nt)):
+        tier[: ends[t]] = t
+    start = torch.tensor([[0, *ends][t] if t < nt else ends[-1] for t in range(EXIT + 1)])[tier]
+    nw = new.long()
+    moving = (nw != EVICTED) & ((tier == EXIT) | (valid & (nw > tier)))
+    b, h, i = moving.nonzero(as_tuple=True)  # (b, h, i) order: heads in order, candidates in order
+    dest = nw[b, h, i]
+    order = torch.sort(dest, stable=True).indices
+    entering = [int((dest == t).sum()) for t in range(nt)]
+    b, h, i = b[order], h[order], i[order]
+    return tier_changes_reference(new, valid, sizes), entering, b, h, tier[i], i - start[i]
+
+
+@triton.jit(do_not_specialize=["n", "skb", "skh", "skm", "skd", "svb", "svh", "svm", "svd", "ssb", "ssh", "ssm"])
+def _exits_kernel(
+    k_ptr, v_ptr, skb, skh, skm, skd, svb, svh, svm, svd, pos_ptr, score_ptr, ssb, ssh, ssm, b_ptr, h_ptr, src_ptr,
+    idx_ptr, n, k_out, v_out, pos_out, score_out, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    j = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = j < n
+    live = live & (tl.load(src_ptr + j, mask=live, other=0) == 3)
+    b = tl.load(b_ptr + j, mask=live, other=0)
+    h = tl.load(h_ptr + j, mask=live, other=0)
+    i = tl.load(idx_ptr + j, mask=live, other=0)
+    d = tl.arange(0, BLOCK_D)
+    m = live[:, None] & (d < D)[None, :]
+    out = j[:, None] * D + d[None, :]
+    k = tl.load(k_ptr + (b * skb + h * skh + i * skm)[:, None] + d[None, :] * skd, mask=m, other=0.0)
+    tl.store(k_out + out, k.to(tl.float32), mask=m)
+    v = tl.load(v_ptr + (b * svb + h * svh + i * svm)[:, None] + d[None, :] * svd, mask=m, other=0.0)
+    tl.store(v_out + out, v.to(tl.float32), mask=m)
+    tl.store(pos_out + j, tl.load(pos_ptr + i, mask=live, other=0).to(tl.int64), mask=live)
+    tl.store(score_out + j, tl.load(score_ptr + b * ssb + h * ssh + i * ssm, mask=live, other=0.0), mask=live)
+
+
+def gather_exits(
+    k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+    src: torch.Tensor, idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    """Write the plan's window exits (``src == EXIT``; ``k, v [B, H, m, D]``, ``pos [m]``, ``score [B, H, m]``)
+    into ``out = (k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` at their plan
+    rows, ``k`` and ``v`` as fp32; other rows are left as they are. One launch."""
+    n, dim = b.numel(), k.shape[-1]
+    if n == 0:
+        return
+    _exits_kernel[(triton.cdiv(n, _BLOCK_N),)](
+        k, v, *k.stride(), *v.stride(), pos.contiguous(), score, *score.stride(), b, h, src, idx, n, *out,
+        D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
+    )  # fmt: skip
