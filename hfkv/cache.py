@@ -141,6 +141,7 @@ class TriStateLayer(CacheLayerMixin):
         # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
+        self._cost_t: torch.Tensor | None = None  # self.cost per tier on the tiers' device (0: a tier that is off)
         self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
         self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
         # A Triton decode step reads its position and ring slot from the device ([position, slot], advanced by
@@ -332,8 +333,11 @@ class TriStateLayer(CacheLayerMixin):
 
     def _refresh_tier_peak(self) -> None:
         counts = self.tiers.counts
-        if self.memory_budget:  # bytes
-            held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)
+        if self.memory_budget:  # bytes: each tier's count times its record's (a product and a sum, 2 launches)
+            if self._cost_t is None or self._cost_t.device != counts.device:
+                costs = [c if c is not None else 0 for c in self.cost]
+                self._cost_t = torch.tensor(costs, dtype=counts.dtype, device=counts.device)
+            held = (counts * self._cost_t).sum(-1)
         else:
             held = counts.sum(-1)  # [B, H] tokens
         held = held.sum(-1) if self.cfg.head_adaptive else held

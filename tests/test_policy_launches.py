@@ -1,0 +1,45 @@
+"""eval/policy_launches.py at a toy size: a policy run's launches and host reads are counted by section, the
+decode step's own work is not, and the Triton backend's moves are planned on the device (no sort, no nonzero)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfkv.kernels.backend import interpreter_on
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "eval" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="Triton launches are counted in the interpreter (CPU)")
+def test_policy_run_launches_are_counted_by_section(tmp_path):
+    pl = _load("policy_launches")
+    out = tmp_path / "pl.json"
+    assert pl.main(["--context", "96", "--batch", "2", "--runs", "1", "--method", "hfkv@32:backend=triton",
+                    "--out", str(out)]) == 0  # fmt: skip
+    r = __import__("json").loads(out.read_text())
+    sec = r["sections"]
+    assert r["moves_planned_on_device"] and r["runs_counted"] == 1 and r["tier_count_changes_per_run"][0] > 0
+    # the run's parts, each launching what it should; the step's attention and the model are not counted
+    assert sec["candidates"]["triton_kernels"].get("_read_meta_kernel", 0) >= 1 and sec["candidates"]["torch"] == 0
+    assert {"_changes_kernel", "_plan_kernel"} <= set(sec["run_policy"]["triton_kernels"])
+    assert "attend" not in sec and "model" not in sec
+    assert not any(k in s["triton_kernels"] for s in sec.values() for k in pl.DECODE_KERNELS)
+    # planned moves: no nonzero or sort outside the allocation, and the run's reads add up
+    for name, s in sec.items():
+        assert "nonzero" not in s["reads"] and "nonzero_numpy" not in s["reads"], name
+        if name != "classify":
+            assert "sort" not in s["torch_ops"], name
+    assert r["host_reads_per_run"] == sum(s["host_reads"] for s in sec.values()) >= 1
+    assert r["launches_per_run"] == r["torch_launches_per_run"] + r["triton_launches_per_run"]
