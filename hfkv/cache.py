@@ -608,11 +608,13 @@ class TriStateLayer(CacheLayerMixin):
         """:meth:`_apply` from a move plan made on the device (``hfkv.kernels.moves.plan_moves``, from the run's
         candidates ``new, valid``): the movers read and decoded into one buffer (a launch per source), the sources
         compacted, then one append per destination of its slice of the buffer. The storage it leaves is
-        :meth:`_apply`'s, byte for byte."""
+        :meth:`_apply`'s, byte for byte, and the pages each removal frees and each append takes come with the plan's
+        one read instead of one read each."""
         from hfkv.kernels.moves import gather_exits, plan_moves
 
-        changes, entering, b, h, src, idx = plan_moves(new, valid, sizes)
-        tiers, total = self.tiers, b.numel()
+        tiers = self.tiers
+        changes, entering, pages, b, h, src, idx = plan_moves(new, valid, sizes, tiers.counts, tiers.tpp)
+        total = b.numel()
         if total:
             dim = exits[0].shape[-1]
             out = (torch.empty(total, dim, dtype=torch.float32, device=b.device),
@@ -627,12 +629,12 @@ class TriStateLayer(CacheLayerMixin):
         # the old slots freed before the movers take new ones (as _apply)
         for tier, (_, leaving) in enumerate(changes):
             if leaving:
-                tiers.remove(tier, news[tier] == tier)
+                tiers.remove(tier, news[tier] == tier, pages[tier][:2])
         start = 0
         for tier, n in enumerate(entering):
             if n:
                 end = start + n
-                tiers.append_tokens(tier, b[start:end], h[start:end], *(x[start:end] for x in out))
+                tiers.append_tokens(tier, b[start:end], h[start:end], *(x[start:end] for x in out), pages[tier][2:])
             start += n
 
     # ------------------------------------------------------------ attention

@@ -49,14 +49,18 @@ def test_triton_move_plan_equals_the_torch_twin(sizes, exits):
     for bsz, heads in [(2, 3), (5, 31)]:
         new = torch.randint(0, 4, (bsz, heads, n), generator=g)
         new = torch.where(new >= len(sizes), EVICTED, new).to(torch.int8)  # only tiers that exist
+        # each head holds at least its valid slots of each tier (slots are live below the count)
+        counts = torch.stack([torch.randint(s, s + 40, (bsz, heads), generator=g) for s in sizes], -1)
         valid = torch.rand(bsz, heads, n, generator=g) < 0.8
-        got, want = plan_moves(new, valid, sizes), plan_moves_reference(new, valid, sizes)
-        assert got[:2] == want[:2]
+        tpp = [3, 5, 8][: len(sizes)]
+        got, want = plan_moves(new, valid, sizes, counts, tpp), plan_moves_reference(new, valid, sizes, counts, tpp)
+        assert got[:3] == want[:3] and got[2] is not None
         assert got[0] == tier_changes_reference(new, valid, sizes)
-        for a, b in zip(got[2:], want[2:], strict=True):
+        assert plan_moves(new, valid, sizes)[:3] == (*want[:2], None)  # no counts: no pages
+        for a, b in zip(got[3:], want[3:], strict=True):
             assert torch.equal(a, b)
-        assert sum(got[1]) == got[2].numel()
-        assert got[2].numel() > 0 or (len(sizes) == 1 and not exits)  # one tier and no exits: nothing can move
+        assert sum(got[1]) == got[3].numel()
+        assert got[3].numel() > 0 or (len(sizes) == 1 and not exits)  # one tier and no exits: nothing can move
 
 
 def test_triton_exit_gather_writes_only_the_exit_rows():

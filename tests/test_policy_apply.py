@@ -102,9 +102,9 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
     planned = []
     plan_moves = hfkv.kernels.moves.plan_moves
 
-    def spy(new, valid, sizes):
-        plan = plan_moves(new, valid, sizes)
-        planned.append((sum(d for d, _ in plan[0]), plan[2].numel()))
+    def spy(*args):
+        plan = plan_moves(*args)
+        planned.append((sum(d for d, _ in plan[0]), plan[3].numel(), plan[2]))
         return plan
 
     monkeypatch.setattr(hfkv.kernels.moves, "plan_moves", spy)
@@ -116,12 +116,18 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
         cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True)
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
         tiers = [layer.tiers for layer in cache.layers]
-        results.append((out, [(t.counts.clone(), [x.clone() for x in t.tables], t.pool.data.clone()) for t in tiers]))
+        results.append((out, [(t.counts.clone(), [x.clone() for x in t.tables], t.pool.data.clone(),
+                               t.pool.n_free, t.pool.free_stack[: t.pool.n_free].clone()) for t in tiers]))  # fmt: skip
     (out, state), (ref_out, ref_state) = results
-    demoted, moved = sum(d for d, _ in planned), sum(n for _, n in planned)
+    demoted, moved = sum(d for d, _, _ in planned), sum(n for _, n, _ in planned)
     assert demoted > 0 and moved > demoted  # runs that re-encoded demoted tokens and admitted exits
+    pages = [p for _, _, run in planned for p in run]  # (freed, widest after removal, taken, widest after) per tier
+    assert any(p[2] for p in pages)  # appends took new pages, known from the plan (freeing is the kernel test's)
     assert torch.equal(out, ref_out)
-    for (counts, tables, pool), (ref_counts, ref_tables, ref_pool) in zip(state, ref_state, strict=True):
+    for (counts, tables, pool, n_free, free), (ref_counts, ref_tables, ref_pool, ref_n_free, ref_free) in zip(
+        state, ref_state, strict=True
+    ):
         assert torch.equal(counts, ref_counts)
         assert all(torch.equal(a, b) for a, b in zip(tables, ref_tables, strict=True))
         assert torch.equal(pool, ref_pool)
+        assert n_free == ref_n_free and torch.equal(free, ref_free)  # the same pages free, in the same order

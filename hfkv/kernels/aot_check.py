@@ -195,7 +195,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
             tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
             # a move plan's launches: its count (recorded here, so it reads zeros back) and its placing of 10 movers
             new, valid = torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool)
-            plan_moves(new, valid, sizes)
+            plan_moves(new, valid, sizes, torch.zeros(1, 2, len(sizes), dtype=torch.long), [4] * len(sizes))
             place_moves(new, valid, sizes, torch.zeros(len(sizes), 2, dtype=torch.int32), [10] + [0] * (len(sizes) - 1))
         for dtype in (torch.bfloat16, torch.float16, torch.float32):  # the exits' model dtypes
             kv = torch.zeros(1, 2, 4, 128, dtype=dtype)

@@ -57,33 +57,36 @@ def _changes_kernel(
         leaving = tl.sum((mine & (new != t)).to(tl.int32), 0)
         tl.atomic_add(out_ptr + 2 * t, demoted)
         tl.atomic_add(out_ptr + 2 * t + 1, leaving)
+        if ENTER:  # and what leaves each tier, per head (the pages its removal frees)
+            tl.atomic_add(enter_ptr + (NT + t) * rows + bh, leaving)
 
 
-def count_changes(
-    new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int], entering: bool = False
-) -> tuple[list[int], torch.Tensor | None]:
-    """The launch behind :func:`tier_changes` and ``moves.plan_moves``: ``[demoted, leaving] * tiers`` and, with
-    ``entering``, then the tokens entering each tier (demoted ones and kept window exits), read in one host read;
-    and those per head, ``[tiers, B * H]`` int32 on the device (None without ``entering``)."""
+def launch_changes(
+    new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int], entering: bool = False, extra: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch behind :func:`tier_changes` and ``moves.plan_moves``, its counts left on the device: an int32
+    buffer of ``[demoted, leaving] * tiers``, with ``entering`` then the tokens entering each tier (demoted ones and
+    kept window exits), then ``extra`` zeros for the caller; and with ``entering`` the per-head counts, ``[2 *
+    tiers, B * H]`` (what enters each tier, then what leaves it)."""
     if not 1 <= len(sizes) <= 3:
         raise ValueError(f"tier_changes: between 1 and 3 tiers, got sizes={list(sizes)}")
     bsz, heads, n = new.shape
     nt, rows = len(sizes), bsz * heads
-    counts = (3 if entering else 2) * nt
-    buf = torch.zeros(counts + (nt * rows if entering else 0), dtype=torch.int32, device=new.device)  # one memset
-    out, per_head = buf[:counts], buf[counts:].view(nt, rows) if entering else None
+    counts = (3 if entering else 2) * nt + extra
+    buf = torch.zeros(counts + (2 * nt * rows if entering else 0), dtype=torch.int32, device=new.device)  # 1 memset
+    per_head = buf[counts:].view(2 * nt, rows) if entering else None
     if n and rows:
         ends = [sum(sizes[: t + 1]) for t in range(nt)]
         ends += [ends[-1]] * (3 - len(ends))
         _changes_kernel[(rows, triton.cdiv(n, _BLOCK))](
-            new.contiguous(), valid.contiguous().view(torch.uint8), out, out if per_head is None else per_head, rows,
+            new.contiguous(), valid.contiguous().view(torch.uint8), buf, buf if per_head is None else per_head, rows,
             n, *ends, NT=nt, ENTER=entering, BLOCK=_BLOCK,
         )  # fmt: skip
-    return out.tolist(), per_head  # the run's one wait for what changed
+    return buf[:counts], per_head
 
 
 def tier_changes(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> list[tuple[int, int]]:
     """:func:`tier_changes_reference` in one launch (``new`` int8, ``valid`` bool, both ``[B, H, N]`` contiguous;
     slots past the tiers' are ignored); at most three tiers."""
-    flat, _ = count_changes(new, valid, sizes)
+    flat = launch_changes(new, valid, sizes)[0].tolist()  # the run's one wait for what changed
     return [(flat[2 * t], flat[2 * t + 1]) for t in range(len(sizes))]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
+from hfkv.kernels.reference import check_candidates
 from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.record import RecordLayout
 
@@ -122,14 +123,8 @@ def read_candidates_triton(
     (``read_candidates_cpu``'s contract). With ``mean_over=(length, score_start)`` the scores are the sums' means
     over the queries that saw each token, as the cache ranks them."""
     check_pool(pool, "read_candidates_triton")
+    n_exit = check_candidates("read_candidates_triton", counts, tables, tpp, layouts, m, exit_pos, exit_score)
     bsz, heads, tiers = counts.shape
-    if not len(tables) == len(tpp) == len(layouts) == len(m) == tiers:
-        raise ValueError(f"read_candidates_triton: {tiers} tiers in counts, {len(tables)} tables, {len(m)} widths")
-    n_exit = exit_pos.numel()
-    if tuple(exit_score.shape) != (bsz, heads, n_exit):
-        raise ValueError(
-            f"read_candidates_triton: exit_score {tuple(exit_score.shape)}, expected {(bsz, heads, n_exit)}"
-        )
     n, dev, rows = sum(m) + n_exit, pool.device, bsz * heads
     pos = torch.empty(bsz, heads, n, dtype=torch.int64, device=dev)
     score = torch.empty(bsz, heads, n, dtype=torch.float32, device=dev)

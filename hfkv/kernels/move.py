@@ -215,11 +215,18 @@ def _release_kernel(
 
 
 def release_pages(
-    table: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, tpp: int, free_stack: torch.Tensor, n_free: int
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    new: torch.Tensor,
+    tpp: int,
+    free_stack: torch.Tensor,
+    n_free: int,
+    known: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """After :func:`compact`: the pages past each head's new count (``new [B, H]``) pushed onto ``free_stack``
     from ``n_free`` on and set to the null page in ``table [B, H, W]``, ``counts [B, H]`` set to ``new``.
-    Returns ``(pages freed, the widest head's pages)``: the one host read of a removal."""
+    Returns ``(pages freed, the widest head's pages)``: the one host read of a removal, unless the caller
+    ``known`` them already (a planned run's: ``moves.plan_moves``)."""
     bsz, heads, width = table.shape
     if bsz * heads and width:
         out = torch.empty(2, dtype=torch.int64, device=table.device)
@@ -227,6 +234,8 @@ def release_pages(
             table, width, counts, head_step(counts, "release_pages"), new.contiguous(), free_stack, n_free, out,
             bsz * heads, tpp, BLOCK=64,
         )  # fmt: skip
+        if known is not None:
+            return known
         n_freed, widest = out.tolist()
         return n_freed, widest
     counts.copy_(new)

@@ -1,4 +1,4 @@
-"""A policy run's moves planned on the device: which tokens enter which tier, in append order, in two launches.
+"""A policy run's moves planned on the device: which tokens enter which tier, in append order, in three launches.
 
 After the allocation a run re-encodes the tokens it demotes and admits the window's exits it keeps, one append
 per destination tier, each head's tokens in their order (demoted from each tier in tier order, then the exits).
@@ -6,11 +6,12 @@ Built in torch, that order was a ``nonzero`` per source (a host wait each), a co
 destination and head, a count read back, and a gather per field: three dozen launches and three waits of a run's
 ~150 launches and ~12 waits per layer on a GPU, where a run is bound by them (docs/kernels.md, "Runs on a GPU").
 
-Here :func:`hfkv.kernels.changes.count_changes` counts, besides what each tier loses, what enters each tier per
-head (the host reads the totals with the counts it already waited for), and one program per head writes its
-movers straight to their places: ``(b, h, source, index)`` per token, destination after destination, heads in
-order within one, candidates in order within a head. Then one launch per source reads and decodes the tokens
-(``gather_decode`` with ``where=``, :func:`gather_exits`) into one buffer the appends slice.
+Here the change count (:func:`hfkv.kernels.changes.launch_changes`) also counts what enters and leaves each tier per
+head, one program turns those into the pages each tier's removal frees and its appends take (what the removal and
+the appends read back one by one), the host reads all of it with the counts it already waited for, and one program
+per head writes its movers straight to their places: ``(b, h, source, index)`` per token, destination after
+destination, heads in order within one, candidates in order within a head. Then one launch per source reads and
+decodes the tokens (``gather_decode`` with ``where=``, :func:`gather_exits`) into one buffer the appends slice.
 :func:`plan_moves_reference` is the torch twin.
 """
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.changes import count_changes
+from hfkv.kernels.changes import launch_changes
 from hfkv.states import EVICTED
 
 __all__ = ["EXIT", "gather_exits", "place_moves", "plan_moves", "plan_moves_reference"]
@@ -33,8 +34,41 @@ _BLOCK = 256
 _ROWS = 128
 _BLOCK_N = 16
 
-# (changes [(demoted, leaving)] per tier, entering [tokens] per tier, b, h, source, index [total] int64 each)
-Plan = tuple[list[tuple[int, int]], list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (changes [(demoted, leaving)] per tier, entering [tokens] per tier, pages [(freed, width after the removal, new,
+# width after the appends)] per tier (None without the counts), b, h, source, index [total] int64 each)
+Plan = tuple[list[tuple[int, int]], list[int], list[tuple[int, int, int, int]] | None, torch.Tensor, torch.Tensor,
+             torch.Tensor, torch.Tensor]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["rows", "count_step", "tpp0", "tpp1", "tpp2"])
+def _pages_kernel(
+    counts_ptr, count_step, per_head_ptr, rows, tpp0, tpp1, tpp2, out_ptr, NT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: per tier, the pages the run's removal frees and the widest head's pages after it, then the pages
+    its appends take and the widest head's after them (what ``release_pages`` and ``count_appends`` read back),
+    from the counts before the run and what leaves and enters each head."""
+    for t in tl.static_range(NT):
+        tpp = tpp0 if t == 0 else (tpp1 if t == 1 else tpp2)
+        freed = tl.full((), 0, tl.int64)
+        kept_w = tl.full((), 0, tl.int64)
+        taken = tl.full((), 0, tl.int64)
+        wide = tl.full((), 0, tl.int64)
+        for r0 in range(0, rows, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            ok = r < rows
+            old = tl.load(counts_ptr + r.to(tl.int64) * count_step + t, mask=ok, other=0)
+            enter = tl.load(per_head_ptr + t * rows + r, mask=ok, other=0).to(tl.int64)
+            leave = tl.load(per_head_ptr + (NT + t) * rows + r, mask=ok, other=0).to(tl.int64)
+            kept = old - leave
+            pages, kept_pages, after = (old + tpp - 1) // tpp, (kept + tpp - 1) // tpp, (kept + enter + tpp - 1) // tpp
+            freed += tl.sum(tl.where(ok, pages - kept_pages, 0), 0)
+            kept_w = tl.maximum(kept_w, tl.max(tl.where(ok, kept_pages, 0), 0))
+            taken += tl.sum(tl.where(ok, after - kept_pages, 0), 0)
+            wide = tl.maximum(wide, tl.max(tl.where(ok, after, 0), 0))
+        tl.store(out_ptr + 4 * t, freed.to(tl.int32))
+        tl.store(out_ptr + 4 * t + 1, kept_w.to(tl.int32))
+        tl.store(out_ptr + 4 * t + 2, taken.to(tl.int32))
+        tl.store(out_ptr + 4 * t + 3, wide.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n", "end0", "end1", "end2", "rows", "heads", "base1", "base2"])
@@ -70,24 +104,40 @@ def _plan_kernel(
         at += tl.sum(sel.to(tl.int64), 1)
 
 
-def plan_moves(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> Plan:
+def plan_moves(
+    new: torch.Tensor,
+    valid: torch.Tensor,
+    sizes: Sequence[int],
+    counts: torch.Tensor | None = None,
+    tpp: Sequence[int] | None = None,
+) -> Plan:
     """What a run moves (``new, valid [B, H, N]``: the allocation's states of the candidates, every tier's slots
-    (``sizes``) then the window's exits): ``(changes, entering, b, h, source, index)``, ``changes`` as
+    (``sizes``) then the window's exits): ``(changes, entering, pages, b, h, source, index)``, ``changes`` as
     :func:`hfkv.kernels.changes.tier_changes` gives them, ``entering[t]`` the tokens tier ``t`` takes, and per
     token, destination after destination, its head, its source (a tier, or :data:`EXIT`) and its slot there (or
-    its exit index). Two launches and one host read."""
-    nt = len(sizes)
-    flat, entering_rows = count_changes(new, valid, sizes, entering=True)
+    its exit index). With the tiers' ``counts [B, H, tiers]`` (int64, before the run) and records per page ``tpp``,
+    ``pages[t]`` is what the run's removal and appends of tier ``t`` free and take: ``(freed, widest after the
+    removal, new, widest after the appends)``, so neither reads them back. Two or three launches and one host read."""
+    bsz, heads, _ = new.shape
+    nt, rows = len(sizes), bsz * heads
+    with_pages = counts is not None
+    out, per_head = launch_changes(new, valid, sizes, entering=True, extra=4 * nt if with_pages else 0)
+    if with_pages and rows:
+        tpps = [*tpp, *([1] * (3 - nt))]
+        _pages_kernel[(1,)](counts, counts.shape[-1], per_head, rows, *tpps, out[3 * nt :], NT=nt, BLOCK=_ROWS)
+    flat = out.tolist()  # the run's one wait
     changes = [(flat[2 * t], flat[2 * t + 1]) for t in range(nt)]
-    entering = flat[2 * nt :]
-    return changes, entering, *place_moves(new, valid, sizes, entering_rows, entering)
+    entering = flat[2 * nt : 3 * nt]
+    pages = [tuple(flat[3 * nt + 4 * t : 3 * nt + 4 * t + 4]) for t in range(nt)] if with_pages else None
+    return changes, entering, pages, *place_moves(new, valid, sizes, per_head, entering)
 
 
 def place_moves(
     new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int], entering_rows: torch.Tensor, entering: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`plan_moves`' second launch: each mover's ``(b, h, source, index)`` at its place, from the tokens
-    entering each tier per head (``entering_rows [tiers, B * H]``) and in all (``entering``, on the host)."""
+    """:func:`plan_moves`' last launch: each mover's ``(b, h, source, index)`` at its place, from the tokens
+    entering each tier per head (``entering_rows``' first ``tiers`` rows of ``B * H``) and in all (``entering``,
+    on the host)."""
     bsz, heads, n = new.shape
     nt, rows, total = len(sizes), bsz * heads, sum(entering)
     b, h, src, idx = (torch.empty(total, dtype=torch.int64, device=new.device) for _ in range(4))
@@ -103,8 +153,15 @@ def place_moves(
     return b, h, src, idx
 
 
-def plan_moves_reference(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence[int]) -> Plan:
-    """Torch twin of :func:`plan_moves`: the movers found with ``nonzero`` and put in order by a stable sort."""
+def plan_moves_reference(
+    new: torch.Tensor,
+    valid: torch.Tensor,
+    sizes: Sequence[int],
+    counts: torch.Tensor | None = None,
+    tpp: Sequence[int] | None = None,
+) -> Plan:
+    """Torch twin of :func:`plan_moves`: the movers found with ``nonzero`` and put in order by a stable sort, the
+    pages from each head's counts after the removal and after the appends."""
     from hfkv.kernels.changes import tier_changes_reference
 
     bsz, heads, n = new.shape
@@ -120,8 +177,19 @@ def plan_moves_reference(new: torch.Tensor, valid: torch.Tensor, sizes: Sequence
     dest = nw[b, h, i]
     order = torch.sort(dest, stable=True).indices
     entering = [int((dest == t).sum()) for t in range(nt)]
+    pages = None
+    if counts is not None:
+        pages = []
+        for t in range(nt):
+            leaving = (valid & (tier == t) & (nw != t)).sum(-1)  # [B, H]
+            entering_t = (moving & (nw == t)).sum(-1)
+            old = counts[..., t]
+            kept = old - leaving
+            have, kept_pages, after = ((x + tpp[t] - 1) // tpp[t] for x in (old, kept, kept + entering_t))
+            pages.append((int((have - kept_pages).sum()), int(kept_pages.max()), int((after - kept_pages).sum()),
+                          int(after.max())))  # fmt: skip
     b, h, i = b[order], h[order], i[order]
-    return tier_changes_reference(new, valid, sizes), entering, b, h, tier[i], i - start[i]
+    return tier_changes_reference(new, valid, sizes), entering, pages, b, h, tier[i], i - start[i]
 
 
 @triton.jit(do_not_specialize=["n", "skb", "skh", "skm", "skd", "svb", "svh", "svm", "svd", "ssb", "ssh", "ssm"])

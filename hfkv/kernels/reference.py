@@ -1,4 +1,5 @@
-"""The torch twin of the decode kernels (Triton and CPU), and the argument checks they share.
+"""The torch twin of the decode kernels (Triton and CPU), and the argument checks they share (with those of a policy
+run's candidate reads).
 
 Built on the torch backend's own reading and attention code, so every kernel is compared with the
 path that defines the semantics; kept free of Triton so the CPU kernel's tests need none.
@@ -86,3 +87,18 @@ def paged_attention_reference(
             at = part.score_offsets()[live] // 4
             part.pool.view(torch.float32).view(-1).index_add_(0, at, d[live])
     return out, delta
+
+
+def check_candidates(
+    name: str, counts: torch.Tensor, tables: Sequence, tpp: Sequence[int], layouts: Sequence, m: Sequence[int],
+    exit_pos: torch.Tensor, exit_score: torch.Tensor,
+) -> int:  # fmt: skip
+    """Raise on a candidate read (``PagedTiers.candidates``' contract) whose tiers or exits disagree; return the
+    exits' count."""
+    bsz, heads, tiers = counts.shape
+    if not len(tables) == len(tpp) == len(layouts) == len(m) == tiers:
+        raise ValueError(f"{name}: {tiers} tiers in counts, {len(tables)} tables, {len(m)} widths")
+    n_exit = exit_pos.numel()
+    if tuple(exit_score.shape) != (bsz, heads, n_exit):
+        raise ValueError(f"{name}: exit_score {tuple(exit_score.shape)}, expected {(bsz, heads, n_exit)}")
+    return n_exit

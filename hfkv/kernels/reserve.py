@@ -121,13 +121,14 @@ def _count_kernel(
 
 
 def count_appends(
-    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int
+    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int, known: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Appending one record to each head ``(b[j], h[j])`` of a tier whose counts are ``counts [B, H]`` (int64, a
     tier's view of ``PagedTiers.counts``): ``(k, old, new pages, widest)``, ``k [B*H]`` records added per head,
     ``old [B*H]`` its count before (what :func:`reserve_slots` takes), the pages to hand out and the widest head's
-    pages after; ``counts`` takes the new values. One launch and one host read (the torch path of
-    ``PagedTiers._take_pages`` is the twin: a dozen launches)."""
+    pages after; ``counts`` takes the new values. One launch and one host read, none when the caller ``known`` the
+    two numbers already (a planned run's: ``moves.plan_moves``); the torch path of ``PagedTiers._take_pages`` is
+    the twin (a dozen launches)."""
     step = head_step(counts, "count_appends")
     n_heads, dev = counts.numel(), counts.device
     k = torch.empty(n_heads, dtype=torch.int64, device=dev)
@@ -137,5 +138,5 @@ def count_appends(
         b.contiguous(), h.contiguous(), b.numel(), counts.shape[1], counts, step, k, old, out, n_heads, tpp,
         BLOCK=_BLOCK,
     )  # fmt: skip
-    total, widest = out.tolist()
+    total, widest = out.tolist() if known is None else known
     return k, old, total, widest

@@ -171,10 +171,13 @@ class PagedTiers:
         v: torch.Tensor,
         pos: torch.Tensor,
         score: torch.Tensor,
+        pages: tuple[int, int] | None = None,
     ) -> None:
         """Encode tokens ``k, v [n, D]`` (positions ``pos [n]``, score sums ``score [n]``) into the tier's
         format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`). No finiteness check:
         a caller that wants one reads ``RecordLayout.encodable_ends`` (the cache, once for a prompt's tiers).
+        ``pages``: the new pages the append takes and the widest head's pages after it, when the caller knows them
+        (a planned policy run's): the Triton backend then reads nothing back.
 
         The Triton and CPU backends quantize, pack and write each record in one call, straight into its slot
         (a policy run's few dozen tokens cost the torch encoder some fifty tensor operations).
@@ -189,7 +192,7 @@ class PagedTiers:
         else:
             self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite=False))
             return
-        offsets = self._reserve_offsets(tier, b, h)
+        offsets = self._reserve_offsets(tier, b, h, pages)
         if self.backend == "cpu":  # slots just reserved here: nothing to validate
             encode_write(self.pool.data, offsets, lay, k, v, pos, score, checked=False)
         else:
@@ -230,7 +233,9 @@ class PagedTiers:
         self._count_appended(tier, old + k)
         return self._locate(tier, b, h, s)
 
-    def _reserve_offsets(self, tier: int, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _reserve_offsets(
+        self, tier: int, b: torch.Tensor, h: torch.Tensor, pages: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """:meth:`_reserve`'s slots as byte offsets into the pool: two calls and one host read on the Triton and CPU
         backends (``count_appends``, which sets the new counts, then ``reserve_slots``), in place of the torch
         path's dozens of operations."""
@@ -243,7 +248,8 @@ class PagedTiers:
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
         else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
-        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp)
+        known = (pages,) if self.backend == "triton" else ()  # the pages a planned run knows (Triton backend only)
+        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp, *known)
         ids = torch.empty(0, dtype=torch.int32, device=self.device)
         if total:
             self._set_width(tier, max(self.max_pages(tier), widest))
@@ -255,8 +261,10 @@ class PagedTiers:
         self.counts[..., tier] = new.view(self.batch, self.heads)
         self.versions[tier] += 1
 
-    def remove(self, tier: int, keep: torch.Tensor) -> None:
+    def remove(self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
+        ``pages``: the pages it frees and the widest head's pages after it, when the caller knows them (a planned
+        policy run's): the Triton backend then reads nothing back.
 
         Holes below the new count are filled with the tier's last kept records (fewest moves),
         the vacated slots of pages the head keeps are tagged empty, then the tail pages that
@@ -272,7 +280,9 @@ class PagedTiers:
                 from hfkv.kernels.move import compact, release_pages
 
             new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
-            n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free)
+            known = (pages,) if self.backend == "triton" else ()  # what a planned run knows (Triton backend only)
+            n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free,
+                                           *known)  # fmt: skip
             self.pool.pushed(n_freed)
             self._set_width(tier, width)
             self.versions[tier] += 1

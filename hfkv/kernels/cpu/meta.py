@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from hfkv.kernels.cpu.build import library
+from hfkv.kernels.reference import check_candidates
 from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.record import RecordLayout
 
@@ -107,12 +108,8 @@ def read_candidates_cpu(
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
         raise ValueError(f"read_candidates_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got "
                          f"{pool.dtype} on {pool.device}")  # fmt: skip
+    n_exit = check_candidates("read_candidates_cpu", counts, tables, tpp, layouts, m, exit_pos, exit_score)
     bsz, heads, tiers = counts.shape
-    if not len(tables) == len(tpp) == len(layouts) == len(m) == tiers:
-        raise ValueError(f"read_candidates_cpu: {tiers} tiers in counts, {len(tables)} tables, {len(m)} widths")
-    n_exit = exit_pos.numel()
-    if tuple(exit_score.shape) != (bsz, heads, n_exit):
-        raise ValueError(f"read_candidates_cpu: exit_score {tuple(exit_score.shape)}, expected {(bsz, heads, n_exit)}")
     n = sum(m) + n_exit
     tabs = [t.to(torch.int32).contiguous() for t in tables]
     keep = [
