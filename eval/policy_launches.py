@@ -38,7 +38,7 @@ for path in (REPO, REPO / "eval"):
     if str(path) not in sys.path:  # run as a script from anywhere
         sys.path.insert(0, str(path))
 
-from host_overhead import ALLOCATIONS, HOST_SYNCS, METADATA  # noqa: E402
+from host_overhead import ALLOCATIONS, DECODE_KERNELS, HOST_SYNCS, METADATA  # noqa: E402
 from policy_profile import SECTIONS, patched  # noqa: E402
 
 from hfkv.atomic import write_atomic  # noqa: E402
@@ -51,7 +51,6 @@ EXTRA_SECTIONS = (
     ("tiers", "gather_decoded", "gather_decoded"),
     ("tiers", "gather_decoded_into", "gather_decoded"),
 )
-DECODE_KERNELS = frozenset({"_partial_kernel", "_score_kernel", "_combine_kernel"})  # the step's, not the run's
 READS = ("tolist", "item", "__bool__")  # host reads of a CPU tensor that do not all reach the dispatcher
 SYNC_OPS = HOST_SYNCS | {"nonzero_numpy", "is_nonzero", "item"}
 

@@ -593,13 +593,17 @@ class TriStateLayer(CacheLayerMixin):
         # the one host read here (a bincount would read the largest destination first: two waits on a GPU)
         counts = torch.zeros(tiers.num_tiers, dtype=torch.int64, device=dest.device)
         counts = counts.index_add_(0, dest.long(), torch.ones_like(dest, dtype=torch.int64)).tolist()
-        b, h, k, v, pos, score = (x[order] for x in (b, h, k, v, pos, score))  # one gather each, sliced per tier
+        fields = [x[order] for x in (b, h, k, v, pos, score)]  # one gather each, sliced per tier
+        self._append_by_tier(counts[: tiers.num_tiers], fields)
+
+    def _append_by_tier(self, counts: list[int], fields: list[torch.Tensor], pages: list | None = None) -> None:
+        """Append ``fields`` (``b, h, k, v, pos, score``, grouped by destination tier, ``counts[t]`` tokens for tier
+        ``t``) one call per tier (``pages[t]``: its known new pages and widest head, a planned run's)."""
         start = 0
-        for tier, n in enumerate(counts[: tiers.num_tiers]):
+        for tier, n in enumerate(counts):
             if n:
                 end = start + n
-                tiers.append_tokens(tier, b[start:end], h[start:end], k[start:end], v[start:end], pos[start:end],
-                                    score[start:end])  # fmt: skip
+                self.tiers.append_tokens(tier, *(x[start:end] for x in fields), None if pages is None else pages[tier])
             start += n
 
     def _apply_planned(
@@ -630,12 +634,8 @@ class TriStateLayer(CacheLayerMixin):
         for tier, (_, leaving) in enumerate(changes):
             if leaving:
                 tiers.remove(tier, news[tier] == tier, pages[tier][:2])
-        start = 0
-        for tier, n in enumerate(entering):
-            if n:
-                end = start + n
-                tiers.append_tokens(tier, b[start:end], h[start:end], *(x[start:end] for x in out), pages[tier][2:])
-            start += n
+        if total:
+            self._append_by_tier(entering, [b, h, *out], [p[2:] for p in pages])
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:

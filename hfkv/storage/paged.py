@@ -177,7 +177,7 @@ class PagedTiers:
         format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`). No finiteness check:
         a caller that wants one reads ``RecordLayout.encodable_ends`` (the cache, once for a prompt's tiers).
         ``pages``: the new pages the append takes and the widest head's pages after it, when the caller knows them
-        (a planned policy run's): the Triton backend then reads nothing back.
+        (a planned policy run's): the kernel backends then read nothing back.
 
         The Triton and CPU backends quantize, pack and write each record in one call, straight into its slot
         (a policy run's few dozen tokens cost the torch encoder some fifty tensor operations).
@@ -248,8 +248,7 @@ class PagedTiers:
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
         else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
-        known = (pages,) if self.backend == "triton" else ()  # the pages a planned run knows (Triton backend only)
-        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp, *known)
+        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp, pages)
         ids = torch.empty(0, dtype=torch.int32, device=self.device)
         if total:
             self._set_width(tier, max(self.max_pages(tier), widest))
@@ -264,7 +263,7 @@ class PagedTiers:
     def remove(self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
         ``pages``: the pages it frees and the widest head's pages after it, when the caller knows them (a planned
-        policy run's): the Triton backend then reads nothing back.
+        policy run's): the kernel backends then read nothing back.
 
         Holes below the new count are filled with the tier's last kept records (fewest moves),
         the vacated slots of pages the head keeps are tagged empty, then the tail pages that
@@ -280,9 +279,8 @@ class PagedTiers:
                 from hfkv.kernels.move import compact, release_pages
 
             new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
-            known = (pages,) if self.backend == "triton" else ()  # what a planned run knows (Triton backend only)
             n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free,
-                                           *known)  # fmt: skip
+                                           pages)  # fmt: skip
             self.pool.pushed(n_freed)
             self._set_width(tier, width)
             self.versions[tier] += 1

@@ -59,7 +59,13 @@ def compact_cpu(
 
 
 def release_pages_cpu(
-    table: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, tpp: int, free_stack: torch.Tensor, n_free: int
+    table: torch.Tensor,
+    counts: torch.Tensor,
+    new: torch.Tensor,
+    tpp: int,
+    free_stack: torch.Tensor,
+    n_free: int,
+    known: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """:func:`hfkv.kernels.move.release_pages` on CPU tensors (same arguments and result; ``table`` contiguous int32
     and ``free_stack`` int32, written in place)."""
@@ -73,4 +79,4 @@ def release_pages_cpu(
         table.data_ptr(), bsz * heads, width, counts.data_ptr(), step, new.data_ptr(), tpp, free_stack.data_ptr(),
         n_free, ctypes.byref(widest),
     )  # fmt: skip
-    return int(n_freed), int(widest.value)
+    return (int(n_freed), int(widest.value)) if known is None else known

@@ -44,7 +44,7 @@ def reserve_slots_cpu(
 
 
 def count_appends_cpu(
-    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int
+    b: torch.Tensor, h: torch.Tensor, counts: torch.Tensor, tpp: int, known: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """:func:`hfkv.kernels.reserve.count_appends` on CPU tensors (same arguments and result; ``counts`` is written)."""
     step, n_heads = head_step(counts, "count_appends_cpu"), counts.numel()
@@ -56,4 +56,4 @@ def count_appends_cpu(
         b.data_ptr(), h.data_ptr(), b.numel(), counts.shape[1], counts.data_ptr(), step, n_heads, tpp, k.data_ptr(),
         old.data_ptr(), ctypes.byref(widest),
     )  # fmt: skip
-    return k, old, int(total), int(widest.value)
+    return (k, old, int(total), int(widest.value)) if known is None else (k, old, *known)
