@@ -40,6 +40,7 @@ from hfkv.policy import (
     token_scores,
 )
 from hfkv.policy.budget import allocate
+from hfkv.policy.unified import Sinks
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat, check_ends
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
@@ -142,6 +143,7 @@ class TriStateLayer(CacheLayerMixin):
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
         self._cost_t: torch.Tensor | None = None  # self.cost per tier on the tiers' device (0: a tier that is off)
+        self._cap_memo: tuple | None = None  # (ratios, their view, heads and room, exact cap): _exact_cap
         self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
         self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
         # A Triton decode step reads its position and ring slot from the device ([position, slot], advanced by
@@ -423,10 +425,9 @@ class TriStateLayer(CacheLayerMixin):
 
     def _classify(self, scores, state, pos, window_count: int, rho) -> torch.Tensor:
         bsz, heads = scores.shape[:2]
-        sink = (state != EVICTED) & (pos < self.sink_end.view(-1, 1, 1))
+        sink = Sinks(pos, self.sink_end)  # held slots below the row's sink end (the kernels compare them as they read)
         cfg = self.cfg
         if self.memory_budget:
-            rows = (bsz,) if cfg.head_adaptive else (bsz, heads)
             room = self.room * (heads if cfg.head_adaptive else 1)
             cap = None if rho is None else self._exact_cap(rho, heads)
             if self.backend == "cpu":  # the same decisions, selected in C++ instead of sorted in torch
@@ -439,10 +440,10 @@ class TriStateLayer(CacheLayerMixin):
                 scores,
                 state,
                 sink,
-                torch.full((bsz,), self.length, dtype=torch.int64, device=self.device),
+                self.length,  # every row's (one timeline): a launch argument, not a filled tensor
                 self.alpha_h,
                 self.alpha_l,
-                torch.full(rows, room, dtype=torch.int64, device=self.device),
+                room,
                 self.cost,
                 self.fidelity,
                 cfg.head_adaptive,
@@ -472,8 +473,16 @@ class TriStateLayer(CacheLayerMixin):
         then written where they belong.
         """
         self.steps_since_policy = 0
-        if exits is None:
-            exits = self.window.pop_oldest(max(0, self.window.count - self.cfg.window))
+        if exits is not None:
+            self._run_policy(exits)
+            return
+        # the exits as views of the ring, their slots emptied once the run has read them
+        try:
+            self._run_policy(self.window.pop_oldest_views(max(0, self.window.count - self.cfg.window)))
+        finally:
+            self.window.clear_popped()
+
+    def _run_policy(self, exits: tuple[torch.Tensor, ...]) -> None:
         ek, ev, epos, escore = exits
         bsz, heads, m = escore.shape
         if self._nothing_competes(epos):
@@ -491,8 +500,7 @@ class TriStateLayer(CacheLayerMixin):
         new = self._classify(scores, state, pos, self.window.count, rho)
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
-            self._apply_planned(new, valid, sizes, news, (ek, ev, epos, escore))
-            self._refresh_tier_peak()
+            self._tier_peak = self._apply_planned(new, valid, sizes, news, (ek, ev, epos, escore))
             return
         changes = self._tier_changes(new, valid, sizes)
         valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
@@ -502,9 +510,15 @@ class TriStateLayer(CacheLayerMixin):
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
         """ARKV's OQ ratio as a cap on exact tokens: the layer's share of the exact tokens that would fit in
         the room (``[B]`` with ``head_adaptive``, else ``[B, H]``)."""
+        base = self.cache._rho  # the cache's ratios (rho is this layer's row of them), kept until they are invalidated
+        key = (rho.data_ptr(), tuple(rho.shape), heads, self.room)
+        if self._cap_memo is not None and self._cap_memo[0] is base and self._cap_memo[1] == key:
+            return self._cap_memo[2]  # the same ratios: the same cap, without its launches every policy run
         room = self.room * (heads if self.cfg.head_adaptive else 1)
         cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
-        return cap if self.cfg.head_adaptive else cap.view(-1, 1).expand(cap.shape[0], heads)
+        cap = cap if self.cfg.head_adaptive else cap.view(-1, 1).expand(cap.shape[0], heads)
+        self._cap_memo = (base, key, cap)
+        return cap
 
     def _nothing_competes(self, exit_pos: torch.Tensor) -> bool:
         """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
@@ -608,16 +622,19 @@ class TriStateLayer(CacheLayerMixin):
 
     def _apply_planned(
         self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], news: list[torch.Tensor], exits: tuple
-    ) -> None:
+    ) -> int:
         """:meth:`_apply` from a move plan made on the device (``hfkv.kernels.moves.plan_moves``, from the run's
         candidates ``new, valid``): the movers read and decoded into one buffer (a launch per source), the sources
         compacted, then one append per destination of its slice of the buffer. The storage it leaves is
         :meth:`_apply`'s, byte for byte, and the pages each removal frees and each append takes come with the plan's
-        one read instead of one read each."""
+        one read instead of one read each, as does the tier peak after the run (returned: what
+        :meth:`_refresh_tier_peak` would read)."""
         from hfkv.kernels.moves import gather_exits, plan_moves
 
         tiers = self.tiers
-        changes, entering, pages, b, h, src, idx = plan_moves(new, valid, sizes, tiers.counts, tiers.tpp)
+        cost = [c or 0 for c in self.cost] if self.memory_budget else [1] * tiers.num_tiers
+        held = (cost, tiers.counts.shape[1] if self.cfg.head_adaptive else 1)
+        changes, entering, pages, peak, b, h, src, idx = plan_moves(new, valid, sizes, tiers.counts, tiers.tpp, held)
         total = b.numel()
         if total:
             dim = exits[0].shape[-1]
@@ -630,12 +647,14 @@ class TriStateLayer(CacheLayerMixin):
                     tiers.gather_decoded_into(tier, b, h, idx, src, out)
             if total > sum(d for d, _ in changes):
                 gather_exits(*exits, b, h, src, idx, out)
-        # the old slots freed before the movers take new ones (as _apply)
+        # the old slots freed before the movers take new ones (as _apply); the table set to its width after the
+        # appends (pages[t][3], never below the removal's) once, not narrowed here and widened again there
         for tier, (_, leaving) in enumerate(changes):
             if leaving:
-                tiers.remove(tier, news[tier] == tier, pages[tier][:2])
+                tiers.remove(tier, news[tier], (pages[tier][0], pages[tier][3]), keep_state=tier)
         if total:
             self._append_by_tier(entering, [b, h, *out], [p[2:] for p in pages])
+        return peak
 
     # ------------------------------------------------------------ attention
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:

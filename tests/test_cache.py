@@ -469,3 +469,29 @@ def test_tier_members_sort_equals_nonzero():
         want = [(t, tuple(x.tolist() for x in m)) for t, m in _members_by_nonzero(new, 3)]
         got = [(t, tuple(x.tolist() for x in m)) for t, m in _members_by_sort(new, 3)]
         assert got == want and want
+
+
+def test_exact_cap_is_kept_while_the_ratios_hold_and_recomputed_when_they_change():
+    """A policy run's cap on exact tokens (ARKV's OQ ratio times the room) is computed once per set of ratios, not
+    every run: the same tensor while the cache's ratios hold, and the formula's values for new ones (new prefill
+    statistics invalidate them)."""
+    model = tiny_model("llama")
+    cache = hfkv.TriStateCache(model, "hfkv", budget=20, window=4)
+    ids, mask = left_padded_batch(lengths=(12, 9))
+    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    layer = cache.layers[0]
+    heads = layer.tiers.counts.shape[1]
+
+    def formula(rho):
+        room = layer.room * (heads if layer.cfg.head_adaptive else 1)
+        cap = torch.floor(rho.float() * (room / layer.cost[ORIGINAL])).long()
+        return cap if layer.cfg.head_adaptive else cap.view(-1, 1).expand(-1, heads)
+
+    cap = layer._exact_cap(cache.rho(0), heads)
+    assert torch.equal(cap, formula(cache.rho(0)))
+    assert layer._exact_cap(cache.rho(0), heads) is cap  # the same ratios: no new tensor
+    for i, other in enumerate(cache._tri_layers()):  # new statistics: other ratios
+        other.oq = torch.tensor([0.2 + 0.1 * i, 0.9 - 0.05 * i])
+    cache.invalidate_rho()
+    new = layer._exact_cap(cache.rho(0), heads)
+    assert torch.equal(new, formula(cache.rho(0))) and not torch.equal(new, cap)

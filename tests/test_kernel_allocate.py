@@ -45,3 +45,31 @@ def test_triton_allocation_with_a_prior_that_is_not_a_power_of_two():
         case["prior"] = 0.3
         case["logical_len"] = torch.tensor([997, 3001])
         assert torch.equal(allocate_triton(**case), allocate(**case))
+
+
+def test_sinks_by_position_and_scalar_lengths_and_room_decide_as_the_mask_and_tensors():
+    """A policy run passes its sinks as positions and a sink end per row (``Sinks``: a held slot below the end) and one
+    length and room for every row (ints): the Triton kernels compare and read them as launch arguments, the C++ and
+    torch paths make the mask and tensors; every one decides as the twin given the mask and the tensors."""
+    from hfkv.kernels.cpu.allocate import allocate_cpu
+    from hfkv.policy.unified import Sinks
+    from hfkv.states import EVICTED
+
+    differs = 0
+    for seed in range(6):
+        head_adaptive, cap = seed % 2 == 1, seed >= 3
+        case = _step_case(seed, 700, head_adaptive, cap)
+        g = torch.Generator().manual_seed(seed)
+        b, h, n = case["scores"].shape
+        case["state"] = torch.randint(0, 4, (b, h, n), generator=g).to(torch.int8)  # evicted slots among them
+        pos = torch.randint(0, 900, (b, h, n), generator=g)
+        end = torch.tensor([40 + 97 * seed, 5])
+        length, room = 650 + seed, int(case["room"].reshape(-1)[0])
+        mask = (case["state"] != EVICTED) & (pos < end.view(-1, 1, 1))
+        tensors = {**case, "logical_len": torch.full((b,), length), "room": torch.full(case["room"].shape, room)}
+        want = allocate(**{**tensors, "sink": mask})
+        fast = {**case, "sink": Sinks(pos, end), "logical_len": length, "room": room}
+        for fn in (allocate_triton, allocate_cpu, allocate):
+            assert torch.equal(fn(**fast), want), (fn.__name__, seed)
+        differs += not torch.equal(want, allocate(**{**tensors, "sink": torch.zeros_like(mask)}))
+    assert differs  # the sinks changed decisions

@@ -54,13 +54,17 @@ def test_triton_move_plan_equals_the_torch_twin(sizes, exits):
         valid = torch.rand(bsz, heads, n, generator=g) < 0.8
         tpp = [3, 5, 8][: len(sizes)]
         got, want = plan_moves(new, valid, sizes, counts, tpp), plan_moves_reference(new, valid, sizes, counts, tpp)
-        assert got[:3] == want[:3] and got[2] is not None
+        assert got[:4] == want[:4] and got[2] is not None and got[3] is None
         assert got[0] == tier_changes_reference(new, valid, sizes)
-        assert plan_moves(new, valid, sizes)[:3] == (*want[:2], None)  # no counts: no pages
-        for a, b in zip(got[3:], want[3:], strict=True):
+        assert plan_moves(new, valid, sizes)[:4] == (*want[:2], None, None)  # no counts: no pages
+        for a, b in zip(got[4:], want[4:], strict=True):
             assert torch.equal(a, b)
-        assert sum(got[1]) == got[3].numel()
-        assert got[3].numel() > 0 or (len(sizes) == 1 and not exits)  # one tier and no exits: nothing can move
+        assert sum(got[1]) == got[4].numel()
+        # the tier peak after the run: per head, or summed over a batch row's heads; costs past 2**31 in all
+        for cost, group in [([1] * len(sizes), 1), ([520, 136, 72][: len(sizes)], heads), ([9 << 28] * len(sizes), 1)]:
+            peak = plan_moves(new, valid, sizes, counts, tpp, (cost, group))[3]
+            assert peak == plan_moves_reference(new, valid, sizes, counts, tpp, (cost, group))[3] > 0
+        assert got[4].numel() > 0 or (len(sizes) == 1 and not exits)  # one tier and no exits: nothing can move
 
 
 def test_triton_exit_gather_writes_only_the_exit_rows():

@@ -90,6 +90,8 @@ def _apply_unplanned(self, new, valid, sizes, news, exits):
     valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
     new_exits = torch.split(new, [*sizes, m], dim=-1)[-1]
     self._apply(news, valids, self._tier_changes(new, valid, sizes), (*exits, new_exits) if m else None)
+    self._refresh_tier_peak()
+    return self._tier_peak
 
 
 def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatch):
@@ -104,7 +106,7 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
 
     def spy(*args):
         plan = plan_moves(*args)
-        planned.append((sum(d for d, _ in plan[0]), plan[3].numel(), plan[2]))
+        planned.append((sum(d for d, _ in plan[0]), plan[4].numel(), plan[2]))
         return plan
 
     monkeypatch.setattr(hfkv.kernels.moves, "plan_moves", spy)
@@ -116,6 +118,10 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
         cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True)
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
         tiers = [layer.tiers for layer in cache.layers]
+        for layer in cache.layers:  # the tier peak the last run left (the plan's, when planned) is the counts'
+            peak = layer._tier_peak
+            layer._refresh_tier_peak()
+            assert layer._tier_peak == peak
         results.append((out, [(t.counts.clone(), [x.clone() for x in t.tables], t.pool.data.clone(),
                                t.pool.n_free, t.pool.free_stack[: t.pool.n_free].clone()) for t in tiers]))  # fmt: skip
     (out, state), (ref_out, ref_state) = results

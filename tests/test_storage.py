@@ -413,6 +413,37 @@ def test_window_ring_pop_keeps_a_pending_token_unless_it_is_popped():
     assert torch.equal(k[:, :, 2:], toks[4][0]) and torch.equal(v[:, :, 2:], toks[4][1])
 
 
+def test_window_ring_pops_as_views_what_pop_oldest_returns_and_leaves_the_same_ring():
+    """A policy run takes its exits as views (``pop_oldest_views``) and empties their slots afterwards
+    (``clear_popped``): what it reads and the ring it leaves are ``pop_oldest``'s, whether or not the popped slots
+    wrap around the ring's end (then it gathers, as ``pop_oldest``); a change of the ring before the clear runs it."""
+    g = torch.Generator().manual_seed(3)
+    for extra in (0, 2, 3):
+        a = WindowRing(2, 2, 4, 3, torch.float32, "cpu", extra=extra)
+        b = WindowRing(2, 2, 4, 3, torch.float32, "cpu", extra=extra)
+        wrapped = viewed = 0
+        for p in range(60):
+            k, v = torch.randn(2, 2, 1, 3, generator=g), torch.randn(2, 2, 1, 3, generator=g)
+            for ring in (a, b):
+                ring.push(k, v, p)
+                ring.add_scores(torch.full((2, 2, ring.capacity), float(p)))
+            n = int(torch.randint(0, a.count + 1, (1,), generator=g))
+            wrap = a.start + n > a.capacity
+            got = b.pop_oldest_views(n)
+            want = a.pop_oldest(n)
+            viewed += (not wrap) and n > 0 and got[0]._base is b._k
+            wrapped += wrap
+            for x, y in zip(got, want, strict=True):
+                assert torch.equal(x, y)
+            if p % 2:
+                b.clear_popped()  # else the next push must run it
+        b.clear_popped()
+        assert a.start == b.start and a.count == b.count
+        for x, y in zip(a.raw(), b.raw(), strict=True):
+            assert torch.equal(x, y)
+        assert viewed > 0 and (extra == 0 or wrapped > 0)
+
+
 def test_window_ring_rejects_empty_window():
     with pytest.raises(ValueError, match="window"):
         WindowRing(1, 1, 0, 4, torch.float16, "cpu")

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import _check_shapes, _per_head
+from hfkv.policy.unified import Sinks, _check_shapes, _per_head
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate_triton"]
@@ -36,11 +36,20 @@ _EVICTED = tl.constexpr(EVICTED)  # the kernels' copies of the states
 _ORIGINAL = tl.constexpr(ORIGINAL)
 
 
-@triton.jit(do_not_specialize=["n", "prior"])
+@triton.jit
+def _is_sink(sink_ptr, pos_ptr, end_ptr, at, b, held, inside, SINK_POS: tl.constexpr):
+    # a slot's sink flag (SINK_POS: held and below its row's end; padding lanes count as sinks: nothing moves them)
+    if SINK_POS:
+        return (~inside) | (held & (tl.load(pos_ptr + at, mask=inside, other=0) < tl.load(end_ptr + b)))
+    return tl.load(sink_ptr + at, mask=inside, other=1) != 0
+
+
+@triton.jit(do_not_specialize=["n", "prior", "length_s"])
 def _items_kernel(
-    scores_ptr, state_ptr, sink_ptr, len_ptr, alpha_l_ptr, alpha_h_ptr, prior, present_ptr, rate_ptr, cost_ptr,
-    new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, n,
+    scores_ptr, state_ptr, sink_ptr, pos_ptr, end_ptr, len_ptr, length_s, alpha_l_ptr, alpha_h_ptr, prior,
+    present_ptr, rate_ptr, cost_ptr, new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, n,
     H: tl.constexpr, K: tl.constexpr, ADAPTIVE: tl.constexpr, EXACT_ROW: tl.constexpr, BLOCK: tl.constexpr,
+    SINK_POS: tl.constexpr, LEN_SCALAR: tl.constexpr,
 ):  # fmt: skip
     """One program per (row b * H + head, block of tokens): floors, then each token's K items as sort keys."""
     bh = tl.program_id(0).to(tl.int64)
@@ -49,9 +58,12 @@ def _items_kernel(
     at = bh * n + i
     s = tl.load(scores_ptr + at, mask=inside, other=0.0)
     state = tl.load(state_ptr + at, mask=inside, other=_EVICTED).to(tl.int32)
-    sink = tl.load(sink_ptr + at, mask=inside, other=1) != 0
+    sink = _is_sink(sink_ptr, pos_ptr, end_ptr, at, bh // H, state != _EVICTED, inside, SINK_POS)
     # The twin's thresholds alpha / N and prior term (prior / N = reciprocal(N) * prior in torch), IEEE-rounded.
-    length = tl.maximum(tl.load(len_ptr + bh // H), 1).to(tl.float32)
+    if LEN_SCALAR:  # every row's length, a launch argument
+        length = tl.maximum(length_s, 1).to(tl.float32)
+    else:
+        length = tl.maximum(tl.load(len_ptr + bh // H), 1).to(tl.float32)
     lo = tl.math.div_rn(tl.load(alpha_l_ptr + bh % H), length)
     hi = tl.math.div_rn(tl.load(alpha_h_ptr + bh % H), length)
     add = tl.math.div_rn(1.0, length) * prior
@@ -89,10 +101,10 @@ def _items_kernel(
         tl.store(key_ptr + dst, key, mask=inside)
 
 
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit(do_not_specialize=["rows", "room_s"])
 def _fits_kernel(
-    sums_ptr, room_ptr, cap_ptr, left_ptr, flag_ptr, rows, HEADS: tl.constexpr, HAS_CAP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    sums_ptr, room_ptr, room_s, cap_ptr, left_ptr, flag_ptr, rows, HEADS: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK: tl.constexpr, ROOM_SCALAR: tl.constexpr,
 ):  # fmt: skip
     """One program: each row's room left past its sinks' bytes (the scan's room), and whether every row's candidates
     fit it (and its exact ones the cap): the fast path's flag, read back once. ``HEADS``: sums a row adds up (the
@@ -110,7 +122,10 @@ def _fits_kernel(
             sink += tl.load(sums_ptr + at, mask=inside, other=0)
             cand += tl.load(sums_ptr + n + at, mask=inside, other=0)
             exact += tl.load(sums_ptr + 2 * n + at, mask=inside, other=0)
-        left = tl.load(room_ptr + r, mask=inside, other=0) - sink
+        if ROOM_SCALAR:  # every row's room, a launch argument
+            left = room_s - sink
+        else:
+            left = tl.load(room_ptr + r, mask=inside, other=0) - sink
         tl.store(left_ptr + r, left, mask=inside)
         ok = cand <= left
         if HAS_CAP:
@@ -152,8 +167,8 @@ def _scan_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _decide_kernel(
-    new_ptr, sink_ptr, taken_ptr, target_ptr, out_ptr, n,
-    H: tl.constexpr, ADAPTIVE: tl.constexpr, BLOCK: tl.constexpr,
+    new_ptr, sink_ptr, pos_ptr, end_ptr, taken_ptr, target_ptr, out_ptr, n,
+    H: tl.constexpr, ADAPTIVE: tl.constexpr, BLOCK: tl.constexpr, SINK_POS: tl.constexpr,
 ):  # fmt: skip
     """A token takes a prefix of its items (slopes fall along them): it ends in the tier its last one reaches."""
     bh = tl.program_id(0).to(tl.int64)
@@ -161,7 +176,8 @@ def _decide_kernel(
     inside = i < n
     at = bh * n + i
     new = tl.load(new_ptr + at, mask=inside, other=_EVICTED)
-    sink = tl.load(sink_ptr + at, mask=inside, other=1) != 0
+    # a sink is held after the floors exactly where it was before them (floors never move a sink)
+    sink = _is_sink(sink_ptr, pos_ptr, end_ptr, at, bh // H, new.to(tl.int32) != _EVICTED, inside, SINK_POS)
     if ADAPTIVE:
         m = tl.load(taken_ptr + (bh // H) * (n * H) + i.to(tl.int64) * H + bh % H, mask=inside, other=0)
     else:
@@ -188,24 +204,26 @@ def _tables(cost: tuple, fidelity: tuple, device: torch.device) -> tuple[Tensor,
 def allocate_triton(
     scores: Tensor,
     state: Tensor,
-    sink: Tensor,
-    logical_len: Tensor,
+    sink: Tensor | Sinks,
+    logical_len: Tensor | int,
     alpha_h: Tensor,
     alpha_l: Tensor,
-    room: Tensor,
+    room: Tensor | int,
     cost: Costs,
     fidelity: Sequence[float | None],
     head_adaptive: bool,
     exact_cap: Tensor | None = None,
     prior: float = 0.0,
 ) -> Tensor:
-    """:func:`hfkv.policy.budget.allocate` (same arguments, same result) in Triton launches."""
+    """:func:`hfkv.policy.budget.allocate` (same arguments, same result) in Triton launches. Sinks given by position
+    (:class:`Sinks`) are compared in the kernels and ints for ``logical_len`` / ``room`` go as launch arguments: a
+    policy run makes no mask or filled tensor first."""
     b, h, n = _check_shapes(scores, state, sink)
     device = scores.device
     present_t, rate_t, step_cost_t, target_t, state_cost = _tables(tuple(cost), tuple(fidelity), device)
     k = step_cost_t.numel()
     rows = (b,) if head_adaptive else (b, h)
-    if tuple(room.shape) != rows:
+    if not isinstance(room, int) and tuple(room.shape) != rows:
         raise ValueError(f"room must have shape {rows}, got {tuple(room.shape)}")
     if exact_cap is not None and tuple(exact_cap.shape) != rows:
         raise ValueError(f"exact_cap must have shape {rows}, got {tuple(exact_cap.shape)}")
@@ -216,22 +234,31 @@ def allocate_triton(
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
-    sink8 = sink.to(torch.uint8).contiguous()
-    lengths = logical_len.to(device=device, dtype=torch.int64).reshape(b)
+    sink_pos = isinstance(sink, Sinks)
+    if sink_pos:  # compared in the kernels (the mask's pointer is an unread stand-in)
+        sink8, pos, end = state, sink.pos.to(torch.int64).contiguous(), sink.end.to(device, torch.int64).contiguous()
+    else:
+        sink8 = sink.to(torch.uint8).contiguous()
+        pos = end = sink8
+    len_scalar = isinstance(logical_len, int)
+    lengths = state if len_scalar else logical_len.to(device=device, dtype=torch.int64).reshape(b)
     grid = (b * h, triton.cdiv(n, _BLOCK))
     _items_kernel[grid](
-        scores.to(torch.float32).contiguous(), state, sink8, lengths, alpha_l, alpha_h, float(prior), present_t,
-        rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], n, H=h, K=k, ADAPTIVE=head_adaptive,
-        EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK,
+        scores.to(torch.float32).contiguous(), state, sink8, pos, end, lengths, logical_len if len_scalar else 0,
+        alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], n, H=h,
+        K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK, SINK_POS=sink_pos,
+        LEN_SCALAR=len_scalar,
         enable_fp_fusion=False,  # score + reciprocal(N) * prior rounded twice, as torch computes it (no FMA)
     )  # fmt: skip
     n_rows = keys.shape[0]
     left = torch.empty(n_rows, dtype=torch.int64, device=device)  # each row's room past its sinks
     flag = torch.empty(1, dtype=torch.int32, device=device)
     cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else left
+    room_scalar = isinstance(room, int)
+    room_t = left if room_scalar else room.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
     _fits_kernel[(1,)](
-        sums, room.to(device=device, dtype=torch.int64).reshape(-1).contiguous(), cap, left, flag, n_rows,
-        HEADS=h if head_adaptive else 1, HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK,
+        sums, room_t, room if room_scalar else 0, cap, left, flag, n_rows, HEADS=h if head_adaptive else 1,
+        HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK, ROOM_SCALAR=room_scalar,
     )  # fmt: skip
     if flag.item():  # the one host read: nothing moves
         return new
@@ -242,5 +269,6 @@ def allocate_triton(
         K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
     )  # fmt: skip
     out = torch.empty_like(new)
-    _decide_kernel[grid](new, sink8, taken, target_t, out, n, H=h, ADAPTIVE=head_adaptive, BLOCK=_BLOCK)
+    _decide_kernel[grid](new, sink8, pos, end, taken, target_t, out, n, H=h, ADAPTIVE=head_adaptive, BLOCK=_BLOCK,
+                         SINK_POS=sink_pos)  # fmt: skip
     return out

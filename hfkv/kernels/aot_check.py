@@ -195,7 +195,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
             tier_changes(torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool), sizes)
             # a move plan's launches: its count (recorded here, so it reads zeros back) and its placing of 10 movers
             new, valid = torch.zeros(1, 2, 8, dtype=torch.int8), torch.ones(1, 2, 8, dtype=torch.bool)
-            plan_moves(new, valid, sizes, torch.zeros(1, 2, len(sizes), dtype=torch.long), [4] * len(sizes))
+            counts = torch.zeros(1, 2, len(sizes), dtype=torch.long)
+            plan_moves(new, valid, sizes, counts, [4] * len(sizes))
+            plan_moves(new, valid, sizes, counts, [4] * len(sizes), ([520] * len(sizes), 2))  # and the tier peak
             place_moves(new, valid, sizes, torch.zeros(len(sizes), 2, dtype=torch.int32), [10] + [0] * (len(sizes) - 1))
         for dtype in (torch.bfloat16, torch.float16, torch.float32):  # the exits' model dtypes
             kv = torch.zeros(1, 2, 4, 128, dtype=dtype)
@@ -214,8 +216,10 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
 
 def _allocate_calls() -> list[tuple[Any, tuple, dict]]:
     """The budget allocation's launches: per head and head-adaptive, with and without the exact cap, two and
-    three tiers (a room below zero, so the scan past the fast path is launched too)."""
+    three tiers (a room below zero, so the scan past the fast path is launched too), sinks, length and room as
+    tensors and as a policy run passes them (``Sinks``, ints)."""
     from hfkv.kernels.allocate import allocate_triton
+    from hfkv.policy.unified import Sinks
 
     n = 5
     with captured_launches() as got:
@@ -223,10 +227,13 @@ def _allocate_calls() -> list[tuple[Any, tuple, dict]]:
             rows = (1,) if adaptive else (1, 2)
             for cap in (None, torch.ones(rows, dtype=torch.long)):
                 for cost, fidelity in (((520, 264, 88), (1.0, 0.95, 0.6)), ((520, None, 88), (1.0, None, 0.6))):
-                    allocate_triton(torch.zeros(1, 2, n), torch.zeros(1, 2, n, dtype=torch.int8),
-                                    torch.zeros(1, 2, n, dtype=torch.bool), torch.full((1,), n),
-                                    torch.tensor(float("inf")), torch.tensor(0.0), torch.full(rows, -1), cost,
-                                    fidelity, adaptive, cap, 1.0)  # fmt: skip
+                    for run in (False, True):
+                        sink = Sinks(torch.zeros(1, 2, n, dtype=torch.long), torch.ones(1, dtype=torch.long)) if run \
+                            else torch.zeros(1, 2, n, dtype=torch.bool)  # fmt: skip
+                        allocate_triton(torch.zeros(1, 2, n), torch.zeros(1, 2, n, dtype=torch.int8), sink,
+                                        n if run else torch.full((1,), n), torch.tensor(float("inf")),
+                                        torch.tensor(0.0), -1 if run else torch.full(rows, -1), cost, fidelity,
+                                        adaptive, cap, 1.0)  # fmt: skip
     return got
 
 

@@ -95,24 +95,33 @@ def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ compaction
+@triton.jit
+def _kept(keep_row, s, ok, KEEP_STATE: tl.constexpr):
+    # whether slots s (where ok) are kept: a flag, or (KEEP_STATE >= 0) a new state equal to the tier's own
+    x = tl.load(keep_row + s, mask=ok, other=0)
+    if KEEP_STATE >= 0:
+        return ok & (x.to(tl.int32) == KEEP_STATE)
+    return ok & (x != 0)
+
+
 # A removal's whole data movement in one launch, one program per (row, head): the head's new count (its kept live
 # slots), then the j-th hole below it (a live slot not kept) receives the j-th kept record at or above it, both in
 # slot order (the torch path's pairing of two nonzero scans), then the live slots past the new count on pages the
 # head keeps get a zero tag. Barriers separate the passes: one pass's stores are another thread's loads in the next.
-@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp", "count_stride"])
+@triton.jit(do_not_specialize=["table_w", "m", "page_words", "tpp", "count_stride", "keep_stride"])
 def _compact_kernel(
-    words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, m, scratch_ptr, page_words, tpp,
-    REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, keep_stride, m, scratch_ptr,
+    page_words, tpp, REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, KEEP_STATE: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     cnt = tl.minimum(tl.load(counts_ptr + bh * count_stride), m)
-    keep_row = keep_ptr + bh * m
+    keep_row = keep_ptr + bh * keep_stride
     lane = tl.arange(0, BLOCK)
     # 0. the new count: kept live slots (flags past the count do not count)
     keep_n = tl.full((), 0, tl.int64)
     for start in range(0, cnt, BLOCK):
         s = start + lane
-        keep_n += tl.sum((tl.load(keep_row + s, mask=s < cnt, other=0) != 0).to(tl.int64), 0)
+        keep_n += tl.sum(_kept(keep_row, s, s < cnt, KEEP_STATE).to(tl.int64), 0)
     tl.store(new_ptr + bh, keep_n)
     pages = table_ptr + bh * table_w
     holes = scratch_ptr + bh * m
@@ -120,7 +129,7 @@ def _compact_kernel(
     base = 0
     for start in range(0, keep_n, BLOCK):
         s = start + lane
-        hole = (tl.load(keep_row + s, mask=s < keep_n, other=1) == 0) & (s < keep_n)
+        hole = (~_kept(keep_row, s, s < keep_n, KEEP_STATE)) & (s < keep_n)
         rank = base + tl.cumsum(hole.to(tl.int32), 0) - 1
         tl.store(holes + rank, s.to(tl.int32), mask=hole)
         base += tl.sum(hole.to(tl.int32), 0)
@@ -130,7 +139,7 @@ def _compact_kernel(
     base = 0
     for start in range(keep_n, cnt, BLOCK):
         s = start + lane
-        src = (tl.load(keep_row + s, mask=s < cnt, other=0) != 0) & (s < cnt)
+        src = _kept(keep_row, s, s < cnt, KEEP_STATE) & (s < cnt)
         rank = base + tl.cumsum(src.to(tl.int32), 0) - 1
         dst = tl.load(holes + rank, mask=src, other=0).to(tl.int64)
         s_page = tl.load(pages + s // tpp, mask=src, other=0).to(tl.int64) * page_words
@@ -162,23 +171,33 @@ def compact(
     keep: torch.Tensor,
     tpp: int,
     layout: RecordLayout,
+    keep_state: int | None = None,
 ) -> torch.Tensor:
     """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s data movement in one launch (the torch path of
     :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, flags past a head's
     count ignored; ``counts [B, H]`` int64 (a tier's view of ``PagedTiers.counts`` is fine), left as it is.
+    With ``keep_state``, ``keep`` is the slots' new states (int8; a policy run's slice of them, rows strided) and a
+    slot is kept where its state is ``keep_state``: no comparison launched first.
     Returns each head's new count, ``[B, H]`` int64 (its kept live slots)."""
     check_pool(pool, "compact")
     bsz, heads, width = table.shape
     m = keep.shape[-1]
     if m == 0 or width == 0 or bsz * heads == 0:
         return torch.zeros(bsz, heads, dtype=torch.int64, device=pool.device)
+    if keep_state is None:
+        keep = keep.contiguous().view(torch.uint8)
+    elif keep.dtype != torch.int8:
+        raise ValueError(f"compact: keep must hold int8 states with keep_state={keep_state}, got {keep.dtype}")
+    if keep.stride(-1) != 1 or keep.stride(0) != heads * keep.stride(1):  # rows not one stride apart
+        keep = keep.contiguous()
     new = torch.empty(bsz, heads, dtype=torch.int64, device=pool.device)  # every head's is written
     step = head_step(counts, "compact")
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
     rec_w = layout.stride // 4
     _compact_kernel[(bsz * heads,)](
-        pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep.contiguous().view(torch.uint8), m,
-        scratch, pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
+        pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep, keep.stride(1), m, scratch,
+        pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
+        KEEP_STATE=-1 if keep_state is None else keep_state,
     )  # fmt: skip
     return new
 

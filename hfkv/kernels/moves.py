@@ -35,18 +35,22 @@ _ROWS = 128
 _BLOCK_N = 16
 
 # (changes [(demoted, leaving)] per tier, entering [tokens] per tier, pages [(freed, width after the removal, new,
-# width after the appends)] per tier (None without the counts), b, h, source, index [total] int64 each)
-Plan = tuple[list[tuple[int, int]], list[int], list[tuple[int, int, int, int]] | None, torch.Tensor, torch.Tensor,
-             torch.Tensor, torch.Tensor]  # fmt: skip
+# width after the appends)] per tier (None without the counts), peak (the fullest row's held cost after the run;
+# None without ``held``), b, h, source, index [total] int64 each)
+Plan = tuple[list[tuple[int, int]], list[int], list[tuple[int, int, int, int]] | None, int | None, torch.Tensor,
+             torch.Tensor, torch.Tensor, torch.Tensor]  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["rows", "count_step", "tpp0", "tpp1", "tpp2"])
+@triton.jit(do_not_specialize=["rows", "count_step", "tpp0", "tpp1", "tpp2", "cost0", "cost1", "cost2"])
 def _pages_kernel(
-    counts_ptr, count_step, per_head_ptr, rows, tpp0, tpp1, tpp2, out_ptr, NT: tl.constexpr, BLOCK: tl.constexpr,
+    counts_ptr, count_step, per_head_ptr, rows, tpp0, tpp1, tpp2, cost0, cost1, cost2, out_ptr, NT: tl.constexpr,
+    PEAK: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program: per tier, the pages the run's removal frees and the widest head's pages after it, then the pages
     its appends take and the widest head's after them (what ``release_pages`` and ``count_appends`` read back),
-    from the counts before the run and what leaves and enters each head."""
+    from the counts before the run and what leaves and enters each head. ``PEAK``: then the largest cost a row holds
+    after the run (tokens times ``cost<t>`` summed over tiers and over ``GROUP`` consecutive heads), as two words
+    (31 low bits, the rest): what the cache reads back after the run to know when the next one is due."""
     for t in tl.static_range(NT):
         tpp = tpp0 if t == 0 else (tpp1 if t == 1 else tpp2)
         freed = tl.full((), 0, tl.int64)
@@ -69,6 +73,24 @@ def _pages_kernel(
         tl.store(out_ptr + 4 * t + 1, kept_w.to(tl.int32))
         tl.store(out_ptr + 4 * t + 2, taken.to(tl.int32))
         tl.store(out_ptr + 4 * t + 3, wide.to(tl.int32))
+    if PEAK:
+        groups = rows // GROUP
+        peak = tl.full((), 0, tl.int64)
+        for g0 in range(0, groups, BLOCK):
+            g = g0 + tl.arange(0, BLOCK)
+            ok = g < groups
+            held = tl.zeros([BLOCK], tl.int64)
+            for j in tl.static_range(GROUP):
+                r = g * GROUP + j
+                for t in tl.static_range(NT):
+                    cost = (cost0 if t == 0 else (cost1 if t == 1 else cost2)).to(tl.int64)
+                    old = tl.load(counts_ptr + r.to(tl.int64) * count_step + t, mask=ok, other=0)
+                    enter = tl.load(per_head_ptr + t * rows + r, mask=ok, other=0).to(tl.int64)
+                    leave = tl.load(per_head_ptr + (NT + t) * rows + r, mask=ok, other=0).to(tl.int64)
+                    held += cost * (old - leave + enter)
+            peak = tl.maximum(peak, tl.max(tl.where(ok, held, 0), 0))
+        tl.store(out_ptr + 4 * NT, (peak & 0x7FFFFFFF).to(tl.int32))
+        tl.store(out_ptr + 4 * NT + 1, (peak >> 31).to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n", "end0", "end1", "end2", "rows", "heads", "base1", "base2"])
@@ -110,26 +132,38 @@ def plan_moves(
     sizes: Sequence[int],
     counts: torch.Tensor | None = None,
     tpp: Sequence[int] | None = None,
+    held: tuple[Sequence[int], int] | None = None,
 ) -> Plan:
     """What a run moves (``new, valid [B, H, N]``: the allocation's states of the candidates, every tier's slots
-    (``sizes``) then the window's exits): ``(changes, entering, pages, b, h, source, index)``, ``changes`` as
+    (``sizes``) then the window's exits): ``(changes, entering, pages, peak, b, h, source, index)``, ``changes`` as
     :func:`hfkv.kernels.changes.tier_changes` gives them, ``entering[t]`` the tokens tier ``t`` takes, and per
     token, destination after destination, its head, its source (a tier, or :data:`EXIT`) and its slot there (or
     its exit index). With the tiers' ``counts [B, H, tiers]`` (int64, before the run) and records per page ``tpp``,
     ``pages[t]`` is what the run's removal and appends of tier ``t`` free and take: ``(freed, widest after the
-    removal, new, widest after the appends)``, so neither reads them back. Two or three launches and one host read."""
+    removal, new, widest after the appends)``, so neither reads them back; with ``held = (cost per tier, group)``
+    too, ``peak`` is the largest ``sum(cost[t] * tokens of tier t)`` over the tiers and ``group`` consecutive heads
+    after the run (the cache's tier peak, without a read of its own). Two or three launches and one host read."""
     bsz, heads, _ = new.shape
     nt, rows = len(sizes), bsz * heads
     with_pages = counts is not None
-    out, per_head = launch_changes(new, valid, sizes, entering=True, extra=4 * nt if with_pages else 0)
+    with_peak = with_pages and held is not None
+    if with_peak and (len(held[0]) != nt or held[1] < 1 or rows % held[1]):
+        raise ValueError(f"plan_moves: held={held} must be (one cost per tier ({nt}), a group dividing {rows} rows)")
+    extra = 4 * nt + 2 * with_peak if with_pages else 0
+    out, per_head = launch_changes(new, valid, sizes, entering=True, extra=extra)
     if with_pages and rows:
         tpps = [*tpp, *([1] * (3 - nt))]
-        _pages_kernel[(1,)](counts, counts.shape[-1], per_head, rows, *tpps, out[3 * nt :], NT=nt, BLOCK=_ROWS)
+        costs = [*(held[0] if with_peak else ()), *([0] * (3 - nt * with_peak))]
+        _pages_kernel[(1,)](
+            counts, counts.shape[-1], per_head, rows, *tpps, *costs, out[3 * nt :], NT=nt, PEAK=with_peak,
+            GROUP=held[1] if with_peak else 1, BLOCK=_ROWS,
+        )  # fmt: skip
     flat = out.tolist()  # the run's one wait
     changes = [(flat[2 * t], flat[2 * t + 1]) for t in range(nt)]
     entering = flat[2 * nt : 3 * nt]
     pages = [tuple(flat[3 * nt + 4 * t : 3 * nt + 4 * t + 4]) for t in range(nt)] if with_pages else None
-    return changes, entering, pages, *place_moves(new, valid, sizes, per_head, entering)
+    peak = flat[7 * nt] + (flat[7 * nt + 1] << 31) if with_peak else None
+    return changes, entering, pages, peak, *place_moves(new, valid, sizes, per_head, entering)
 
 
 def place_moves(
@@ -159,9 +193,10 @@ def plan_moves_reference(
     sizes: Sequence[int],
     counts: torch.Tensor | None = None,
     tpp: Sequence[int] | None = None,
+    held: tuple[Sequence[int], int] | None = None,
 ) -> Plan:
     """Torch twin of :func:`plan_moves`: the movers found with ``nonzero`` and put in order by a stable sort, the
-    pages from each head's counts after the removal and after the appends."""
+    pages from each head's counts after the removal and after the appends, the peak from the counts after both."""
     from hfkv.kernels.changes import tier_changes_reference
 
     bsz, heads, n = new.shape
@@ -177,9 +212,9 @@ def plan_moves_reference(
     dest = nw[b, h, i]
     order = torch.sort(dest, stable=True).indices
     entering = [int((dest == t).sum()) for t in range(nt)]
-    pages = None
+    pages = peak = None
     if counts is not None:
-        pages = []
+        pages, after_run = [], []
         for t in range(nt):
             leaving = (valid & (tier == t) & (nw != t)).sum(-1)  # [B, H]
             entering_t = (moving & (nw == t)).sum(-1)
@@ -188,8 +223,13 @@ def plan_moves_reference(
             have, kept_pages, after = ((x + tpp[t] - 1) // tpp[t] for x in (old, kept, kept + entering_t))
             pages.append((int((have - kept_pages).sum()), int(kept_pages.max()), int((after - kept_pages).sum()),
                           int(after.max())))  # fmt: skip
+            after_run.append(kept + entering_t)
+        if held is not None:
+            cost, group = held
+            rows = sum(c * n for c, n in zip(cost, after_run, strict=True)).reshape(-1, group).sum(-1)
+            peak = int(rows.max()) if rows.numel() else 0
     b, h, i = b[order], h[order], i[order]
-    return tier_changes_reference(new, valid, sizes), entering, pages, b, h, tier[i], i - start[i]
+    return tier_changes_reference(new, valid, sizes), entering, pages, peak, b, h, tier[i], i - start[i]
 
 
 @triton.jit(do_not_specialize=["n", "skb", "skh", "skm", "skd", "svb", "svh", "svm", "svd", "ssb", "ssh", "ssm"])

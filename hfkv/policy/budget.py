@@ -62,7 +62,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hfkv.policy.unified import _check_shapes, _lengths, _ordered_key, _per_head
+from hfkv.policy.unified import Sinks, _check_shapes, _lengths, _ordered_key, _per_head, rows_of, sink_mask
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate", "held_bytes_of", "hull_slopes"]
@@ -152,11 +152,11 @@ def _item_order(present: Tensor, eff: Tensor) -> Tensor:
 def allocate(
     scores: Tensor,
     state: Tensor,
-    sink: Tensor,
-    logical_len: Tensor,
+    sink: Tensor | Sinks,
+    logical_len: Tensor | int,
     alpha_h: Tensor,
     alpha_l: Tensor,
-    room: Tensor,
+    room: Tensor | int,
     cost: Costs,
     fidelity: Sequence[float | None],
     head_adaptive: bool,
@@ -169,10 +169,10 @@ def allocate(
         scores: ``[B, H, N]`` fp32 significance (mean received attention).
         state: ``[B, H, N]`` int8 current state; tokens leaving the window come in as ``ORIGINAL``,
             empty or padding slots as ``EVICTED``.
-        sink: ``[B, H, N]`` bool attention sinks (never change state; their bytes count).
-        logical_len: ``[B]`` logical length ``N`` (thresholds are ``alpha / N``).
+        sink: ``[B, H, N]`` bool attention sinks (never change state; their bytes count), or :class:`Sinks`.
+        logical_len: ``[B]`` logical length ``N`` (thresholds are ``alpha / N``), or one int for every row.
         alpha_h, alpha_l: ``[H]`` (or scalar) floors, may be ``inf``.
-        room: bytes the non-window slots may hold: ``[B, H]``, or ``[B]`` with ``head_adaptive``.
+        room: bytes the non-window slots may hold: ``[B, H]``, or ``[B]`` with ``head_adaptive``; or one int.
         cost: bytes of one record of each tier ``(ORIGINAL, MID, QUANTIZED)``; None switches a tier off.
         fidelity: value kept by a token of each tier (``None`` for a tier that is off).
         head_adaptive: one scan per layer row across heads instead of one per head.
@@ -186,14 +186,13 @@ def allocate(
     b, h, n = _check_shapes(scores, state, sink)
     on = _check_tiers(cost, fidelity)
     rows = (b,) if head_adaptive else (b, h)
-    if tuple(room.shape) != rows:
-        raise ValueError(f"room must have shape {rows}, got {tuple(room.shape)}")
     device = scores.device
+    room = rows_of(room, rows, "room", device)
     state = state.to(torch.int8)
     if n == 0:
         return state.clone()
     scores = scores.to(torch.float32)
-    sink = sink.to(torch.bool)
+    sink = sink_mask(sink, state)
     movable = ~sink
 
     # Floors: below alpha_l / N is evicted whatever the room; at or above alpha_h / N is exact or nothing.

@@ -37,13 +37,30 @@ head actually needs an eviction or a demotion; each of rules 2 and 3 does at mos
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from hfkv.states import EVICTED, ORIGINAL, QUANTIZED
 
-__all__ = ["budget_target", "classify", "expected_held_bound", "oq_cap"]
+__all__ = ["Sinks", "budget_target", "classify", "expected_held_bound", "oq_cap", "sink_mask"]
+
+
+class Sinks(NamedTuple):
+    """Attention sinks by position, what a policy run has at hand: a held slot (``state != EVICTED``) whose position
+    in ``pos [B, H, N]`` lies below its row's ``end [B]``. The Triton allocation compares them as it reads the
+    slots (three launches fewer than a mask made first); elsewhere :func:`sink_mask` makes the mask."""
+
+    pos: Tensor
+    end: Tensor
+
+
+def sink_mask(sink: Tensor | Sinks, state: Tensor) -> Tensor:
+    """``[B, H, N]`` bool sinks from a mask (returned as bool) or from :class:`Sinks` and the slots' ``state``."""
+    if isinstance(sink, Sinks):
+        return (state != EVICTED) & (sink.pos < sink.end.to(sink.pos.device).view(-1, 1, 1))
+    return sink.to(torch.bool)
 
 
 def budget_target(budget: int, window: int, slack: float) -> int:
@@ -131,20 +148,35 @@ def _apply_lowest(
     return torch.where(sel, torch.full_like(new, to_state), new)
 
 
-def _check_shapes(scores: Tensor, state: Tensor, sink: Tensor) -> tuple[int, int, int]:
-    """``(B, H, N)`` of ``scores``, after checking that ``state`` and ``sink`` share it."""
+def _check_shapes(scores: Tensor, state: Tensor, sink: Tensor | Sinks) -> tuple[int, int, int]:
+    """``(B, H, N)`` of ``scores``, after checking that ``state`` and ``sink`` (or its positions) share it."""
     if scores.dim() != 3:
         raise ValueError(f"scores must be [B, H, N], got shape {tuple(scores.shape)}")
     b, h, n = scores.shape
-    for name, t in (("state", state), ("sink", sink)):
+    sinks = ("sink.pos", sink.pos) if isinstance(sink, Sinks) else ("sink", sink)
+    for name, t in (("state", state), sinks):
         if tuple(t.shape) != (b, h, n):
             raise ValueError(f"{name} must have shape {(b, h, n)}, got {tuple(t.shape)}")
+    if isinstance(sink, Sinks) and tuple(sink.end.shape) != (b,):
+        raise ValueError(f"sink.end must have shape {(b,)}, got {tuple(sink.end.shape)}")
     return b, h, n
 
 
-def _lengths(logical_len: Tensor, device: torch.device) -> Tensor:
-    """Each row's logical length ``N`` as fp32 ``[B, 1, 1]`` (at least 1): thresholds are ``alpha / N``."""
+def _lengths(logical_len: Tensor | int, device: torch.device) -> Tensor:
+    """Each row's logical length ``N`` as fp32 ``[B, 1, 1]`` (``[1, 1, 1]`` for one for all; at least 1): thresholds
+    are ``alpha / N``."""
+    if isinstance(logical_len, int):
+        return torch.full((1, 1, 1), float(max(logical_len, 1)), device=device)
     return logical_len.to(device=device).clamp(min=1).to(torch.float32).view(-1, 1, 1)
+
+
+def rows_of(x: Tensor | int, rows: tuple[int, ...], name: str, device: torch.device | None = None) -> Tensor:
+    """``x`` as an int64 tensor shaped ``rows`` (an int is every row's), after checking a tensor's shape."""
+    if isinstance(x, int):
+        return torch.full(rows, x, dtype=torch.int64, device=device)
+    if tuple(x.shape) != rows:
+        raise ValueError(f"{name} must have shape {rows}, got {tuple(x.shape)}")
+    return x.to(dtype=torch.int64, device=device if device is not None else x.device)
 
 
 def _per_head(alpha: Tensor, h: int, device: torch.device) -> Tensor:
@@ -193,7 +225,7 @@ def classify(
     if n == 0:
         return state.clone()
     scores = scores.to(torch.float32)
-    sink = sink.to(torch.bool)
+    sink = sink_mask(sink, state)
     movable = ~sink
 
     # Rule 1: per-head thresholds alpha / N, no promotion; sinks untouched.

@@ -249,10 +249,10 @@ class PagedTiers:
         else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
         k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp, pages)
-        ids = torch.empty(0, dtype=torch.int32, device=self.device)
+        ids = self.pool.free_stack[:0]
         if total:
             self._set_width(tier, max(self.max_pages(tier), widest))
-            ids = self.pool.allocate(total)
+            ids = self.pool.take(total)  # read by reserve_slots below, before any release can overwrite them
         self.versions[tier] += 1
         return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
 
@@ -260,10 +260,13 @@ class PagedTiers:
         self.counts[..., tier] = new.view(self.batch, self.heads)
         self.versions[tier] += 1
 
-    def remove(self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None) -> None:
+    def remove(
+        self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None, keep_state: int | None = None
+    ) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
-        ``pages``: the pages it frees and the widest head's pages after it, when the caller knows them (a planned
-        policy run's): the kernel backends then read nothing back.
+        ``pages``: the pages it frees and the table's width after it, when the caller knows them (a planned
+        policy run's): the kernel backends then read nothing back. ``keep_state``: ``keep`` holds the slots' new
+        states (int8) and a slot stays where its state is ``keep_state`` (the kernels compare as they read).
 
         Holes below the new count are filled with the tier's last kept records (fewest moves),
         the vacated slots of pages the head keeps are tagged empty, then the tail pages that
@@ -278,13 +281,15 @@ class PagedTiers:
             else:
                 from hfkv.kernels.move import compact, release_pages
 
-            new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
+            new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier], keep_state)
             n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free,
                                            pages)  # fmt: skip
             self.pool.pushed(n_freed)
             self._set_width(tier, width)
             self.versions[tier] += 1
             return
+        if keep_state is not None:
+            keep = keep == keep_state
         m = keep.shape[-1]
         s = torch.arange(m, device=self.device)
         live = s < cnt.unsqueeze(-1)

@@ -81,6 +81,17 @@ class PagePool:
         self.n_free -= n
         return self.free_stack[self.n_free : self.n_free + n].clone()
 
+    def take(self, n: int) -> torch.Tensor:
+        """:meth:`allocate` without the copy: the ids as a view of the free stack, valid until the next release or
+        growth overwrites that part of it (a kernel launched before then reads them, as a policy run's appends do:
+        one launch fewer each)."""
+        if n < 0:
+            raise ValueError(f"PagePool.take: n={n} must be >= 0")
+        if n > self.n_free:
+            self._grow(n)
+        self.n_free -= n
+        return self.free_stack[self.n_free : self.n_free + n]
+
     def release(self, ids: torch.Tensor) -> None:
         """Push page ids back. Callers guarantee ids are live and distinct (checked in tests)."""
         n = int(ids.numel())

@@ -49,6 +49,7 @@ class WindowRing:
         self.count = 0  # tokens held
         self._empty: tuple[torch.Tensor, ...] | None = None  # what a push that displaces nothing returns
         self.pending: PendingWrite | None = None
+        self._popped: tuple[int, int] | None = None  # (first slot, n): popped as views, not yet emptied
 
     # A decode step's token can be written by the attention kernel that reads the ring (one launch instead
     # of four small ones, push_deferred): until then it is `pending`, and every read of the ring's tensors
@@ -91,6 +92,7 @@ class WindowRing:
     def push_deferred(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> int | None:
         """Take one token (``k, v [B, H, 1, D]``) into a free slot without writing it: it becomes ``pending``
         for a kernel to write; returns the slot. None (nothing taken) when the ring is full."""
+        self.clear_popped()
         self.flush()
         if self.count == self.capacity or k.shape[2] != 1:
             return None
@@ -122,6 +124,7 @@ class WindowRing:
 
         A pending token (the newest) stays pending unless it is popped too: the decode kernel of its step
         still writes it, so a policy run's step launches as the steps between runs do."""
+        self.clear_popped()
         n = max(0, min(n, self.count))
         if self.pending is not None and n >= self.count:
             self.flush()
@@ -132,6 +135,32 @@ class WindowRing:
         self.start = (self.start + n) % self.capacity
         self.count -= n
         return out
+
+    def pop_oldest_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`pop_oldest`, the tokens returned as views of the ring where their slots do not wrap around its end
+        (a policy run's exits, nearly always): no gather. Their slots are emptied by :meth:`clear_popped`, which the
+        caller runs once it has read them (two fills, where a pop is nine launches: a policy run on a GPU is bound
+        by its launches); until then every other change of the ring runs it first."""
+        self.clear_popped()
+        n = max(0, min(n, self.count))
+        s0 = self.start
+        if s0 + n > self.capacity or (self.pending is not None and n >= self.count):
+            return self.pop_oldest(n)
+        at = slice(s0, s0 + n)
+        out = self._k[:, :, at], self._v[:, :, at], self._pos[at], self._score[:, :, at]
+        if n:
+            self._popped = (s0, n)
+        self.start = (s0 + n) % self.capacity
+        self.count -= n
+        return out
+
+    def clear_popped(self) -> None:
+        """Empty the slots :meth:`pop_oldest_views` handed out (position -1, score 0)."""
+        if self._popped is not None:
+            s0, n = self._popped
+            self._popped = None
+            self._pos[s0 : s0 + n].fill_(-1)
+            self._score[:, :, s0 : s0 + n].zero_()
 
     def _nothing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._empty is None:
@@ -147,6 +176,7 @@ class WindowRing:
         One token only pushes out the oldest when the ring is at capacity; several tokens (a
         prompt or chunk) leave the newest ``W`` in the ring and return everything older.
         """
+        self.clear_popped()
         self.flush()
         n = k.shape[2]
         if n == 1:  # the decode step: a handful of small writes, nothing else
@@ -180,6 +210,7 @@ class WindowRing:
         self.score.add_(delta)
 
     def select_rows(self, index: torch.Tensor) -> None:
+        self.clear_popped()
         self.flush()
         self._k, self._v, self._score = self._k[index], self._v[index], self._score[index]
         self._empty = None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hfkv.kernels.cpu.build import library
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import _check_shapes, _per_head
+from hfkv.policy.unified import Sinks, _check_shapes, _per_head, rows_of, sink_mask
 from hfkv.states import ORIGINAL
 
 __all__ = ["allocate_cpu"]
@@ -48,11 +48,11 @@ def _tables(cost: tuple, fidelity: tuple) -> tuple[Tensor, Tensor, Tensor, Tenso
 def allocate_cpu(
     scores: Tensor,
     state: Tensor,
-    sink: Tensor,
-    logical_len: Tensor,
+    sink: Tensor | Sinks,
+    logical_len: Tensor | int,
     alpha_h: Tensor,
     alpha_l: Tensor,
-    room: Tensor,
+    room: Tensor | int,
     cost: Costs,
     fidelity: Sequence[float | None],
     head_adaptive: bool,
@@ -63,8 +63,9 @@ def allocate_cpu(
     b, h, n = _check_shapes(scores, state, sink)
     present, rate, step_cost, target, exact_rate = _tables(tuple(cost), tuple(fidelity))
     rows = (b,) if head_adaptive else (b, h)
-    if tuple(room.shape) != rows:
-        raise ValueError(f"room must have shape {rows}, got {tuple(room.shape)}")
+    room = rows_of(room, rows, "room")
+    sink = sink_mask(sink, state)
+    logical_len = rows_of(logical_len, (b,), "logical_len")
     if exact_cap is not None and tuple(exact_cap.shape) != rows:
         raise ValueError(f"exact_cap must have shape {rows}, got {tuple(exact_cap.shape)}")
     if scores.device.type != "cpu":
