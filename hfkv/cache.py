@@ -13,6 +13,7 @@ quantized tier or evicts it, and may later demote or evict it further, never bac
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -423,7 +424,9 @@ class TriStateLayer(CacheLayerMixin):
     def _mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return score_means(sums, pos, self._mean_over())
 
-    def _classify(self, scores, state, pos, window_count: int, rho) -> torch.Tensor:
+    def _classify(self, scores, state, pos, window_count: int, rho, over: bool = False) -> torch.Tensor:
+        """New states of the run's candidates (``over``: some row is known not to fit as it is, so the Triton
+        allocation need not read back whether everything fits)."""
         bsz, heads = scores.shape[:2]
         sink = Sinks(pos, self.sink_end)  # held slots below the row's sink end (the kernels compare them as they read)
         cfg = self.cfg
@@ -433,7 +436,9 @@ class TriStateLayer(CacheLayerMixin):
             if self.backend == "cpu":  # the same decisions, selected in C++ instead of sorted in torch
                 from hfkv.kernels.cpu.allocate import allocate_cpu as allocate_fn
             elif self.backend == "triton":  # the same decisions in three launches around the sort
-                from hfkv.kernels.allocate import allocate_triton as allocate_fn
+                from hfkv.kernels.allocate import allocate_triton
+
+                allocate_fn = partial(allocate_triton, fast_path=not over)
             else:
                 allocate_fn = allocate
             return allocate_fn(
@@ -497,7 +502,7 @@ class TriStateLayer(CacheLayerMixin):
             return
         pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over())
         rho = self.cache.rho(self.layer_idx)
-        new = self._classify(scores, state, pos, self.window.count, rho)
+        new = self._classify(scores, state, pos, self.window.count, rho, self._over_room(epos))
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
             self._tier_peak = self._apply_planned(new, valid, sizes, news, (ek, ev, epos, escore))
@@ -526,14 +531,10 @@ class TriStateLayer(CacheLayerMixin):
         room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
         and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and reading every tier's
         metadata to ask it would be the run's whole cost: at short contexts most runs are these."""
-        if not self.memory_budget or self._has_floor:
+        if not self.memory_budget or self._has_floor or self._over_room(exit_pos):
             return False
         heads = self.tiers.counts.shape[1]
         per = heads if self.cfg.head_adaptive else 1
-        if not self._padded and self._tier_peak + per * exit_pos.numel() * self.cost[ORIGINAL] > per * self.room:
-            # the fullest row (its held bytes are _tier_peak, read when the tiers last changed) cannot take its
-            # exits exact: decided on the host, no tensor operation or wait (a long context's every run)
-            return False
         counts = self.tiers.counts
         # [B, H] exits that would be held exact (all of them without padding)
         entering = self._not_padding(exit_pos).sum(-1) if self._padded else exit_pos.numel()
@@ -547,6 +548,16 @@ class TriStateLayer(CacheLayerMixin):
         if rho is not None:  # both conditions in one host read
             fits = fits & (exact <= self._exact_cap(rho, heads)).all()
         return bool(fits)
+
+    def _over_room(self, exit_pos: torch.Tensor) -> bool:
+        """Whether the fullest row (its held bytes are ``_tier_peak``, known since the tiers last changed) cannot take
+        the exits exact, under a byte budget without floors or padding: then it holds more than its room as it is, so
+        neither this run's host check nor the allocation's "does everything fit?" can say yes. Decided on the host,
+        no tensor operation or wait (a long context's every run)."""
+        if not self.memory_budget or self._has_floor or self._padded:
+            return False
+        per = self.tiers.counts.shape[1] if self.cfg.head_adaptive else 1
+        return self._tier_peak + per * exit_pos.numel() * self.cost[ORIGINAL] > per * self.room
 
     def _tier_changes(self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
         """Per tier: tokens demoted into a tier they stay in, and tokens leaving (one launch and one wait on the

@@ -21,6 +21,8 @@ def test_triton_allocation_equals_the_torch_twin(case):
     assert got.dtype == torch.int8
     assert torch.equal(got, allocate(**case))
     assert got.tolist() == reference_allocate(**case)
+    # straight to the ranking, whether or not everything fits (what the check would have short-cut): the same states
+    assert torch.equal(allocate_triton(**case, fast_path=False), got)
 
 
 def test_triton_allocation_over_a_run_of_policy_steps():
@@ -73,3 +75,18 @@ def test_sinks_by_position_and_scalar_lengths_and_room_decide_as_the_mask_and_te
             assert torch.equal(fn(**fast), want), (fn.__name__, seed)
         differs += not torch.equal(want, allocate(**{**tensors, "sink": torch.zeros_like(mask)}))
     assert differs  # the sinks changed decisions
+
+
+def test_ranking_without_the_fits_check_keeps_everything_when_everything_fits():
+    """``fast_path=False`` skips the read of "does everything fit?": where it all fits, the ranking itself must keep
+    every token as it is (what the check short-cuts to), caps and both head modes included."""
+    for seed, (head_adaptive, cap) in enumerate(((False, False), (True, False), (False, True))):
+        case = _step_case(seed, 400, head_adaptive, cap)
+        g = torch.Generator().manual_seed(seed)
+        case["state"] = torch.randint(0, 4, case["scores"].shape, generator=g).to(torch.int8)
+        case["room"] = case["room"] * 100
+        case["alpha_l"] = torch.zeros_like(case["alpha_l"])  # no floor: nothing is evicted whatever its score
+        if cap:
+            case["exact_cap"] = case["exact_cap"] * 100
+        assert torch.equal(allocate(**case), case["state"])  # it all fits: nothing moves
+        assert torch.equal(allocate_triton(**case, fast_path=False), case["state"])

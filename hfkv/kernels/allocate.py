@@ -214,10 +214,15 @@ def allocate_triton(
     head_adaptive: bool,
     exact_cap: Tensor | None = None,
     prior: float = 0.0,
+    fast_path: bool = True,
 ) -> Tensor:
     """:func:`hfkv.policy.budget.allocate` (same arguments, same result) in Triton launches. Sinks given by position
     (:class:`Sinks`) are compared in the kernels and ints for ``logical_len`` / ``room`` go as launch arguments: a
-    policy run makes no mask or filled tensor first."""
+    policy run makes no mask or filled tensor first.
+
+    ``fast_path=False``: rank without first reading back whether everything fits (the same states either way),
+    for a caller that knows some row does not (a cache over its budget: every run at a long context), so the
+    run's allocation waits on nothing."""
     b, h, n = _check_shapes(scores, state, sink)
     device = scores.device
     present_t, rate_t, step_cost_t, target_t, state_cost = _tables(tuple(cost), tuple(fidelity), device)
@@ -260,7 +265,7 @@ def allocate_triton(
         sums, room_t, room if room_scalar else 0, cap, left, flag, n_rows, HEADS=h if head_adaptive else 1,
         HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK, ROOM_SCALAR=room_scalar,
     )  # fmt: skip
-    if flag.item():  # the one host read: nothing moves
+    if fast_path and flag.item():  # the one host read: nothing moves
         return new
     sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
     taken = torch.zeros((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)
