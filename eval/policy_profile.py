@@ -54,6 +54,7 @@ SECTIONS = (
     ("layer", "run_policy", "run_policy"),
     ("layer", "_classify", "classify"),
     ("layer", "_apply", "apply"),
+    ("layer", "_apply_planned", "apply"),  # the Triton backend's: the move plan and the movers' gathers
     ("layer", "_admit", "admit"),
     ("layer", "_attend_slots", "attend"),
     ("tiers", "candidates", "candidates"),

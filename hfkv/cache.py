@@ -621,14 +621,20 @@ class TriStateLayer(CacheLayerMixin):
         fields = [x[order] for x in (b, h, k, v, pos, score)]  # one gather each, sliced per tier
         self._append_by_tier(counts[: tiers.num_tiers], fields)
 
-    def _append_by_tier(self, counts: list[int], fields: list[torch.Tensor], pages: list | None = None) -> None:
+    def _append_by_tier(
+        self, counts: list[int], fields: list[torch.Tensor], pages: list | None = None, heads: tuple | None = None
+    ) -> None:
         """Append ``fields`` (``b, h, k, v, pos, score``, grouped by destination tier, ``counts[t]`` tokens for tier
-        ``t``) one call per tier (``pages[t]``: its known new pages and widest head, a planned run's)."""
+        ``t``) one call per tier (``pages[t]``: its known new pages and widest head, ``heads``: each head's count and
+        tokens entering per tier, a planned run's)."""
         start = 0
         for tier, n in enumerate(counts):
             if n:
                 end = start + n
-                self.tiers.append_tokens(tier, *(x[start:end] for x in fields), None if pages is None else pages[tier])
+                known = {} if pages is None else {"pages": pages[tier]}
+                if heads is not None:
+                    known["heads"] = (heads[0][tier], heads[1][tier])
+                self.tiers.append_tokens(tier, *(x[start:end] for x in fields), **known)
             start += n
 
     def _apply_planned(
@@ -645,7 +651,9 @@ class TriStateLayer(CacheLayerMixin):
         tiers = self.tiers
         cost = [c or 0 for c in self.cost] if self.memory_budget else [1] * tiers.num_tiers
         held = (cost, tiers.counts.shape[1] if self.cfg.head_adaptive else 1)
-        changes, entering, pages, peak, b, h, src, idx = plan_moves(new, valid, sizes, tiers.counts, tiers.tpp, held)
+        changes, entering, pages, peak, b, h, src, idx, heads = plan_moves(
+            new, valid, sizes, tiers.counts, tiers.tpp, held
+        )
         total = b.numel()
         if total:
             dim = exits[0].shape[-1]
@@ -664,7 +672,7 @@ class TriStateLayer(CacheLayerMixin):
             if leaving:
                 tiers.remove(tier, news[tier], (pages[tier][0], pages[tier][3]), keep_state=tier)
         if total:
-            self._append_by_tier(entering, [b, h, *out], [p[2:] for p in pages])
+            self._append_by_tier(entering, [b, h, *out], [p[2:] for p in pages], heads)
         return peak
 
     # ------------------------------------------------------------ attention

@@ -57,9 +57,11 @@ def test_triton_move_plan_equals_the_torch_twin(sizes, exits):
         assert got[:4] == want[:4] and got[2] is not None and got[3] is None
         assert got[0] == tier_changes_reference(new, valid, sizes)
         assert plan_moves(new, valid, sizes)[:4] == (*want[:2], None, None)  # no counts: no pages
-        for a, b in zip(got[4:], want[4:], strict=True):
+        for a, b in zip(got[4:8], want[4:8], strict=True):
             assert torch.equal(a, b)
         assert sum(got[1]) == got[4].numel()
+        # each head's count after the removal and tokens entering, per tier (what the appends start from)
+        assert all(torch.equal(a.long(), b.long()) for a, b in zip(got[8], want[8], strict=True))
         # the tier peak after the run: per head, or summed over a batch row's heads; costs past 2**31 in all
         for cost, group in [([1] * len(sizes), 1), ([520, 136, 72][: len(sizes)], heads), ([9 << 28] * len(sizes), 1)]:
             peak = plan_moves(new, valid, sizes, counts, tpp, (cost, group))[3]

@@ -41,11 +41,19 @@ def test_reserve_equals_the_torch_path(backend, page_bytes, counts, rounds):
     base.pool.data[base.pool.free_stack[: base.pool.n_free].long()] = 0xAB
     torch_side, triton_side = copy.deepcopy(base), copy.deepcopy(base)
     triton_side.backend = backend
+    planned = copy.deepcopy(triton_side)  # told the pages and each head's count and appends (a planned run's)
     for per_head in rounds:
         for tier in range(len(layouts)):
             b, h = _appends(bsz, heads, per_head)
+            old = planned.counts[..., tier].reshape(-1).clone()
+            k = torch.tensor(per_head, dtype=torch.int32)
+            tpp = planned.tpp[tier]
+            after = (old + k + tpp - 1) // tpp
+            pages = (int((after - (old + tpp - 1) // tpp).sum()), int(after.max()))
             want = torch_side._reserve_offsets(tier, b, h)
             got = triton_side._reserve_offsets(tier, b, h)
             assert got.dtype == torch.int64 and torch.equal(got, want)
             _same_storage(torch_side, triton_side)
+            assert torch.equal(planned._reserve_offsets(tier, b, h, pages, (old, k)), want)
+            _same_storage(torch_side, planned)
     assert torch_side.versions == triton_side.versions

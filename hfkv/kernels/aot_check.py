@@ -184,6 +184,10 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1),
                               torch.ones(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
                               lay[t].stride, 2)  # fmt: skip
+                # a planned run's: the counts set by the reservation (entering per head as the plan's int32)
+                reserve_slots(tiers.pool.data, tiers.tables[t], tiers.counts[..., t].reshape(-1).clone(),
+                              torch.ones(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), tiers.tpp[t],
+                              lay[t].stride, 2, tiers.counts[..., t])  # fmt: skip
         calls += got
     calls += _allocate_calls()
     from hfkv.kernels.changes import tier_changes

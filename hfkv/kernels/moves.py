@@ -36,21 +36,24 @@ _BLOCK_N = 16
 
 # (changes [(demoted, leaving)] per tier, entering [tokens] per tier, pages [(freed, width after the removal, new,
 # width after the appends)] per tier (None without the counts), peak (the fullest row's held cost after the run;
-# None without ``held``), b, h, source, index [total] int64 each)
+# None without ``held``), b, h, source, index [total] int64 each, heads: per tier and head the count after the
+# removal (int64) and the tokens entering (``[tiers, B * H]`` each; None without the counts))
 Plan = tuple[list[tuple[int, int]], list[int], list[tuple[int, int, int, int]] | None, int | None, torch.Tensor,
-             torch.Tensor, torch.Tensor, torch.Tensor]  # fmt: skip
+             torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["rows", "count_step", "tpp0", "tpp1", "tpp2", "cost0", "cost1", "cost2"])
 def _pages_kernel(
-    counts_ptr, count_step, per_head_ptr, rows, tpp0, tpp1, tpp2, cost0, cost1, cost2, out_ptr, NT: tl.constexpr,
-    PEAK: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    counts_ptr, count_step, per_head_ptr, rows, tpp0, tpp1, tpp2, cost0, cost1, cost2, out_ptr, kept_ptr,
+    NT: tl.constexpr, PEAK: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One program: per tier, the pages the run's removal frees and the widest head's pages after it, then the pages
     its appends take and the widest head's after them (what ``release_pages`` and ``count_appends`` read back),
-    from the counts before the run and what leaves and enters each head. ``PEAK``: then the largest cost a row holds
-    after the run (tokens times ``cost<t>`` summed over tiers and over ``GROUP`` consecutive heads), as two words
-    (31 low bits, the rest): what the cache reads back after the run to know when the next one is due."""
+    from the counts before the run and what leaves and enters each head; each head's count after the removal is
+    written to ``kept_ptr`` (``[NT, rows]``: what the appends start from, so they need not count). ``PEAK``: then
+    the largest cost a row holds after the run (tokens times ``cost<t>`` summed over tiers and over ``GROUP``
+    consecutive heads), as two words (31 low bits, the rest): what the cache reads back to know when the next
+    run is due."""
     for t in tl.static_range(NT):
         tpp = tpp0 if t == 0 else (tpp1 if t == 1 else tpp2)
         freed = tl.full((), 0, tl.int64)
@@ -64,6 +67,7 @@ def _pages_kernel(
             enter = tl.load(per_head_ptr + t * rows + r, mask=ok, other=0).to(tl.int64)
             leave = tl.load(per_head_ptr + (NT + t) * rows + r, mask=ok, other=0).to(tl.int64)
             kept = old - leave
+            tl.store(kept_ptr + t * rows + r, kept, mask=ok)
             pages, kept_pages, after = (old + tpp - 1) // tpp, (kept + tpp - 1) // tpp, (kept + enter + tpp - 1) // tpp
             freed += tl.sum(tl.where(ok, pages - kept_pages, 0), 0)
             kept_w = tl.maximum(kept_w, tl.max(tl.where(ok, kept_pages, 0), 0))
@@ -151,11 +155,15 @@ def plan_moves(
         raise ValueError(f"plan_moves: held={held} must be (one cost per tier ({nt}), a group dividing {rows} rows)")
     extra = 4 * nt + 2 * with_peak if with_pages else 0
     out, per_head = launch_changes(new, valid, sizes, entering=True, extra=extra)
+    heads_after = None
+    if with_pages:
+        kept = torch.empty(nt, rows, dtype=torch.int64, device=new.device)
+        heads_after = (kept, per_head[:nt])
     if with_pages and rows:
         tpps = [*tpp, *([1] * (3 - nt))]
         costs = [*(held[0] if with_peak else ()), *([0] * (3 - nt * with_peak))]
         _pages_kernel[(1,)](
-            counts, counts.shape[-1], per_head, rows, *tpps, *costs, out[3 * nt :], NT=nt, PEAK=with_peak,
+            counts, counts.shape[-1], per_head, rows, *tpps, *costs, out[3 * nt :], kept, NT=nt, PEAK=with_peak,
             GROUP=held[1] if with_peak else 1, BLOCK=_ROWS,
         )  # fmt: skip
     flat = out.tolist()  # the run's one wait
@@ -163,7 +171,7 @@ def plan_moves(
     entering = flat[2 * nt : 3 * nt]
     pages = [tuple(flat[3 * nt + 4 * t : 3 * nt + 4 * t + 4]) for t in range(nt)] if with_pages else None
     peak = flat[7 * nt] + (flat[7 * nt + 1] << 31) if with_peak else None
-    return changes, entering, pages, peak, *place_moves(new, valid, sizes, per_head, entering)
+    return changes, entering, pages, peak, *place_moves(new, valid, sizes, per_head, entering), heads_after
 
 
 def place_moves(
@@ -212,9 +220,9 @@ def plan_moves_reference(
     dest = nw[b, h, i]
     order = torch.sort(dest, stable=True).indices
     entering = [int((dest == t).sum()) for t in range(nt)]
-    pages = peak = None
+    pages = peak = heads_after = None
     if counts is not None:
-        pages, after_run = [], []
+        pages, after_run, kept_t, enter_t = [], [], [], []
         for t in range(nt):
             leaving = (valid & (tier == t) & (nw != t)).sum(-1)  # [B, H]
             entering_t = (moving & (nw == t)).sum(-1)
@@ -224,12 +232,15 @@ def plan_moves_reference(
             pages.append((int((have - kept_pages).sum()), int(kept_pages.max()), int((after - kept_pages).sum()),
                           int(after.max())))  # fmt: skip
             after_run.append(kept + entering_t)
+            kept_t.append(kept.reshape(-1))
+            enter_t.append(entering_t.reshape(-1).to(torch.int32))
+        heads_after = (torch.stack(kept_t), torch.stack(enter_t))
         if held is not None:
             cost, group = held
             rows = sum(c * n for c, n in zip(cost, after_run, strict=True)).reshape(-1, group).sum(-1)
             peak = int(rows.max()) if rows.numel() else 0
     b, h, i = b[order], h[order], i[order]
-    return tier_changes_reference(new, valid, sizes), entering, pages, peak, b, h, tier[i], i - start[i]
+    return tier_changes_reference(new, valid, sizes), entering, pages, peak, b, h, tier[i], i - start[i], heads_after
 
 
 @triton.jit(do_not_specialize=["n", "skb", "skh", "skm", "skd", "svb", "svh", "svm", "svd", "ssb", "ssh", "ssm"])

@@ -23,10 +23,10 @@ __all__ = ["count_appends", "reserve_slots"]
 _BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["table_w", "n_heads", "tpp", "page_words", "rec_bytes"])
+@triton.jit(do_not_specialize=["table_w", "n_heads", "tpp", "page_words", "rec_bytes", "count_stride"])
 def _reserve_kernel(
     words_ptr, table_ptr, table_w, old_ptr, k_ptr, ids_ptr, out_ptr, n_heads, tpp, page_words, rec_bytes,
-    BLOCK: tl.constexpr,
+    counts_ptr, count_stride, BLOCK: tl.constexpr, SET_COUNTS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     # This head's first record and first new page: exclusive prefix sums over the heads before it.
@@ -40,7 +40,9 @@ def _reserve_kernel(
         first += tl.sum(n, 0)
         start += tl.sum((o + n + tpp - 1) // tpp - (o + tpp - 1) // tpp, 0)
     old = tl.load(old_ptr + bh)
-    k = tl.load(k_ptr + bh)
+    k = tl.load(k_ptr + bh).to(tl.int64)
+    if SET_COUNTS:  # the head's count after the append (`old` is a snapshot: the other heads read theirs from it)
+        tl.store(counts_ptr + bh.to(tl.int64) * count_stride, old + k)
     have = (old + tpp - 1) // tpp  # pages the head owns
     need = (old + k + tpp - 1) // tpp - have
     row = table_ptr + bh.to(tl.int64) * table_w
@@ -67,19 +69,25 @@ def _reserve_kernel(
 
 def reserve_slots(
     pool: torch.Tensor, table: torch.Tensor, old: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tpp: int,
-    record_bytes: int, n: int,
+    record_bytes: int, n: int, counts: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Byte offsets ``[n]`` int64 of the next ``k[j]`` slots of every head ``j`` (``old [B*H]`` records held,
     ``k [B*H]`` appended, records grouped by head in head order); the new pages ``ids`` (int32, as many as the
-    heads need, taken in head order) are written into ``table [B, H, W]`` (wide enough) and zeroed."""
+    heads need, taken in head order) are written into ``table [B, H, W]`` (wide enough) and zeroed. With
+    ``counts [B, H]`` (a tier's view of ``PagedTiers.counts``), each head's is set to ``old + k`` too: what
+    :func:`count_appends` does, for a caller that has ``old`` and ``k`` already (a planned run's)."""
     check_pool(pool, "reserve_slots")
     out = torch.empty(n, dtype=torch.int64, device=pool.device)
     heads = old.numel()
     if heads == 0 or n == 0 and ids.numel() == 0:
+        if counts is not None and heads:
+            counts.copy_((old + k).view(counts.shape))
         return out
+    step = head_step(counts, "reserve_slots") if counts is not None else 0
     _reserve_kernel[(heads,)](
         pool.view(torch.int32), table, table.shape[-1], old.to(torch.int64).contiguous(), k.contiguous(), ids, out,
-        heads, tpp, pool.shape[1] // 4, record_bytes, BLOCK=_BLOCK,
+        heads, tpp, pool.shape[1] // 4, record_bytes, counts if counts is not None else out, step, BLOCK=_BLOCK,
+        SET_COUNTS=counts is not None,
     )  # fmt: skip
     return out
 

@@ -172,12 +172,15 @@ class PagedTiers:
         pos: torch.Tensor,
         score: torch.Tensor,
         pages: tuple[int, int] | None = None,
+        heads: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Encode tokens ``k, v [n, D]`` (positions ``pos [n]``, score sums ``score [n]``) into the tier's
         format and append them to heads ``(b, h)`` (grouped as for :meth:`append_flat`). No finiteness check:
         a caller that wants one reads ``RecordLayout.encodable_ends`` (the cache, once for a prompt's tiers).
         ``pages``: the new pages the append takes and the widest head's pages after it, when the caller knows them
-        (a planned policy run's): the kernel backends then read nothing back.
+        (a planned policy run's): the kernel backends then read nothing back. ``heads``: with ``pages``, each
+        head's count now and tokens appended (``[B * H]`` each, a planned run's): the Triton backend then reserves
+        the slots and sets the counts in one launch instead of counting first.
 
         The Triton and CPU backends quantize, pack and write each record in one call, straight into its slot
         (a policy run's few dozen tokens cost the torch encoder some fifty tensor operations).
@@ -192,7 +195,7 @@ class PagedTiers:
         else:
             self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite=False))
             return
-        offsets = self._reserve_offsets(tier, b, h, pages)
+        offsets = self._reserve_offsets(tier, b, h, pages, heads)
         if self.backend == "cpu":  # slots just reserved here: nothing to validate
             encode_write(self.pool.data, offsets, lay, k, v, pos, score, checked=False)
         else:
@@ -234,11 +237,16 @@ class PagedTiers:
         return self._locate(tier, b, h, s)
 
     def _reserve_offsets(
-        self, tier: int, b: torch.Tensor, h: torch.Tensor, pages: tuple[int, int] | None = None
+        self,
+        tier: int,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        pages: tuple[int, int] | None = None,
+        heads: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`_reserve`'s slots as byte offsets into the pool: two calls and one host read on the Triton and CPU
         backends (``count_appends``, which sets the new counts, then ``reserve_slots``), in place of the torch
-        path's dozens of operations."""
+        path's dozens of operations; one call and no read on the Triton one given ``pages`` and ``heads``."""
         lay, tpp = self.layouts[tier], self.tpp[tier]
         if self.backend == "torch":
             page, off = self._reserve(tier, b, h)
@@ -248,13 +256,20 @@ class PagedTiers:
             from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
         else:
             from hfkv.kernels.reserve import count_appends, reserve_slots
-        k, old, total, widest = count_appends(b, h, self.counts[..., tier], tpp, pages)
+        counts = self.counts[..., tier]
+        if heads is not None and pages is not None and self.backend == "triton":
+            (total, widest), (old, k), set_counts = pages, heads, counts  # the reservation sets the counts
+        else:
+            k, old, total, widest = count_appends(b, h, counts, tpp, pages)
+            set_counts = None
         ids = self.pool.free_stack[:0]
         if total:
             self._set_width(tier, max(self.max_pages(tier), widest))
             ids = self.pool.take(total)  # read by reserve_slots below, before any release can overwrite them
         self.versions[tier] += 1
-        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
+        if set_counts is None:
+            return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
+        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel(), set_counts)
 
     def _count_appended(self, tier: int, new: torch.Tensor) -> None:
         self.counts[..., tier] = new.view(self.batch, self.heads)
