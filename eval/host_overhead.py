@@ -78,7 +78,7 @@ INTERPRETING = [False]  # a recorded kernel runs in the interpreter now: its ten
 RUN_ALL = [False]
 DECODE_KERNELS = frozenset({"_partial_kernel", "_score_kernel", "_combine_kernel"})
 RUN_WHILE_RECORDING = frozenset(
-    {"_read_meta_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel", "_changes_kernel"}
+    {"_read_meta_kernel", "_candidates_kernel", "_items_kernel", "_scan_kernel", "_decide_kernel", "_changes_kernel"}
 )
 
 

@@ -42,14 +42,17 @@ def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, 
 @pytest.mark.parametrize("dim,dtype,page_bytes,counts", [
     (64, torch.float32, None, (40, 70)),
     (32, torch.bfloat16, 528, (0, 33)),
+    (64, torch.float32, 2048, (30, 20, 50)),  # three tiers (a mid one): every part of the Triton launch
 ])  # fmt: skip
 @pytest.mark.parametrize("m_exit", [0, 5])
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_policy_candidates_from_kernels_equal_the_torch_composition(backend, dim, dtype, page_bytes, counts, m_exit):
     """A policy run's candidates (every tier's slots, then the window's exits; padding evicted) read in one C++ pass
-    or a Triton launch per part equal the torch backend's reads, concatenations and select: positions, scores,
-    validity, state and widths."""
+    or one Triton launch equal the torch backend's reads, concatenations and select: positions, scores, validity,
+    state and widths."""
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
+    if len(counts) == 3:
+        layouts = (layouts[0], _layout("int8", "int4", dim, dtype), layouts[1])
     tiers: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim + m_exit)
     g = torch.Generator().manual_seed(m_exit)
     exit_pos = torch.arange(m_exit, dtype=torch.int64) + 150
@@ -73,7 +76,10 @@ def test_policy_candidates_from_kernels_equal_the_torch_composition(backend, dim
     if m_exit:
         assert (state[1, :, -m_exit:] == torch.tensor([3, 3, 0, 0, 0], dtype=torch.int8)).all()  # EVICTED, ORIGINAL
         assert not valid[2, :, -m_exit:].any() and valid[0, :, -m_exit:].all()
-    assert (state[..., : want[4][0]][valid[..., : want[4][0]]] == 0).all()  # a live slot's state is its tier
+    col = 0
+    for tier, width in enumerate(want[4]):  # a live slot's state is its tier
+        assert (state[..., col : col + width][valid[..., col : col + width]] == tier).all()
+        col += width
     assert (state[~valid] == 3).all()
 
 

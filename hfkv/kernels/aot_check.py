@@ -170,6 +170,11 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 read_candidates_triton(tiers.pool.data, tiers.tables, tiers.counts, tiers.tpp, lay, [5, 5],
                                        torch.arange(4), torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.long),
                                        mean_over)  # fmt: skip
+            # three tiers (a mid one): the candidates kernel's third part
+            read_candidates_triton(tiers.pool.data, [*tiers.tables, tiers.tables[1]],
+                                   torch.cat([tiers.counts, tiers.counts[..., 1:]], -1), [*tiers.tpp, tiers.tpp[1]],
+                                   (*lay, lay[1]), [5, 5, 5], torch.arange(4), torch.zeros(1, 2, 4),
+                                   torch.zeros(1, dtype=torch.long))  # fmt: skip
             for t in range(2):
                 read_meta_triton(tiers.pool.data, tiers.tables[t], tiers.counts[..., t], tiers.tpp[t], lay[t], 5)
                 keep = torch.ones(1, 2, 3, dtype=torch.bool)

@@ -4,8 +4,8 @@ backend (the torch path of ``read_meta`` is its twin; ``hfkv.kernels.cpu.meta`` 
 A policy run reads the position and score sum of every slot of every tier. The torch path builds slot indices,
 page lookups, masks and two strided gathers per tier, about a dozen launches; on a GPU a policy run is bound by
 its launches (docs/kernels.md, "Runs on a GPU"), so here it is one per tier. :func:`read_candidates_triton` writes
-a run's whole candidate list (every tier's slots, then the window's exits, with their states) the same way, one
-launch per tier and one for the exits, where the torch composition concatenates and selects in ten more.
+a run's whole candidate list (every tier's slots, then the window's exits, with their states) in one launch, where
+the torch composition concatenates and selects in ten more.
 """
 
 from __future__ import annotations
@@ -35,16 +35,14 @@ def _mean(score, pos, length, score_start):
     return tl.math.div_rn(score, count.to(tl.float32))
 
 
-@triton.jit(
-    do_not_specialize=["table_w", "count_step", "m", "page_words", "tpp", "row", "col0", "tier", "length", "start"]
-)
-def _read_meta_kernel(
+@triton.jit
+def _tier_block(
     words_ptr, table_ptr, table_w, counts_ptr, count_step, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
-    state_ptr, row, col0, tier, length, start, REC_W: tl.constexpr, STATE: tl.constexpr, MEAN: tl.constexpr,
+    state_ptr, row, col0, tier, length, start, bh, blk, REC_W: tl.constexpr, STATE: tl.constexpr, MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # block `blk` of one tier's slots of head `bh`: positions, scores (or their means), validity (and states)
+    s = blk * BLOCK + tl.arange(0, BLOCK)
     inside = s < m
     live = inside & (s < tl.load(counts_ptr + bh * count_step))
     page = tl.load(table_ptr + bh * table_w + s // tpp, mask=live, other=0).to(tl.int64)
@@ -61,13 +59,28 @@ def _read_meta_kernel(
         tl.store(state_ptr + out, tl.where(live, tier, _EVICTED).to(tl.int8), mask=inside)
 
 
-@triton.jit(do_not_specialize=["m", "heads", "row", "col0", "ssb", "ssh", "ssm", "length", "start"])
-def _exit_candidates_kernel(
-    exit_pos_ptr, exit_score_ptr, ssb, ssh, ssm, pad_end_ptr, m, heads, pos_ptr, score_ptr, valid_ptr, state_ptr,
-    row, col0, length, start, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(
+    do_not_specialize=["table_w", "count_step", "m", "page_words", "tpp", "row", "col0", "tier", "length", "start"]
+)
+def _read_meta_kernel(
+    words_ptr, table_ptr, table_w, counts_ptr, count_step, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
+    state_ptr, row, col0, tier, length, start, REC_W: tl.constexpr, STATE: tl.constexpr, MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _tier_block(
+        words_ptr, table_ptr, table_w, counts_ptr, count_step, m, page_words, tpp, pos_ptr, score_ptr, valid_ptr,
+        state_ptr, row, col0, tier, length, start, tl.program_id(0).to(tl.int64), tl.program_id(1), REC_W, STATE,
+        MEAN, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _exit_block(
+    exit_pos_ptr, exit_score_ptr, ssb, ssh, ssm, pad_end_ptr, m, heads, pos_ptr, score_ptr, valid_ptr, state_ptr,
+    row, col0, length, start, bh, blk, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # block `blk` of the window's exits of head `bh`: candidates for the original tier (padding: evicted)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
     inside = i < m
     b, h = bh // heads, bh % heads
     pos = tl.load(exit_pos_ptr + i, mask=inside, other=0).to(tl.int64)
@@ -80,6 +93,41 @@ def _exit_candidates_kernel(
     tl.store(score_ptr + out, score, mask=inside)
     tl.store(valid_ptr + out, live.to(tl.uint8), mask=inside)
     tl.store(state_ptr + out, tl.where(live, _ORIGINAL, _EVICTED).to(tl.int8), mask=inside)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "tw0", "tw1", "tw2", "m0", "m1", "m2", "tpp0", "tpp1", "tpp2", "count_step", "page_words", "ssb", "ssh", "ssm",
+        "n_exit", "heads", "row", "length", "start",
+    ]
+)  # fmt: skip
+def _candidates_kernel(
+    words_ptr, table0, table1, table2, tw0, tw1, tw2, m0, m1, m2, tpp0, tpp1, tpp2, counts_ptr, count_step,
+    page_words, exit_pos_ptr, exit_score_ptr, ssb, ssh, ssm, pad_end_ptr, n_exit, heads, pos_ptr, score_ptr,
+    valid_ptr, state_ptr, row, length, start, REC_W0: tl.constexpr, REC_W1: tl.constexpr, REC_W2: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Every tier's slots and the window's exits of a run's candidates in one launch: program (head, block), the
+    blocks numbered across the parts in order (a tier's, up to three, then the exits')."""
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    e1 = tl.cdiv(m0, BLOCK)
+    e2 = e1 + tl.cdiv(m1, BLOCK)
+    e3 = e2 + tl.cdiv(m2, BLOCK)
+    if blk < e1:
+        _tier_block(words_ptr, table0, tw0, counts_ptr, count_step, m0, page_words, tpp0, pos_ptr, score_ptr,
+                    valid_ptr, state_ptr, row, 0, 0, length, start, bh, blk, REC_W0, True, MEAN, BLOCK)  # fmt: skip
+    elif blk < e2:
+        _tier_block(words_ptr, table1, tw1, counts_ptr + 1, count_step, m1, page_words, tpp1, pos_ptr, score_ptr,
+                    valid_ptr, state_ptr, row, m0, 1, length, start, bh, blk - e1, REC_W1, True, MEAN,
+                    BLOCK)  # fmt: skip
+    elif blk < e3:
+        _tier_block(words_ptr, table2, tw2, counts_ptr + 2, count_step, m2, page_words, tpp2, pos_ptr, score_ptr,
+                    valid_ptr, state_ptr, row, m0 + m1, 2, length, start, bh, blk - e2, REC_W2, True, MEAN,
+                    BLOCK)  # fmt: skip
+    else:
+        _exit_block(exit_pos_ptr, exit_score_ptr, ssb, ssh, ssm, pad_end_ptr, n_exit, heads, pos_ptr, score_ptr,
+                    valid_ptr, state_ptr, row, m0 + m1 + m2, length, start, bh, blk - e3, MEAN, BLOCK)  # fmt: skip
 
 
 def read_meta_triton(
@@ -118,10 +166,10 @@ def read_candidates_triton(
     pad_end: torch.Tensor,
     mean_over: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:meth:`hfkv.storage.paged.PagedTiers.candidates` (its torch twin) in one launch per tier with slots and one
-    for the exits: ``(pos int64, score fp32, valid bool, state int8)``, each ``[B, H, sum(m) + len(exit_pos)]``
-    (``read_candidates_cpu``'s contract). With ``mean_over=(length, score_start)`` the scores are the sums' means
-    over the queries that saw each token, as the cache ranks them."""
+    """:meth:`hfkv.storage.paged.PagedTiers.candidates` (its torch twin) in one launch: ``(pos int64, score fp32,
+    valid bool, state int8)``, each ``[B, H, sum(m) + len(exit_pos)]`` (``read_candidates_cpu``'s contract). With
+    ``mean_over=(length, score_start)`` the scores are the sums' means over the queries that saw each token, as the
+    cache ranks them."""
     check_pool(pool, "read_candidates_triton")
     n_exit = check_candidates("read_candidates_triton", counts, tables, tpp, layouts, m, exit_pos, exit_score)
     bsz, heads, tiers = counts.shape
@@ -132,19 +180,21 @@ def read_candidates_triton(
     state = torch.empty(bsz, heads, n, dtype=torch.int8, device=dev)
     if rows == 0 or n == 0:
         return pos, score, valid.view(torch.bool), state
-    words, counts64, col = pool.view(torch.int32), counts.to(torch.int64).contiguous(), 0
+    counts64 = counts.to(torch.int64).contiguous()
     mean = mean_over if mean_over is not None else (0, 0)
-    for tier, (table, lay, width) in enumerate(zip(tables, layouts, m, strict=True)):
-        if width:  # a tier without pages is read as nothing live (its count is 0: no page is looked up)
-            _read_meta_kernel[(rows, triton.cdiv(width, _BLOCK))](
-                words, table.contiguous(), table.shape[-1], counts64[..., tier], tiers, width, pool.shape[1] // 4,
-                tpp[tier], pos, score, valid, state, n, col, tier, *mean, REC_W=lay.stride // 4, STATE=True,
-                MEAN=mean_over is not None, BLOCK=_BLOCK,
-            )  # fmt: skip
-        col += width
-    if n_exit:
-        _exit_candidates_kernel[(rows, triton.cdiv(n_exit, _BLOCK))](
-            exit_pos.contiguous(), exit_score, *exit_score.stride(), pad_end.contiguous(), n_exit, heads, pos, score,
-            valid, state, n, col, *mean, MEAN=mean_over is not None, BLOCK=_BLOCK,
-        )  # fmt: skip
+    # up to three tiers (the kernel's parts): missing ones hold no slot (their table is any tensor, never read)
+    if tiers > 3:
+        raise ValueError(f"read_candidates_triton: at most 3 tiers (the kernel's parts), got {tiers}")
+    pad = 3 - tiers
+    tabs = [t.contiguous() for t in tables]
+    tabs += tabs[:1] * pad
+    widths = [t.shape[-1] for t in tables] + [0] * pad
+    recs = [lay.stride // 4 for lay in layouts] + [1] * pad
+    blocks = sum(triton.cdiv(x, _BLOCK) for x in [*m, n_exit])
+    _candidates_kernel[(rows, blocks)](
+        pool.view(torch.int32), *tabs, *widths, *m, *([0] * pad), *tpp, *([1] * pad), counts64, tiers,
+        pool.shape[1] // 4, exit_pos.contiguous(), exit_score, *exit_score.stride(), pad_end.contiguous(), n_exit,
+        heads, pos, score, valid, state, n, *mean, REC_W0=recs[0], REC_W1=recs[1], REC_W2=recs[2],
+        MEAN=mean_over is not None, BLOCK=_BLOCK,
+    )  # fmt: skip
     return pos, score, valid.view(torch.bool), state
