@@ -65,7 +65,8 @@ def allocate_cpu(
     rows = (b,) if head_adaptive else (b, h)
     room = rows_of(room, rows, "room")
     sink = sink_mask(sink, state)
-    logical_len = rows_of(logical_len, (b,), "logical_len")
+    if isinstance(logical_len, int):
+        logical_len = torch.full((b,), logical_len, dtype=torch.int64)
     if exact_cap is not None and tuple(exact_cap.shape) != rows:
         raise ValueError(f"exact_cap must have shape {rows}, got {tuple(exact_cap.shape)}")
     if scores.device.type != "cpu":
