@@ -60,6 +60,7 @@ SECTIONS = (
     ("tiers", "candidates", "candidates"),
     ("tiers", "read_meta", "read_meta"),
     ("tiers", "remove", "remove"),
+    ("tiers", "remove_states", "remove"),  # a planned run's removals of every tier (two launches on Triton)
     ("tiers", "append_tokens", "append_tokens"),
 )
 # A prefill's sections: the forward's attention (``prefill_layer`` less ``admit_prompt``), and what hfkv adds to it.

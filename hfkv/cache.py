@@ -505,7 +505,7 @@ class TriStateLayer(CacheLayerMixin):
         new = self._classify(scores, state, pos, self.window.count, rho, self._over_room(epos))
         *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
-            self._tier_peak = self._apply_planned(new, valid, sizes, news, (ek, ev, epos, escore))
+            self._tier_peak = self._apply_planned(new, valid, sizes, (ek, ev, epos, escore))
             return
         changes = self._tier_changes(new, valid, sizes)
         valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
@@ -638,7 +638,7 @@ class TriStateLayer(CacheLayerMixin):
             start += n
 
     def _apply_planned(
-        self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], news: list[torch.Tensor], exits: tuple
+        self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], exits: tuple
     ) -> int:
         """:meth:`_apply` from a move plan made on the device (``hfkv.kernels.moves.plan_moves``, from the run's
         candidates ``new, valid``): the movers read and decoded into one buffer (a launch per source), the sources
@@ -668,9 +668,8 @@ class TriStateLayer(CacheLayerMixin):
                 gather_exits(*exits, b, h, src, idx, out)
         # the old slots freed before the movers take new ones (as _apply); the table set to its width after the
         # appends (pages[t][3], never below the removal's) once, not narrowed here and widened again there
-        for tier, (_, leaving) in enumerate(changes):
-            if leaving:
-                tiers.remove(tier, news[tier], (pages[tier][0], pages[tier][3]), keep_state=tier)
+        leave = [tier for tier, (_, leaving) in enumerate(changes) if leaving]
+        tiers.remove_states(new, sizes, leave, [(pages[t][0], pages[t][3]) for t in leave])
         if total:
             self._append_by_tier(entering, [b, h, *out], [p[2:] for p in pages], heads)
         return peak

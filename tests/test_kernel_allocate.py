@@ -49,7 +49,7 @@ def test_triton_allocation_with_a_prior_that_is_not_a_power_of_two():
         assert torch.equal(allocate_triton(**case), allocate(**case))
 
 
-def test_sinks_by_position_and_scalar_lengths_and_room_decide_as_the_mask_and_tensors():
+def test_triton_sinks_by_position_and_scalar_lengths_and_room_decide_as_the_mask_and_tensors():
     """A policy run passes its sinks as positions and a sink end per row (``Sinks``: a held slot below the end) and one
     length and room for every row (ints): the Triton kernels compare and read them as launch arguments, the C++ and
     torch paths make the mask and tensors; every one decides as the twin given the mask and the tensors."""
@@ -77,7 +77,7 @@ def test_sinks_by_position_and_scalar_lengths_and_room_decide_as_the_mask_and_te
     assert differs  # the sinks changed decisions
 
 
-def test_ranking_without_the_fits_check_keeps_everything_when_everything_fits():
+def test_triton_ranking_without_the_fits_check_keeps_everything_when_everything_fits():
     """``fast_path=False`` skips the read of "does everything fit?": where it all fits, the ranking itself must keep
     every token as it is (what the check short-cuts to), caps and both head modes included."""
     for seed, (head_adaptive, cap) in enumerate(((False, False), (True, False), (False, True))):

@@ -54,3 +54,35 @@ def test_compaction_kernels_equal_the_torch_path(backend, dim, dtype, page_bytes
                     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
                 else:
                     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tiers", [[0, 1], [1], [0, 1, 2], [0, 2]])
+def test_triton_removals_of_a_run_in_two_launches_equal_one_removal_after_another(tiers):
+    """``PagedTiers.remove_states`` on Triton (every tier's compaction in one launch, their page releases in one
+    program, the freed pages pushed tier after tier) leaves the torch path's storage: one removal after another,
+    each keeping the slots whose new state (a run's states, every tier's side by side) is the tier's own."""
+    dim = 64
+    layouts = (_layout("model", "model", dim, torch.float32), _layout("int8", "int4", dim, torch.float32),
+               _layout("int4", "int2", dim, torch.float32))  # fmt: skip
+    ref: PagedTiers = _storage(layouts, 3, 2, dim, 200, (40, 30, 70), 2048, seed=len(tiers))
+    got = copy.deepcopy(ref)
+    got.backend = "triton"
+    g = torch.Generator().manual_seed(len(tiers))
+    for _ in range(2):
+        sizes = [ref.max_slots(t) for t in range(3)]
+        states = torch.randint(0, 4, (3, 2, sum(sizes) + 5), generator=g).to(torch.int8)  # + 5: the window's exits
+        pages = []
+        for t in tiers:  # what the plan would know: the pages freed and the table's width after
+            col = sum(sizes[:t])
+            kept = ((states[..., col : col + sizes[t]] == t) & ref.read_meta(t, sizes[t])[2]).sum(-1)
+            old, new = (-(-x // ref.tpp[t]) for x in (ref.counts[..., t], kept))
+            pages.append((int((old - new).sum()), int(new.max())))
+        ref.remove_states(states, sizes, tiers, pages)
+        got.remove_states(states, sizes, tiers, pages)
+        assert any(p[0] for p in pages)  # pages were freed
+        for a, b in zip(_state(got), _state(ref), strict=True):
+            if isinstance(a, list):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+            else:
+                assert torch.equal(a, b)
+        assert got.versions == ref.versions

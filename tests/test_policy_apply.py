@@ -83,10 +83,11 @@ def test_relocation_leaves_the_storage_of_tier_by_tier_appends(overrides, monkey
 
 
 
-def _apply_unplanned(self, new, valid, sizes, news, exits):
+def _apply_unplanned(self, new, valid, sizes, exits):
     """The Triton backend's relocation before its moves were planned on the device: :meth:`TriStateLayer._apply`
     with what changed asked per tier."""
     m = exits[2].numel()
+    news = torch.split(new, [*sizes, m], dim=-1)[: len(sizes)]
     valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
     new_exits = torch.split(new, [*sizes, m], dim=-1)[-1]
     self._apply(news, valids, self._tier_changes(new, valid, sizes), (*exits, new_exits) if m else None)

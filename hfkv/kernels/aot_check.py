@@ -136,7 +136,7 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     from hfkv.kernels.encode import encode_write
     from hfkv.kernels.gather import gather_decode
     from hfkv.kernels.meta import read_candidates_triton, read_meta_triton
-    from hfkv.kernels.move import clear_tags, compact, move_records, release_pages
+    from hfkv.kernels.move import clear_tags, compact, move_records, release_pages, remove_tiers
     from hfkv.kernels.reserve import count_appends, reserve_slots
     from hfkv.quant.formats import QuantFormat
     from hfkv.storage import PagedTiers, RecordLayout
@@ -170,6 +170,14 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 read_candidates_triton(tiers.pool.data, tiers.tables, tiers.counts, tiers.tpp, lay, [5, 5],
                                        torch.arange(4), torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.long),
                                        mean_over)  # fmt: skip
+            # a run's removals (every tier a part: one instance whichever tiers lose tokens)
+            remove_tiers(tiers.pool.data, tiers.tables, tiers.counts, torch.zeros(1, 2, 9, dtype=torch.int8), [3, 3],
+                         [True, True], tiers.tpp, lay, tiers.pool.free_stack, tiers.pool.n_free)  # fmt: skip
+            remove_tiers(tiers.pool.data, [*tiers.tables, tiers.tables[1]],
+                         torch.cat([tiers.counts, tiers.counts[..., 1:]], -1).contiguous(),
+                         torch.zeros(1, 2, 9, dtype=torch.int8), [3, 3, 3], [True, False, True],
+                         [*tiers.tpp, tiers.tpp[1]], (*lay, lay[1]), tiers.pool.free_stack,
+                         tiers.pool.n_free)  # fmt: skip
             # three tiers (a mid one): the candidates kernel's third part
             read_candidates_triton(tiers.pool.data, [*tiers.tables, tiers.tables[1]],
                                    torch.cat([tiers.counts, tiers.counts[..., 1:]], -1), [*tiers.tpp, tiers.tpp[1]],

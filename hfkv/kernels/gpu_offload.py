@@ -45,6 +45,7 @@ WRAPPED = (
     ("hfkv.kernels.move", "clear_tags"),
     ("hfkv.kernels.move", "compact"),
     ("hfkv.kernels.move", "release_pages"),
+    ("hfkv.kernels.move", "remove_tiers"),
     ("hfkv.kernels.meta", "read_meta_triton"),
     ("hfkv.kernels.meta", "read_candidates_triton"),
     ("hfkv.kernels.allocate", "allocate_triton"),

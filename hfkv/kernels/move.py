@@ -16,6 +16,8 @@ before or after it is overwritten.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -113,7 +115,50 @@ def _compact_kernel(
     words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, keep_stride, m, scratch_ptr,
     page_words, tpp, REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, KEEP_STATE: tl.constexpr,
 ):  # fmt: skip
+    _compact_head(
+        words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, keep_stride, m, scratch_ptr,
+        page_words, tpp, tl.program_id(0).to(tl.int64), REC_W, BLOCK, BLOCK_W, KEEP_STATE,
+    )  # fmt: skip
+
+
+# Every tier a policy run removes from in one launch: program (row x head, tier), a tier's kept slots those whose new
+# state is the tier's own (a strided slice of the run's states, from column col<t>); a tier of width 0 is left as it is
+# (every tier is a part, whichever lose tokens: one compiled instance per model, not one per set of tiers).
+@triton.jit(
+    do_not_specialize=[
+        "tw0", "tw1", "tw2", "count_stride", "keep_stride", "col0", "col1", "col2", "m0", "m1", "m2", "m_max",
+        "n_heads", "page_words", "tpp0", "tpp1", "tpp2",
+    ]
+)  # fmt: skip
+def _compact_tiers_kernel(
+    words_ptr, table0, table1, table2, tw0, tw1, tw2, counts_ptr, count_stride, new_ptr, keep_ptr, keep_stride,
+    col0, col1, col2, m0, m1, m2, scratch_ptr, m_max, n_heads, page_words, tpp0, tpp1, tpp2, REC_W0: tl.constexpr,
+    REC_W1: tl.constexpr, REC_W2: tl.constexpr, BW0: tl.constexpr, BW1: tl.constexpr, BW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    scratch = scratch_ptr + t.to(tl.int64) * n_heads * m_max
+    if t == 0:
+        if m0 > 0:
+            _compact_head(words_ptr, table0, tw0, counts_ptr, count_stride, new_ptr, keep_ptr + col0, keep_stride,
+                          m0, scratch, page_words, tpp0, bh, REC_W0, BLOCK, BW0, 0)  # fmt: skip
+    elif t == 1:
+        if m1 > 0:
+            _compact_head(words_ptr, table1, tw1, counts_ptr + 1, count_stride, new_ptr + n_heads, keep_ptr + col1,
+                          keep_stride, m1, scratch, page_words, tpp1, bh, REC_W1, BLOCK, BW1, 1)  # fmt: skip
+    else:
+        if m2 > 0:
+            _compact_head(words_ptr, table2, tw2, counts_ptr + 2, count_stride, new_ptr + 2 * n_heads,
+                          keep_ptr + col2, keep_stride, m2, scratch, page_words, tpp2, bh, REC_W2, BLOCK, BW2,
+                          2)  # fmt: skip
+
+
+@triton.jit
+def _compact_head(
+    words_ptr, table_ptr, table_w, counts_ptr, count_stride, new_ptr, keep_ptr, keep_stride, m, scratch_ptr,
+    page_words, tpp, bh, REC_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, KEEP_STATE: tl.constexpr,
+):  # fmt: skip
     cnt = tl.minimum(tl.load(counts_ptr + bh * count_stride), m)
     keep_row = keep_ptr + bh * keep_stride
     lane = tl.arange(0, BLOCK)
@@ -211,6 +256,41 @@ def _release_kernel(
     table_ptr, table_w, counts_ptr, count_stride, new_ptr, free_ptr, n_free, out_ptr, n_heads, tpp,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
+    total, widest = _release_tier(table_ptr, table_w, counts_ptr, count_stride, new_ptr, free_ptr, n_free,
+                                  n_heads, tpp, BLOCK)  # fmt: skip
+    tl.store(out_ptr, total)
+    tl.store(out_ptr + 1, widest)
+
+
+# The page releases of _compact_tiers_kernel's tiers in one program, in tier order (each tier's pages pushed after
+# the ones before: the order of one removal after another); a tier of width 0 is skipped.
+@triton.jit(
+    do_not_specialize=["tw0", "tw1", "tw2", "count_stride", "n_free", "n_heads", "tpp0", "tpp1", "tpp2", "m0", "m1",
+                       "m2"]
+)  # fmt: skip
+def _release_tiers_kernel(
+    table0, table1, table2, tw0, tw1, tw2, counts_ptr, count_stride, new_ptr, free_ptr, n_free, n_heads, tpp0, tpp1,
+    tpp2, m0, m1, m2, NT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    freed = tl.full((), 0, tl.int64)
+    if m0 > 0:
+        freed, _ = _release_tier(table0, tw0, counts_ptr, count_stride, new_ptr, free_ptr, n_free, n_heads, tpp0,
+                                 BLOCK)  # fmt: skip
+    if NT > 1:
+        if m1 > 0:
+            more, _ = _release_tier(table1, tw1, counts_ptr + 1, count_stride, new_ptr + n_heads, free_ptr,
+                                    n_free + freed, n_heads, tpp1, BLOCK)  # fmt: skip
+            freed += more
+    if NT > 2:
+        if m2 > 0:
+            _release_tier(table2, tw2, counts_ptr + 2, count_stride, new_ptr + 2 * n_heads, free_ptr, n_free + freed,
+                          n_heads, tpp2, BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _release_tier(
+    table_ptr, table_w, counts_ptr, count_stride, new_ptr, free_ptr, n_free, n_heads, tpp, BLOCK: tl.constexpr
+):
     total = tl.full((), 0, tl.int64)
     widest = tl.full((), 0, tl.int64)
     lane = tl.arange(0, BLOCK)
@@ -229,8 +309,7 @@ def _release_kernel(
         total += old_pages - new_pages
         widest = tl.maximum(widest, new_pages)
         tl.store(counts_ptr + bh * count_stride, new)
-    tl.store(out_ptr, total)
-    tl.store(out_ptr + 1, widest)
+    return total, widest
 
 
 def release_pages(
@@ -259,3 +338,57 @@ def release_pages(
         return n_freed, widest
     counts.copy_(new)
     return 0, 0
+
+
+def remove_tiers(
+    pool: torch.Tensor,
+    tables: Sequence[torch.Tensor],
+    counts: torch.Tensor,
+    states: torch.Tensor,
+    sizes: Sequence[int],
+    removing: Sequence[bool],
+    tpp: Sequence[int],
+    layouts: Sequence[RecordLayout],
+    free_stack: torch.Tensor,
+    n_free: int,
+) -> None:
+    """:func:`compact` then :func:`release_pages` for the tiers ``removing`` says (of up to three) in two launches, a
+    policy run's removals: tier ``t`` (page table ``tables[t]``, counts ``counts[..., t]`` of ``counts [B, H, T]``
+    int64) keeps the slots whose new state, column ``sum(sizes[:t]) + s`` of ``states [B, H, N]`` (int8; slots
+    ``s < sizes[t]``: every tier's side by side), is ``t``. Every tier is a part of the launches, those not removing
+    skipped, so a model compiles one instance of each, not one per set of tiers. The freed pages go onto
+    ``free_stack`` from ``n_free`` on, tier after tier, and the counts take the kept ones: what one removal after
+    another leaves. Nothing is read back (the caller knows what is freed)."""
+    check_pool(pool, "remove_tiers")
+    nt = len(tables)
+    if not 1 <= nt <= 3 or not len(sizes) == len(removing) == len(tpp) == len(layouts) == nt or counts.shape[-1] != nt:
+        raise ValueError(f"remove_tiers: 1 to 3 tiers with a table, size, flag, tpp, layout and count each, got {nt}")
+    if states.dtype != torch.int8 or not states.is_contiguous():
+        raise ValueError(f"remove_tiers: states must be contiguous int8, got {states.dtype}")
+    if counts.dtype != torch.int64 or not counts.is_contiguous():  # written in place: no copy
+        raise ValueError(f"remove_tiers: counts must be contiguous int64 [B, H, T], got {counts.dtype}")
+    bsz, heads, n_states = states.shape
+    rows = bsz * heads
+    m = [size if on else 0 for size, on in zip(sizes, removing, strict=True)]  # 0: the tier's programs return
+    if rows == 0 or not any(m):
+        return
+    pad = 3 - nt
+    tabs = [t.contiguous() for t in tables]
+    tabs += tabs[:1] * pad
+    tws = [t.shape[-1] for t in tables] + [0] * pad
+    cols = [sum(sizes[:t]) for t in range(nt)] + [0] * pad
+    m += [0] * pad
+    recs = [lay.stride // 4 for lay in layouts] + [1] * pad
+    tpps = [*tpp, *([1] * pad)]
+    m_max = max(m)
+    new = torch.empty(nt, rows, dtype=torch.int64, device=pool.device)
+    scratch = torch.empty(nt, rows, m_max, dtype=torch.int32, device=pool.device)
+    _compact_tiers_kernel[(rows, nt)](
+        pool.view(torch.int32), *tabs, *tws, counts, nt, new, states, n_states, *cols, *m, scratch, m_max, rows,
+        pool.shape[1] // 4, *tpps, REC_W0=recs[0], REC_W1=recs[1], REC_W2=recs[2],
+        BW0=triton.next_power_of_2(recs[0]), BW1=triton.next_power_of_2(recs[1]), BW2=triton.next_power_of_2(recs[2]),
+        BLOCK=64,
+    )  # fmt: skip
+    _release_tiers_kernel[(1,)](
+        *tabs, *tws, counts, nt, new, free_stack, n_free, rows, *tpps, *m, NT=nt, BLOCK=64
+    )  # fmt: skip

@@ -275,6 +275,29 @@ class PagedTiers:
         self.counts[..., tier] = new.view(self.batch, self.heads)
         self.versions[tier] += 1
 
+    def remove_states(
+        self, states: torch.Tensor, sizes: Sequence[int], tiers: Sequence[int], pages: Sequence[tuple[int, int]]
+    ) -> None:
+        """A policy run's removals: from each tier in ``tiers``, the slots whose new state in ``states [B, H, N]``
+        (every tier's slots side by side, ``sizes[t]`` each, then anything) is not the tier, ``pages[i]`` (pages
+        freed, the table's width after) known. On the Triton backend one compaction and one page release for all of
+        them (two launches, not two a tier); elsewhere :meth:`remove` for each, in order: the same storage either
+        way."""
+        cols = [sum(sizes[:t]) for t in range(len(sizes))]
+        if self.backend != "triton" or not tiers:
+            for tier, known in zip(tiers, pages, strict=True):
+                self.remove(tier, states[..., cols[tier] : cols[tier] + sizes[tier]], known, keep_state=tier)
+            return
+        from hfkv.kernels.move import remove_tiers
+
+        removing = [t in tiers for t in range(self.num_tiers)]
+        remove_tiers(self.pool.data, self.tables, self.counts, states.contiguous(), sizes, removing, self.tpp,
+                     self.layouts, self.pool.free_stack, self.pool.n_free)  # fmt: skip
+        self.pool.pushed(sum(freed for freed, _ in pages))
+        for tier, (_, width) in zip(tiers, pages, strict=True):
+            self._set_width(tier, width)
+            self.versions[tier] += 1
+
     def remove(
         self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None, keep_state: int | None = None
     ) -> None:
