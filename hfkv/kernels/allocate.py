@@ -47,11 +47,12 @@ def _is_sink(sink_ptr, pos_ptr, end_ptr, at, b, held, inside, SINK_POS: tl.const
 @triton.jit(do_not_specialize=["n", "prior", "length_s"])
 def _items_kernel(
     scores_ptr, state_ptr, sink_ptr, pos_ptr, end_ptr, len_ptr, length_s, alpha_l_ptr, alpha_h_ptr, prior,
-    present_ptr, rate_ptr, cost_ptr, new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, n,
+    present_ptr, rate_ptr, cost_ptr, new_ptr, key_ptr, sink_bytes_ptr, cand_bytes_ptr, exact_ptr, taken_ptr, n,
     H: tl.constexpr, K: tl.constexpr, ADAPTIVE: tl.constexpr, EXACT_ROW: tl.constexpr, BLOCK: tl.constexpr,
     SINK_POS: tl.constexpr, LEN_SCALAR: tl.constexpr,
 ):  # fmt: skip
-    """One program per (row b * H + head, block of tokens): floors, then each token's K items as sort keys."""
+    """One program per (row b * H + head, block of tokens): floors, then each token's K items as sort keys; each
+    token's count of items taken (the scan's) starts at zero here, where it would be a memset of its own."""
     bh = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
@@ -99,6 +100,11 @@ def _items_kernel(
         else:  # one row per (b, head): (token, item)
             dst = bh * (n * K) + i.to(tl.int64) * K + j
         tl.store(key_ptr + dst, key, mask=inside)
+    # the token's entry of the scan's counts, where _decide_kernel reads it
+    if ADAPTIVE:
+        tl.store(taken_ptr + b * (n * H) + i.to(tl.int64) * H + head, tl.zeros([BLOCK], tl.int32), mask=inside)
+    else:
+        tl.store(taken_ptr + at, tl.zeros([BLOCK], tl.int32), mask=inside)
 
 
 @triton.jit(do_not_specialize=["rows", "room_s"])
@@ -239,6 +245,7 @@ def allocate_triton(
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
+    taken = torch.empty((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)  # zeroed below
     sink_pos = isinstance(sink, Sinks)
     if sink_pos:  # compared in the kernels (the mask's pointer is an unread stand-in)
         sink8, pos, end = state, sink.pos.to(torch.int64).contiguous(), sink.end.to(device, torch.int64).contiguous()
@@ -250,8 +257,8 @@ def allocate_triton(
     grid = (b * h, triton.cdiv(n, _BLOCK))
     _items_kernel[grid](
         scores.to(torch.float32).contiguous(), state, sink8, pos, end, lengths, logical_len if len_scalar else 0,
-        alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], n, H=h,
-        K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK, SINK_POS=sink_pos,
+        alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], taken,
+        n, H=h, K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK, SINK_POS=sink_pos,
         LEN_SCALAR=len_scalar,
         enable_fp_fusion=False,  # score + reciprocal(N) * prior rounded twice, as torch computes it (no FMA)
     )  # fmt: skip
@@ -268,7 +275,6 @@ def allocate_triton(
     if fast_path and flag.item():  # the one host read: nothing moves
         return new
     sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
-    taken = torch.zeros((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)
     _scan_kernel[(n_rows,)](
         sorted_keys, order, step_cost_t, target_t, left, cap, taken, keys.shape[1],
         K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
