@@ -139,14 +139,16 @@ def plan_moves(
     held: tuple[Sequence[int], int] | None = None,
 ) -> Plan:
     """What a run moves (``new, valid [B, H, N]``: the allocation's states of the candidates, every tier's slots
-    (``sizes``) then the window's exits): ``(changes, entering, pages, peak, b, h, source, index)``, ``changes`` as
-    :func:`hfkv.kernels.changes.tier_changes` gives them, ``entering[t]`` the tokens tier ``t`` takes, and per
-    token, destination after destination, its head, its source (a tier, or :data:`EXIT`) and its slot there (or
-    its exit index). With the tiers' ``counts [B, H, tiers]`` (int64, before the run) and records per page ``tpp``,
-    ``pages[t]`` is what the run's removal and appends of tier ``t`` free and take: ``(freed, widest after the
-    removal, new, widest after the appends)``, so neither reads them back; with ``held = (cost per tier, group)``
-    too, ``peak`` is the largest ``sum(cost[t] * tokens of tier t)`` over the tiers and ``group`` consecutive heads
-    after the run (the cache's tier peak, without a read of its own). Two or three launches and one host read."""
+    (``sizes``) then the window's exits): ``(changes, entering, pages, peak, b, h, source, index, heads)``,
+    ``changes`` as :func:`hfkv.kernels.changes.tier_changes` gives them, ``entering[t]`` the tokens tier ``t``
+    takes, and per token, destination after destination, its head, its source (a tier, or :data:`EXIT`) and its slot
+    there (or its exit index). With the tiers' ``counts [B, H, tiers]`` (int64, before the run) and records per page
+    ``tpp``, ``pages[t]`` is what the run's removal and appends of tier ``t`` free and take: ``(freed, widest after
+    the removal, new, widest after the appends)``, so neither reads them back, and ``heads`` each head's count after
+    the removal and the tokens entering it, per tier (``[tiers, B * H]`` each: what the appends start from, so they
+    need not count); with ``held = (cost per tier, group)`` too, ``peak`` is the largest ``sum(cost[t] * tokens of
+    tier t)`` over the tiers and ``group`` consecutive heads after the run (the cache's tier peak, without a read of
+    its own). Two or three launches and one host read."""
     bsz, heads, _ = new.shape
     nt, rows = len(sizes), bsz * heads
     with_pages = counts is not None
