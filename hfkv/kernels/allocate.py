@@ -6,11 +6,12 @@ sixty element-wise operations around its sort, each a launch of a few microsecon
 hundred kilobytes. Here the element-wise work before the sort (floors, items, their sort keys, the bytes each
 row holds) is one launch, whether everything fits (nothing moves: the one host read) one program, the scan after
 the sort (exact cap, bytes spent, items taken) one program per row, and the decision per token one more. The sort
-stays torch's (a stable radix sort of int64 keys).
+stays torch's (a stable radix sort of int32 keys: half the passes of int64 ones).
 
 Exactness: every number the decisions compare is computed by the same IEEE-rounded fp32 / int64 operations as
-in the twin (divisions by ``div_rn``, not the approximate fp32 division Triton emits for ``/``), and the items are
-ordered by the same keys, so the states are equal bit for bit (``tests/test_kernel_allocate.py``).
+in the twin (divisions by ``div_rn``, not the approximate fp32 division Triton emits for ``/``), and the present
+items are put in the twin's order (its keys, shifted into 32 bits; absent items, which the scan skips, go first
+instead of last), so the states are equal bit for bit (``tests/test_kernel_allocate.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _SCAN_BLOCK = 1024  # sorted items per iteration of a row's scan
 _FITS_BLOCK = 128  # rows per iteration of the fast path's check
 _EVICTED = tl.constexpr(EVICTED)  # the kernels' copies of the states
 _ORIGINAL = tl.constexpr(ORIGINAL)
+_ABSENT = tl.constexpr(-(2**31))  # an absent item's sort key (int32's least)
 
 
 @triton.jit
@@ -81,7 +83,10 @@ def _items_kernel(
     tl.atomic_add(cand_bytes_ptr + bh, tl.sum(tl.where(cand, tier_cost, 0), 0))
     tl.atomic_add(exact_ptr + bh, tl.sum(can_exact.to(tl.int64), 0))
     # Items, cheapest first: value per byte = (score + prior / N) * the hull's slope (exact-only tokens: the
-    # exact tier's); absent items sort after every present one.
+    # exact tier's). The keys are 32-bit (a sort of half the passes of the twin's 64-bit ones): a present item's is
+    # the twin's order of values, shifted into int32 (never its least value, which only a NaN would reach); an absent
+    # one's is that least value, so it sorts first instead of last, which the scan (it skips them, taking nothing)
+    # cannot tell: the present items keep the twin's order among themselves, ties by position as the stable sort.
     s_prior = s + add
     row = tl.minimum(new, EXACT_ROW - 1)  # the twin's clamp: an evicted token has no present item anyway
     cls = tl.where(exact_only, EXACT_ROW, row)  # the rate table's last row: the exact tier's rate
@@ -93,8 +98,8 @@ def _items_kernel(
         eff = eff + 0.0  # -0.0 + 0.0 == +0.0: the twin's _ordered_key
         bits = eff.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        desc = 4294967295 - (ordered + 2147483648)
-        key = tl.where(present, 0, 1).to(tl.int64) * 8589934592 + desc  # (~present) << 33 | desc
+        desc = 4294967295 - (ordered + 2147483648)  # the twin's key of a present item, in [0, 2**32)
+        key = tl.where(present, desc - 2147483648, _ABSENT).to(tl.int32)
         if ADAPTIVE:  # one row per layer row b: items ordered (token, head, item)
             dst = b * (n * H * K) + (i.to(tl.int64) * H + head) * K + j
         else:  # one row per (b, head): (token, item)
@@ -155,10 +160,10 @@ def _scan_kernel(
     for start in range(0, length, BLOCK):
         o = start + tl.arange(0, BLOCK)
         inside = o < length
-        key = tl.load(sorted_ptr + r * length + o, mask=inside, other=8589934592)
+        key = tl.load(sorted_ptr + r * length + o, mask=inside, other=_ABSENT)
         idx = tl.load(order_ptr + r * length + o, mask=inside, other=0)
         j = idx % K
-        allowed = inside & (key < 8589934592)
+        allowed = inside & (key != _ABSENT)
         if HAS_CAP:
             to_exact = allowed & (tl.load(target_ptr + j) == _ORIGINAL)
             seen = exact + tl.cumsum(to_exact.to(tl.int64), 0)
@@ -243,7 +248,7 @@ def allocate_triton(
         return state.clone()
     alpha_l, alpha_h = (_per_head(a, h, device).reshape(h).contiguous() for a in (alpha_l, alpha_h))
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
-    keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int64, device=device)
+    keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int32, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
     taken = torch.empty((b, h * n) if head_adaptive else (b * h, n), dtype=torch.int32, device=device)  # zeroed below
     sink_pos = isinstance(sink, Sinks)
