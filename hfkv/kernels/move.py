@@ -216,33 +216,25 @@ def compact(
     keep: torch.Tensor,
     tpp: int,
     layout: RecordLayout,
-    keep_state: int | None = None,
 ) -> torch.Tensor:
     """:func:`hfkv.kernels.cpu.compact.compact_cpu`'s data movement in one launch (the torch path of
     :meth:`hfkv.storage.paged.PagedTiers.remove` is the twin): ``keep [B, H, M]`` bool, flags past a head's
     count ignored; ``counts [B, H]`` int64 (a tier's view of ``PagedTiers.counts`` is fine), left as it is.
-    With ``keep_state``, ``keep`` is the slots' new states (int8; a policy run's slice of them, rows strided) and a
-    slot is kept where its state is ``keep_state``: no comparison launched first.
-    Returns each head's new count, ``[B, H]`` int64 (its kept live slots)."""
+    Returns each head's new count, ``[B, H]`` int64 (its kept live slots). (A policy run's removals compare the
+    run's new states in the kernel instead: :func:`remove_tiers`.)"""
     check_pool(pool, "compact")
     bsz, heads, width = table.shape
     m = keep.shape[-1]
     if m == 0 or width == 0 or bsz * heads == 0:
         return torch.zeros(bsz, heads, dtype=torch.int64, device=pool.device)
-    if keep_state is None:
-        keep = keep.contiguous().view(torch.uint8)
-    elif keep.dtype != torch.int8:
-        raise ValueError(f"compact: keep must hold int8 states with keep_state={keep_state}, got {keep.dtype}")
-    if keep.stride(-1) != 1 or keep.stride(0) != heads * keep.stride(1):  # rows not one stride apart
-        keep = keep.contiguous()
+    keep = keep.contiguous().view(torch.uint8)
     new = torch.empty(bsz, heads, dtype=torch.int64, device=pool.device)  # every head's is written
     step = head_step(counts, "compact")
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
     rec_w = layout.stride // 4
     _compact_kernel[(bsz * heads,)](
-        pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep, keep.stride(1), m, scratch,
-        pool.shape[1] // 4, tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w),
-        KEEP_STATE=-1 if keep_state is None else keep_state,
+        pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep, m, m, scratch, pool.shape[1] // 4,
+        tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w), KEEP_STATE=-1,
     )  # fmt: skip
     return new
 

@@ -267,9 +267,8 @@ class PagedTiers:
             self._set_width(tier, max(self.max_pages(tier), widest))
             ids = self.pool.take(total)  # read by reserve_slots below, before any release can overwrite them
         self.versions[tier] += 1
-        if set_counts is None:
-            return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel())
-        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel(), set_counts)
+        extra = () if set_counts is None else (set_counts,)  # the C++ twin takes no counts (it is never told heads)
+        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel(), *extra)
 
     def _count_appended(self, tier: int, new: torch.Tensor) -> None:
         self.counts[..., tier] = new.view(self.batch, self.heads)
@@ -286,7 +285,7 @@ class PagedTiers:
         cols = [sum(sizes[:t]) for t in range(len(sizes))]
         if self.backend != "triton" or not tiers:
             for tier, known in zip(tiers, pages, strict=True):
-                self.remove(tier, states[..., cols[tier] : cols[tier] + sizes[tier]], known, keep_state=tier)
+                self.remove(tier, states[..., cols[tier] : cols[tier] + sizes[tier]] == tier, known)
             return
         from hfkv.kernels.move import remove_tiers
 
@@ -299,12 +298,11 @@ class PagedTiers:
             self.versions[tier] += 1
 
     def remove(
-        self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None, keep_state: int | None = None
+        self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None
     ) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
         ``pages``: the pages it frees and the table's width after it, when the caller knows them (a planned
-        policy run's): the kernel backends then read nothing back. ``keep_state``: ``keep`` holds the slots' new
-        states (int8) and a slot stays where its state is ``keep_state`` (the kernels compare as they read).
+        policy run's): the kernel backends then read nothing back.
 
         Holes below the new count are filled with the tier's last kept records (fewest moves),
         the vacated slots of pages the head keeps are tagged empty, then the tail pages that
@@ -319,15 +317,13 @@ class PagedTiers:
             else:
                 from hfkv.kernels.move import compact, release_pages
 
-            new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier], keep_state)
+            new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
             n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free,
                                            pages)  # fmt: skip
             self.pool.pushed(n_freed)
             self._set_width(tier, width)
             self.versions[tier] += 1
             return
-        if keep_state is not None:
-            keep = keep == keep_state
         m = keep.shape[-1]
         s = torch.arange(m, device=self.device)
         live = s < cnt.unsqueeze(-1)

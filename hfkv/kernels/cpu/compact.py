@@ -28,14 +28,13 @@ def compact_cpu(
     keep: torch.Tensor,
     tpp: int,
     layout: RecordLayout,
-    keep_state: int | None = None,
 ) -> torch.Tensor:
     """Move each head's kept records below its new count into the holes there and zero the vacated tags; returns
     the new counts ``[B, H]`` int64 (:func:`hfkv.kernels.move.compact`'s contract).
 
     ``pool [pages, page_bytes]`` uint8, ``table [B, H, W]`` the tier's page table, ``counts [B, H]`` its slot
     counts (int64; a tier's view of ``PagedTiers.counts`` is fine; left as they are), ``keep [B, H, M]`` bool
-    (flags past a head's count ignored), or with ``keep_state`` the slots' new states, kept where equal to it.
+    (flags past a head's count ignored).
     """
     if not (pool.device.type == "cpu" and pool.dtype == torch.uint8 and pool.is_contiguous() and pool.dim() == 2):
         raise ValueError(f"compact_cpu: pool must be a contiguous [pages, bytes] uint8 CPU tensor, got {pool.dtype}")
@@ -46,8 +45,6 @@ def compact_cpu(
             f"compact_cpu: keep {tuple(keep.shape)} and counts {tuple(counts.shape)} must lead with the table's "
             f"[B, H] = {(bsz, heads)}"
         )
-    if keep_state is not None:
-        keep = keep == keep_state
     new = torch.zeros(bsz, heads, dtype=torch.int64)
     if m == 0 or width == 0:
         return new
