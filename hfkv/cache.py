@@ -395,6 +395,12 @@ class TriStateLayer(CacheLayerMixin):
         self.steps_since_policy += 1
         self._step_next = (pos + 1, (slot + 1) % self.window.capacity)
 
+    def launch_signature(self) -> tuple:
+        """What this layer's decode launches depend on: the launch plan (compare it by identity) and the storage
+        it was made for. A policy run that grows or shrinks no table and no pool leaves both as they were, so
+        a CUDA graph captured before the run replays after it (hfkv.graphs)."""
+        return self._plan, self._plan_sig
+
     def plan_kept(self) -> bool:
         """Whether the last step's decode launch plan (built and compiled for the storage as it is now) serves
         the next step: no policy run or chunk changed the storage after that step's attention (hfkv.graphs)."""

@@ -12,8 +12,11 @@ move, the decode kernels read the step's position and ring slot from the device
 kernels run on the storage the run leaves: the new launch plan is built, what is new compiled), the next
 one captured into a graph, and every later step until the next policy run replayed
 from it, with the host's bookkeeping (``TriStateLayer.replayed_step``) in place of ``update()`` and
-``attend()``. So with the default interval of 8 steps, six steps of eight are replays. (The first decode
-step, and a step after one whose storage changed after its attention, run eagerly before a capture.)
+``attend()``. A policy run moves tokens inside the layer's page tables and pool; where it grows or shrinks
+none of them (``TriStateLayer.launch_signature``: the same launch plan, for the same tensors), the graph still
+holds and replays the steps up to the next run, so once the tables stop growing seven steps of eight are
+replays at the default interval of 8, and nothing is captured again. (The first decode step, and a step
+after one whose storage changed after its attention, run eagerly before a capture.)
 
     decoder = GraphedDecoder(model, cache)
     tokens = decoder.generate(input_ids, max_new_tokens=256)     # greedy; [batch, max_new_tokens]
@@ -48,7 +51,8 @@ class GraphedDecoder:
 
     Needs every layer compressed (a TriStateLayer on the Triton backend: an uncompressed sliding layer
     grows like DynamicCache's) and a CUDA device. ``counts`` says how many steps ran eagerly, were captured
-    and were replayed. Step the cache through the decoder only: what it replays was counted at the capture.
+    and were replayed, and after how many policy runs the graph was reused. Step the cache through the
+    decoder only: what it replays was counted at the capture.
     """
 
     def __init__(self, model: torch.nn.Module, cache: TriStateCache, graphs=None) -> None:
@@ -63,8 +67,9 @@ class GraphedDecoder:
             )
         self.model, self.cache, self.layers = model, cache, layers
         self.graphs = graphs if graphs is not None else CudaGraphs()
-        self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0, "reused": 0}
         self._graph = None
+        self._signatures: list[tuple] | None = None  # each layer's launch_signature() at the capture
         self._replays_left = 0
         self._pool = None
         self._warm = False  # an eager step ran on the storage as it is now (plan built, kernels compiled)
@@ -96,10 +101,16 @@ class GraphedDecoder:
             self.counts["replayed"] += 1
             return self._next.clone()
         left = min(layer.decode_steps_before_policy(2) for layer in self.layers)  # this step and the next
-        if left == 0:  # this step runs a policy run: the storage moves, so the graph is stale after it
-            self._graph = None
+        if left == 0:  # this step runs a policy run: the storage moves, and the graph may be stale after it
             fills = [layer.step_fills for layer in self.layers]
             out = self._eager(tokens, position)
+            if self._graph is not None and self._same_launches():
+                # The run moved tokens inside the tables and pool the graph's launches read (a run that grows
+                # or shrinks none, as in a steady generation): the graph replays until the next run.
+                self._replays_left = min(layer.decode_steps_before_policy() for layer in self.layers)
+                self.counts["reused"] += 1
+                return out
+            self._graph = self._signatures = None
             # Its decode kernels ran on the storage the run left (plan built, kernels compiled, device step
             # advanced by them): the next step can be captured as it is.
             self._warm = fills == [layer.step_fills for layer in self.layers] and all(
@@ -110,6 +121,12 @@ class GraphedDecoder:
             self._warm = True
             return self._eager(tokens, position)
         return self._capture(tokens, position)
+
+    def _same_launches(self) -> bool:
+        """Whether every layer's decode launches are still those the graph captured: the same plan object, made
+        for the same storage tensors (held by the plan, so no id was reused)."""
+        now = [layer.launch_signature() for layer in self.layers]
+        return all(p is q and s == t for (p, s), (q, t) in zip(self._signatures, now, strict=True))
 
     def _forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=tokens, position_ids=pos, past_key_values=self.cache, use_cache=True)
@@ -136,6 +153,7 @@ class GraphedDecoder:
         # they would rewind every later step. Then this graph serves this step only.
         if [layer.step_fills for layer in self.layers] == fills:
             self._graph = graph
+            self._signatures = [layer.launch_signature() for layer in self.layers]
             # the steps after this one that run no policy run: the replays this graph serves
             self._replays_left = min(layer.decode_steps_before_policy() for layer in self.layers)
         return self._next.clone()
