@@ -18,15 +18,31 @@ holds and replays the steps up to the next run, so once the tables stop growing 
 replays at the default interval of 8, and nothing is captured again. (The first decode step, and a step
 after one whose storage changed after its attention, run eagerly before a capture.)
 
+That is ``mode="steps"``. The default, ``mode="layers"``, graphs everything but the cache: the step is
+captured once as one graph per stretch between two attention calls (the embedding and the first layer's
+projections, each layer's output projection, MLP and the next layer's projections, the last norm, head and
+argmax), and a replay runs those graphs in order with each layer's ``update()`` and ``attend()`` run
+eagerly between them on the tensors the graphs write, as the model's own attention calls them. Policy runs,
+grown tables and a new launch plan are then nobody's concern: they happen in the eager calls, as in eager
+decoding, and no step runs the model's Python again. A replayed step's host work is the layers' own
+(``eval/host_overhead.py``: ~20 us and 3 launches a layer between policy runs) plus one graph launch a layer,
+against a whole graph's one launch, and a policy run no longer costs an eager step and a capture.
+
     decoder = GraphedDecoder(model, cache)
     tokens = decoder.generate(input_ids, max_new_tokens=256)     # greedy; [batch, max_new_tokens]
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 import torch
 
+from hfkv.attention.interface import set_pending
 from hfkv.cache import TriStateCache, TriStateLayer
+
+MODES = ("layers", "steps")
 
 
 class CudaGraphs:
@@ -46,6 +62,25 @@ class CudaGraphs:
         return torch.cuda.graph(graph, pool=pool)
 
 
+@dataclass
+class _CacheCall:
+    """One layer's ``update()`` and ``attend()`` as the captured step made them: replayed eagerly on the tensors
+    the graphs write (keys, values, queries, mask), the attention's result copied where the next graph reads it."""
+
+    layer: TriStateLayer
+    key: torch.Tensor
+    value: torch.Tensor
+    args: tuple
+    kwargs: dict
+    attend: tuple | None = None  # (module, query, key, value, mask, scaling)
+    out: torch.Tensor | None = None
+
+    def run(self) -> None:
+        self.layer.update(self.key, self.value, *self.args, **self.kwargs)
+        set_pending(None)  # what the hfkv attention function does before calling attend()
+        self.out.copy_(self.layer.attend(*self.attend))
+
+
 class GraphedDecoder:
     """Greedy decoding of ``model`` with ``cache``, its steps between policy runs replayed from a CUDA graph.
 
@@ -55,7 +90,9 @@ class GraphedDecoder:
     decoder only: what it replays was counted at the capture.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: TriStateCache, graphs=None) -> None:
+    def __init__(self, model: torch.nn.Module, cache: TriStateCache, graphs=None, mode: str = "layers") -> None:
+        if mode not in MODES:
+            raise ValueError(f"GraphedDecoder: mode={mode!r}; allowed: {MODES}")
         if not isinstance(cache, TriStateCache):
             raise TypeError(f"GraphedDecoder: cache must be a TriStateCache, got {type(cache).__name__}")
         layers = list(cache.layers)
@@ -74,13 +111,16 @@ class GraphedDecoder:
         self._pool = None
         self._warm = False  # an eager step ran on the storage as it is now (plan built, kernels compiled)
         self._tok = self._pos = self._next = None
+        self.mode = mode
+        self._pieces: list | None = None  # "layers": the graphs between the cache calls, in order
+        self._calls: list[_CacheCall] = []
 
     def _check_ready(self, tokens: torch.Tensor) -> None:
         if self.graphs.requires_cuda and tokens.device.type != "cuda":
             raise ValueError(f"GraphedDecoder: CUDA graphs need a CUDA device; tokens are on {tokens.device}")
         if not all(layer.is_initialized for layer in self.layers):
             raise ValueError("GraphedDecoder: prefill the cache first (generate() does)")
-        if self.cache.backend != "triton":
+        if self.mode == "steps" and self.cache.backend != "triton":
             raise ValueError(
                 f"GraphedDecoder: the cache's backend is {self.cache.backend!r}; graphs replay the Triton decode "
                 "kernels (backend='triton', or 'auto' on CUDA)"
@@ -91,6 +131,8 @@ class GraphedDecoder:
         """One token per row (``tokens [B, 1]``) at logical ``position``; the next greedy tokens ``[B, 1]``."""
         if self._next is None:
             self._check_ready(tokens)
+        if self.mode == "layers":
+            return self._step_layers(tokens, position)
         if self._graph is not None and self._replays_left > 0:
             self._tok.copy_(tokens)
             self._pos.fill_(position)
@@ -156,6 +198,84 @@ class GraphedDecoder:
             self._signatures = [layer.launch_signature() for layer in self.layers]
             # the steps after this one that run no policy run: the replays this graph serves
             self._replays_left = min(layer.decode_steps_before_policy() for layer in self.layers)
+        return self._next.clone()
+
+    def _step_layers(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        if self._pieces is None:
+            return self._capture_layers(tokens, position)
+        self._tok.copy_(tokens)
+        self._pos.fill_(position)
+        for piece, call in zip(self._pieces, self._calls, strict=False):
+            piece.replay()
+            call.run()
+        self._pieces[-1].replay()
+        self.counts["replayed"] += 1
+        return self._next.clone()
+
+    def _capture_layers(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Run this step with the model's ops captured piece by piece: a piece ends where a layer's ``update()``
+        starts (the piece is replayed, so its keys, values and queries hold this step's values), the cache's
+        calls run eagerly, and the next piece starts once ``attend()`` returns."""
+        self._tok = tokens.clone()
+        self._pos = torch.full((tokens.shape[0], 1), position, dtype=torch.long, device=tokens.device)
+        if self._pool is None:
+            self._pool = self.graphs.pool()
+        pieces: list = []
+        calls: list[_CacheCall] = []
+        open_capture: list = []
+
+        def begin() -> None:
+            graph = self.graphs.new()
+            cm = self.graphs.capture(graph, self._pool)
+            cm.__enter__()
+            pieces.append(graph)
+            open_capture.append(cm)
+
+        def end() -> None:
+            open_capture.pop().__exit__(None, None, None)
+            pieces[-1].replay()
+
+        def patched(layer: TriStateLayer):
+            def update(key, value, *args, **kwargs):
+                if calls and calls[-1].attend is None:
+                    raise RuntimeError(
+                        "GraphedDecoder(mode='layers'): a layer's update() came before the last one's attention; "
+                        "this model's attention does not call them in pairs"
+                    )
+                end()
+                calls.append(_CacheCall(layer, key, value, args, kwargs))
+                return type(layer).update(layer, key, value, *args, **kwargs)
+
+            def attend(module, query, key, value, mask, scaling):
+                call = calls[-1] if calls else None
+                if call is None or call.layer is not layer or call.attend is not None:
+                    raise RuntimeError("GraphedDecoder(mode='layers'): a layer's attend() without its update()")
+                call.attend = (module, query, key, value, mask, scaling)
+                call.out = type(layer).attend(layer, *call.attend)
+                begin()
+                return call.out
+
+            return update, attend
+
+        for layer in self.layers:
+            layer.update, layer.attend = patched(layer)
+        try:
+            begin()
+            self._next = self._forward(self._tok, self._pos)
+            end()
+        except BaseException:
+            if open_capture:  # leave no capture open on the stream
+                open_capture.pop().__exit__(*sys.exc_info())
+            raise
+        finally:
+            for layer in self.layers:
+                del layer.update, layer.attend
+        if len(calls) != len(self.layers) or any(c.attend is None for c in calls):
+            raise RuntimeError(
+                f"GraphedDecoder(mode='layers'): a step made {len(calls)} cache calls for {len(self.layers)} layers"
+            )
+        self._pieces, self._calls = pieces, calls
+        self.counts["captured"] += 1
         return self._next.clone()
 
     @torch.inference_mode()

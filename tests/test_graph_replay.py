@@ -242,8 +242,8 @@ class _TapeGraphs:
         return recording()
 
 
-def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
-    """GraphedDecoder's choices (eager for a policy step and the first step, capture, replays, the host's
+def test_step_graphs_on_recorded_steps_equal_eager_decoding():
+    """GraphedDecoder(mode="steps")'s choices (eager for a policy step and the first step, capture, replays, the host's
     bookkeeping, the graph kept across a policy run that changed no table and dropped after one that did) over
     several policy runs, with a recording standing in for CUDA graphs: the tokens and every layer's token
     states are eager decoding's."""
@@ -265,7 +265,7 @@ def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
             storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
             runs += caches[0].layers[0].steps_since_policy == 0
     assert len(storages) > 1  # a policy run changed a table or the pool: the graph cannot serve past it
-    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs())
+    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs(), mode="steps")
     got = decoder.generate(ids, n)
     assert torch.equal(got, torch.cat(eager, dim=1))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
@@ -277,6 +277,41 @@ def test_graphed_decoder_on_recorded_steps_equals_eager_decoding():
     c = decoder.counts
     assert runs >= 3 and c["eager"] == 1 + runs and c["captured"] == len(storages)
     assert c["reused"] == runs - (len(storages) - 1) >= 1 and c["eager"] + c["captured"] + c["replayed"] == n - 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family):
+    """GraphedDecoder's default mode: one capture of the step in pieces between the cache's calls, then every
+    step replays the pieces with each layer's update() and attend() run eagerly between them (policy runs,
+    grown pools and tables included), with a recording standing in for CUDA graphs (a host read inside a piece
+    fails it): the tokens and every layer's token states, ring, pool bytes, counts and tables are eager
+    decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections."""
+    from hfkv.evaluation.bench import decode_step
+    from hfkv.graphs import GraphedDecoder
+
+    model = tiny_model(family, num_hidden_layers=2)
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    caches = [TriStateCache(model, "hfkv", backend="triton", budget=48, window=4, interval=6) for _ in range(2)]
+    n = 20
+    storages, runs = set(), 0
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
+        eager = [out.logits[:, -1:].argmax(-1)]
+        for i in range(n - 1):
+            eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
+            tiers = caches[0].layers[0].tiers
+            storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
+            runs += caches[0].layers[0].steps_since_policy == 0
+    assert runs >= 2 and len(storages) > 1  # policy runs, and storage that grew under the graphs
+    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs())
+    got = decoder.generate(ids, n)
+    assert torch.equal(got, torch.cat(eager, dim=1))
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.token_states(), b.token_states())
+        for x, y in zip(_state(a), _state(b), strict=True):
+            assert torch.equal(x, y)
+    assert decoder.counts == {"eager": 0, "captured": 1, "replayed": n - 2, "reused": 0}
+    assert len(decoder._pieces) == len(decoder._calls) + 1 == 3
 
 
 def test_graphed_decoder_refuses_what_it_cannot_replay():

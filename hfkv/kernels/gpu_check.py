@@ -264,11 +264,18 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     return True, f"3 decode steps, no host sync ({how})"
 
 
-def _graph_check(models, device: str, new_tokens: int = 40) -> tuple[bool, str]:
-    """Greedy decoding through hfkv.graphs.GraphedDecoder (steps between policy runs replayed from a CUDA graph)
-    gives the tokens and token states of eager decoding with the same cache configuration. The budget is one
-    the prompt does not fill, so some policy runs grow the storage (a new capture) and the later ones do not
-    (the graph reused across them; on a CPU with a recording for the graph: 3 captures, 2 reuses)."""
+def _graph_modes() -> tuple[str, ...]:
+    from hfkv.graphs import MODES  # above the kernels: imported where used
+
+    return MODES
+
+
+def _graph_check(models, device: str, mode: str, new_tokens: int = 40) -> tuple[bool, str]:
+    """Greedy decoding through hfkv.graphs.GraphedDecoder in ``mode`` gives the tokens and token states of eager
+    decoding with the same cache configuration. The budget is one the prompt does not fill, so some policy
+    runs grow the storage and the later ones do not: ``"layers"`` captures once and replays every later step
+    (policy runs in its eager cache calls), ``"steps"`` captures again after a run that grew something and
+    reuses its graph across the others (on a CPU with a recording for the graph: 3 captures, 2 reuses)."""
     import torch
 
     from hfkv import TriStateCache
@@ -284,7 +291,7 @@ def _graph_check(models, device: str, new_tokens: int = 40) -> tuple[bool, str]:
         for i in range(new_tokens - 1):  # as GraphedDecoder.generate steps
             eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
     eager = torch.cat(eager, dim=1)
-    decoder = GraphedDecoder(model, caches[1])
+    decoder = GraphedDecoder(model, caches[1], mode=mode)
     graphed = decoder.generate(ids, new_tokens)
     if not torch.equal(graphed, eager):
         first = int((graphed != eager).any(0).nonzero()[0])
@@ -292,7 +299,9 @@ def _graph_check(models, device: str, new_tokens: int = 40) -> tuple[bool, str]:
     for i, (a, b) in enumerate(zip(caches[0].layers, caches[1].layers, strict=True)):
         if not torch.equal(a.token_states(), b.token_states()):
             return False, f"layer {i}: token states differ after {new_tokens} tokens"
-    if decoder.counts["replayed"] < 1 or decoder.counts["reused"] < 1:
+    if mode == "layers" and decoder.counts["replayed"] != new_tokens - 2:
+        return False, f"a step after the capture was not replayed: {decoder.counts}"
+    if mode == "steps" and (decoder.counts["replayed"] < 1 or decoder.counts["reused"] < 1):
         return False, f"no step was replayed, or no graph reused across a policy run: {decoder.counts}"
     return True, f"{new_tokens} tokens and token states equal; steps {decoder.counts}"
 
@@ -328,7 +337,9 @@ def run_tests(
             plan.append((name, lambda f=family, p=preset: _generate_check(tb, models, f, p, device, new_tokens)))
     plan.append((f"decode step makes no host sync on {device}", lambda: _no_sync_check(models, device)))
     if device.startswith("cuda"):
-        plan.append((f"CUDA graph replay of decode steps == eager on {device}", lambda: _graph_check(models, device)))
+        for mode in _graph_modes():
+            plan.append((f"CUDA graph replay of decode steps ({mode}) == eager on {device}",
+                         lambda m=mode: _graph_check(models, device, m)))  # fmt: skip
     else:
         budget.skip("tests", "CUDA graph replay check", "CUDA graphs need a CUDA device")
     est = 5.0
@@ -529,7 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-e2e-graphs",
         dest="e2e_graphs",
         action="store_false",
-        help="skip the hfkv rows whose decode steps between policy runs replay a CUDA graph (hfkv.graphs)",
+        help="skip the hfkv rows whose decode steps replay CUDA graphs (hfkv.graphs)",
+    )
+    e.add_argument(
+        "--e2e-graph-modes",
+        type=ca.names(_graph_modes, "GraphedDecoder mode"),
+        default=["layers"],
+        help="GraphedDecoder modes of the graphed hfkv rows, one row each (layers, steps; default layers)",
     )
     e.add_argument(
         "--e2e-sdpa",

@@ -46,7 +46,19 @@ GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
 WARMUP_POLICY_STEPS = 64  # at most this many more warm-up steps, waiting for the first policy run
 HEADROOM = 0.95  # of the free memory a predicted batch may plan to use
 INTERLEAVED_KINDS = ("dynamic", "tristate")  # kept alive for the interleaved steps (QuantizedCache is ~3x slower)
-GRAPHED = " graphed"  # the label suffix of an hfkv cache's rows whose steps between policy runs replay a CUDA graph
+GRAPHED = " graphed"  # the label suffix of an hfkv cache's rows whose steps replay CUDA graphs (hfkv.graphs)
+
+
+def graphed_label(label: str, mode: str | None) -> str:
+    """A row's label: the cache's, then for a GraphedDecoder row `` graphed`` (mode "layers") or `` graphed-steps``."""
+    if mode is None:
+        return label
+    return label + GRAPHED + ("" if mode == "layers" else f"-{mode}")
+
+
+def cache_label(row_label: str) -> str:
+    """The cache's label of a row (:func:`graphed_label` undone)."""
+    return row_label.split(GRAPHED)[0]
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -97,21 +109,21 @@ def run_cache(
     chunk: int,
     keep: bool = False,
     extra: int = 0,
-    graphed: bool = False,
+    graphed: str | None = None,
 ) -> tuple[dict[str, Any], SimpleNamespace | None]:
     """One cache alone: prefill time, decode step times (median, mean, p20, p80), bytes, peak.
 
     With ``keep`` a cache that ran is handed back alive (``cache``, next ``tok`` and its ``position``)
-    for the interleaved steps, with room for ``extra`` more tokens. With ``graphed`` (a TriStateCache on
-    CUDA) the decode steps go through :class:`hfkv.graphs.GraphedDecoder`: those between policy runs are
-    replayed from a CUDA graph (the row's ``graph_counts``: eager, captured, replayed steps)."""
+    for the interleaved steps, with room for ``extra`` more tokens. With ``graphed`` (a GraphedDecoder mode; a
+    TriStateCache on CUDA) the decode steps go through :class:`hfkv.graphs.GraphedDecoder` in that mode, and
+    replay CUDA graphs (the row's ``graph_counts``: eager, captured, replayed steps, graphs reused)."""
     from hfkv.evaluation.bench import Clock, decode_step, fill_cache
     from hfkv.evaluation.methods import kv_and_dense_bytes
     from hfkv.storage.memory import cache_bytes
 
     batch, context = ids.shape
     cuda = ids.device.type == "cuda"
-    label = method.label + (GRAPHED if graphed else "")
+    label = graphed_label(method.label, graphed)
     row: dict[str, Any] = {"method": label, "kind": method.kind, "context": context, "batch": batch}
     cache, live = None, None
     try:
@@ -142,7 +154,7 @@ def run_cache(
         if graphed:
             from hfkv.graphs import GraphedDecoder
 
-            decoder = GraphedDecoder(model, cache)
+            decoder = GraphedDecoder(model, cache, mode=graphed)
             step = decoder.step
         else:
             decoder = None
@@ -389,14 +401,15 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
             for m in _kept_last(methods, args.e2e_interleave):
                 # an hfkv cache that ran is run again with its steps replayed from CUDA graphs
                 graphs = args.e2e_graphs and cuda and m.kind == "tristate"
-                for graphed in (False, True) if graphs else (False,):
-                    if graphed and not (group and group[-1]["method"] == m.label and group[-1]["status"] == "ok"):
+                ran = False  # the cache's own row ran ok: its graphed rows follow
+                for graphed in [None, *(args.e2e_graph_modes if graphs else ())]:
+                    if graphed and not ran:
                         continue
                     # this cache's rate so far, else the slowest so far, else a guess
                     rate = rates.get(m.label) or min(rates.values(), default=8000.0 if cuda else 300.0)
                     step = steps_s.get(m.label, 0.15 if cuda else 1.0)
                     need = 5 + 1.5 * context * batch / rate + n_steps * step * 1.5
-                    label = m.label + (GRAPHED if graphed else "")
+                    label = graphed_label(m.label, graphed)
                     if not budget.allows("e2e", f"{label} context {context} batch {batch}", need):
                         continue
                     keep = not graphed and args.e2e_interleave > 0 and m.kind in INTERLEAVED_KINDS
@@ -405,6 +418,7 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
                         graphed,
                     )  # fmt: skip
                     group.append(row)
+                    ran = ran or (not graphed and row["status"] == "ok")
                     if live is not None:
                         lives[m.label] = live
                     out["rows"].append(row)
@@ -424,7 +438,7 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
             if group:  # rows in the methods' order, DynamicCache first, each graphed row after its cache's
                 order = {m.label: i for i, m in enumerate(methods)}
                 out["rows"][-len(group) :] = sorted(
-                    group, key=lambda r: (order[r["method"].removesuffix(GRAPHED)], r["method"].endswith(GRAPHED))
+                    group, key=lambda r: (order[cache_label(r["method"])], r["method"])
                 )
     add_ratios(out["rows"])
     if budget.allows("e2e", "CUDA graph capture of a decode step", 20.0 if cuda else 1.0):
