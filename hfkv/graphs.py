@@ -1,32 +1,30 @@
-"""Decode steps of a TriStateCache replayed from CUDA graphs, between policy runs.
+"""Greedy decoding of a TriStateCache whose decode steps replay CUDA graphs.
 
 On a GPU a decode step of an 8B model is bound by its host: transformers' Python and a few hundred
 launches take ~25-35 ms where the bytes take ~5-10 (docs/kernels.md, "Tenth lease"), for DynamicCache and
-hfkv alike. A CUDA graph removes the host from a step, but only where every launch of the step is the
-same from one step to the next. Between two policy runs a TriStateCache's step is: its storage does not
-move, the decode kernels read the step's position and ring slot from the device
+hfkv alike. A CUDA graph removes the host from a step, but only launches that are the same from one step to
+the next. DynamicCache's never are (its tensors grow every step). :class:`GraphedDecoder` has two modes.
+
+``mode="layers"`` (default) graphs everything but the cache: the first decode step is captured as one graph
+per stretch between two layers' cache calls (the embedding and the first layer's projections, each layer's
+output projection, MLP and the next layer's projections, the last norm, head and argmax), and every later
+step replays those graphs in order with each layer's ``update()`` and ``attend()`` run eagerly between
+them, on the tensors the graphs write, as the model's own attention calls them. Policy runs, grown tables
+and pools and new launch plans happen in the eager calls, as in eager decoding, so nothing is captured again
+and the model's Python never runs after the first step. A replayed step's host work is the layers' own
+(``eval/host_overhead.py``: ~20 us and 3 launches a layer between policy runs) plus one graph launch a layer.
+
+``mode="steps"`` replays one graph of a whole step between policy runs. There a TriStateCache's step launches
+alike: its storage does not move, the decode kernels read the step's position and ring slot from the device
 (``run_plan(step=...)``), and the host knows how many steps are left before the next policy run
-(``TriStateLayer.decode_steps_before_policy``). DynamicCache's step cannot be (its tensors grow every step).
-
-:class:`GraphedDecoder` runs greedy one-token steps: the step that runs a policy run eagerly (its decode
-kernels run on the storage the run leaves: the new launch plan is built, what is new compiled), the next
-one captured into a graph, and every later step until the next policy run replayed
-from it, with the host's bookkeeping (``TriStateLayer.replayed_step``) in place of ``update()`` and
-``attend()``. A policy run moves tokens inside the layer's page tables and pool; where it grows or shrinks
-none of them (``TriStateLayer.launch_signature``: the same launch plan, for the same tensors), the graph still
-holds and replays the steps up to the next run, so once the tables stop growing seven steps of eight are
-replays at the default interval of 8, and nothing is captured again. (The first decode step, and a step
-after one whose storage changed after its attention, run eagerly before a capture.)
-
-That is ``mode="steps"``. The default, ``mode="layers"``, graphs everything but the cache: the step is
-captured once as one graph per stretch between two attention calls (the embedding and the first layer's
-projections, each layer's output projection, MLP and the next layer's projections, the last norm, head and
-argmax), and a replay runs those graphs in order with each layer's ``update()`` and ``attend()`` run
-eagerly between them on the tensors the graphs write, as the model's own attention calls them. Policy runs,
-grown tables and a new launch plan are then nobody's concern: they happen in the eager calls, as in eager
-decoding, and no step runs the model's Python again. A replayed step's host work is the layers' own
-(``eval/host_overhead.py``: ~20 us and 3 launches a layer between policy runs) plus one graph launch a layer,
-against a whole graph's one launch, and a policy run no longer costs an eager step and a capture.
+(``TriStateLayer.decode_steps_before_policy``). The step that runs a policy run runs eagerly (its decode
+kernels run on the storage the run leaves: the new launch plan is built, what is new compiled), the next one
+is captured, and every later step until the next policy run replays it, with the host's bookkeeping
+(``TriStateLayer.replayed_step``) in place of ``update()`` and ``attend()``. Where a run grows or shrinks no
+layer's page table or pool (``TriStateLayer.launch_signature``: the same launch plan, for the same tensors)
+the graph serves on; on a real model some layer's nearly always changes (``eval/storage_churn.py``), so this
+mode pays an eager step and a capture every interval. (The first decode step, and a step after one whose
+storage changed after its attention, run eagerly before a capture.)
 
     decoder = GraphedDecoder(model, cache)
     tokens = decoder.generate(input_ids, max_new_tokens=256)     # greedy; [batch, max_new_tokens]
@@ -82,12 +80,12 @@ class _CacheCall:
 
 
 class GraphedDecoder:
-    """Greedy decoding of ``model`` with ``cache``, its steps between policy runs replayed from a CUDA graph.
+    """Greedy decoding of ``model`` with ``cache``, its steps replayed from CUDA graphs (``mode``: module docstring).
 
-    Needs every layer compressed (a TriStateLayer on the Triton backend: an uncompressed sliding layer
-    grows like DynamicCache's) and a CUDA device. ``counts`` says how many steps ran eagerly, were captured
-    and were replayed, and after how many policy runs the graph was reused. Step the cache through the
-    decoder only: what it replays was counted at the capture.
+    Needs every layer compressed (a TriStateLayer: an uncompressed sliding layer grows like DynamicCache's),
+    a CUDA device, and for ``mode="steps"`` the Triton backend. ``counts`` says how many steps ran eagerly,
+    were captured and were replayed, and after how many policy runs a whole-step graph was reused. Step the
+    cache through the decoder only: what it replays was set up at the capture.
     """
 
     def __init__(self, model: torch.nn.Module, cache: TriStateCache, graphs=None, mode: str = "layers") -> None:
