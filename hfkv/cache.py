@@ -681,11 +681,17 @@ class TriStateLayer(CacheLayerMixin):
         return peak
 
     # ------------------------------------------------------------ attention
-    def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
-        """Called by the hfkv attention function right after this layer's update()."""
+    def attend(self, module, query, key, value, mask, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Called by the hfkv attention function right after this layer's update(). ``out``: the tensor to write
+        the result to (hfkv.graphs: where a replayed graph reads it), one this layer's attention returned for
+        the same query shape; a Triton decode step writes it in place, any other path copies."""
         if self.length == self._chunk[0].shape[2]:
-            return self._prefill(module, query, mask, scaling)
-        return self._attend_slots(query, mask, scaling)
+            res = self._prefill(module, query, mask, scaling)
+        else:
+            res = self._attend_slots(query, mask, scaling, out)
+        if out is None or res is out:
+            return res
+        return out.copy_(res)
 
     def _prefill(self, module, query, mask, scaling) -> torch.Tensor:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -770,9 +776,9 @@ class TriStateLayer(CacheLayerMixin):
             self._admit(k[:, :, :rest], v[:, :, :rest], pos[:rest], sc, new, check_finite=True)
         self._refresh_tier_peak()
 
-    def _attend_slots(self, query, mask, scaling) -> torch.Tensor:
+    def _attend_slots(self, query, mask, scaling, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend != "torch":  # Triton, or the CPU kernel (decode steps and prefill chunks alike)
-            return self._attend_slots_kernel(query, scaling)
+            return self._attend_slots_kernel(query, scaling, out)
         self._chunk = None
         win = self.window
         bsz, heads = win.k.shape[:2]
@@ -807,7 +813,7 @@ class TriStateLayer(CacheLayerMixin):
             self.run_policy(exits)
         return out
 
-    def _attend_slots_kernel(self, query, scaling) -> torch.Tensor:
+    def _attend_slots_kernel(self, query, scaling, out: torch.Tensor | None = None) -> torch.Tensor:
         """The same attention through the paged kernels (Triton, or the CPU kernel): records are read and
         dequantized where they lie, scores are added in place, and the mask comes from slot positions
         (causal + left padding)."""
@@ -855,7 +861,7 @@ class TriStateLayer(CacheLayerMixin):
         if self.backend == "triton":
             step = self._device_step(write) if write is not None else None
             out, _ = kernels.run_plan(
-                self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False, step=step
+                self._plan, query, self.length - q, self.pad_end, scaling, write, checked=False, step=step, out=out
             )
         else:
             out, _ = kernels.paged_attention_cpu(

@@ -63,7 +63,8 @@ class CudaGraphs:
 @dataclass
 class _CacheCall:
     """One layer's ``update()`` and ``attend()`` as the captured step made them: replayed eagerly on the tensors
-    the graphs write (keys, values, queries, mask), the attention's result copied where the next graph reads it."""
+    the graphs write (keys, values, queries, mask), the attention's result written where the next graph reads it
+    (the capture's result tensor: a Triton decode step writes it in place)."""
 
     layer: TriStateLayer
     key: torch.Tensor
@@ -76,7 +77,7 @@ class _CacheCall:
     def run(self) -> None:
         self.layer.update(self.key, self.value, *self.args, **self.kwargs)
         set_pending(None)  # what the hfkv attention function does before calling attend()
-        self.out.copy_(self.layer.attend(*self.attend))
+        self.layer.attend(*self.attend, out=self.out)  # written where the next graph reads it
 
 
 class GraphedDecoder:

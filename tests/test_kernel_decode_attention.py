@@ -371,10 +371,12 @@ def test_triton_device_step_replays_the_same_launch_for_the_next_token(first_slo
     step = torch.tensor([length, first_slot])
     q_buf, k_buf, v_buf = (t.clone() for t in new[0])
     write = PendingWrite(k_buf, v_buf, first_slot, length)
-    got = []
+    got, out_buf = [], torch.empty_like(want[0])  # the output written in place, as a replayed graph reads it
     for i, (q, nk, nv) in enumerate(new):
         q_buf.copy_(q), k_buf.copy_(nk), v_buf.copy_(nv)
-        got.append(run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, checked=i == 0, step=step)[0])
+        res = run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, checked=i == 0, step=step, out=out_buf)[0]
+        assert res is out_buf
+        got.append(res.clone())
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     for a, b in zip(ring_d + [pool_d], ring + [pool], strict=True):
@@ -384,6 +386,8 @@ def test_triton_device_step_replays_the_same_launch_for_the_next_token(first_slo
         run_plan(plan_d, q_buf, length + 1, pad_end, dim**-0.5, write, step=step)
     with pytest.raises(ValueError, match="step must be a contiguous int64"):
         run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, step=step.int())
+    with pytest.raises(ValueError, match=r"out is \(2, 1, 4, 32\) torch.float64 \(contiguous: True\); allowed"):
+        run_plan(plan_d, q_buf, length, pad_end, dim**-0.5, write, out=out_buf.double())
 
 
 def test_cpu_plan_describes_parts_once_and_refuses_copies():

@@ -864,8 +864,12 @@ def run_plan(
     window_write=None,
     checked: bool = True,
     step: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The three launches of ``plan`` for ``query`` (shaped as the plan's) at logical positions ``q_start ..``.
+
+    ``out``: a contiguous ``[B, q, Hq, D]`` tensor of the query's dtype the output is written to (else a new one):
+    a caller replaying graphs around the attention has it read where the next graph reads it, with no copy.
 
     ``checked=False`` skips validating ``window_write`` against the ring: for a caller whose pending write
     comes from the ring itself (the cache's, ``WindowRing.push_deferred``), where the checks are a few
@@ -882,6 +886,13 @@ def run_plan(
         _check_step(step, plan, query, q_start, window_write)
     bsz, qlen, hq, dim = plan.out_shape
     heads, device = plan.heads, query.device
+    if out is not None and checked and (
+        out.shape != (bsz, qlen, hq, dim) or out.dtype != query.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"paged_attention: out is {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
+            f"allowed: a contiguous {(bsz, qlen, hq, dim)} {query.dtype} tensor"
+        )
     query = query.contiguous()
     if pad_end.dtype != torch.int64 or pad_end.device != device:
         pad_end = pad_end.to(device=device, dtype=torch.int64)
@@ -895,7 +906,8 @@ def run_plan(
     if step is not None:  # the kernels read these from `step`: no number that changes per step is an argument
         q_start, wargs = 0, (*wargs[:6], 0, 0)
     logits, m, l_, acc, mf, lf = plan.scratch
-    out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
+    if out is None:
+        out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
     _partial_kernel[plan.grid](
         query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, plan.p_meta, logits, plan.s_total,
