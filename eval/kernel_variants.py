@@ -2,7 +2,8 @@
 
 A lease on a GPU is minutes, so one command answers both questions for a few of kernel_bench's cases
 (kind, context, batch; Llama-3.1-8B's attention shape, bf16): every variant of the grid ``block_n x
-num_warps x num_stages x int_tile`` is timed on the same storage (CUDA-graph replays, as kernel_bench), its
+num_warps x num_stages x int_tile`` (and of the reads: pieces, table ahead, score blocks, fp16
+dequantization) is timed on the same storage (CUDA-graph replays, as kernel_bench), its
 output compared with the default launch's, and one call of the default launch is split by kernel
 with ``torch.profiler`` (partial, combine, score: which one to work on). Rows are appended to the
 JSON after each case, so a run stopped from outside keeps what it measured.
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.int_pieces,
             args.table_ahead,
             args.score_block,
+            args.half_dequant,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -160,14 +162,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
-        for block_n, warps, stages, tile, split, pieces, ahead, score_block in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
-                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/{score_block}"
+                    f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
+                    f"{score_block}/{half}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
             launch["int_pieces"] = bool(pieces)
+            launch["half_dequant"] = bool(half)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
@@ -209,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         "--int-pieces", type=_ints, default=[1], help="integer fields read in pieces (1) or by load_field (0)"
     )
     p.add_argument("--table-ahead", type=_ints, default=[1, 2], help="iterations ahead the page table is read")
+    p.add_argument(
+        "--half-dequant", type=_ints, default=[0, 1], help="integer fields dequantized in fp32 (0) or fp16 (1)"
+    )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")
     p.add_argument("--page-records", type=_ints, default=[0], help="records of the largest layout per page (0: auto)")
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         args.block_n, args.num_warps, args.num_stages, args.int_tile, args.repeats = [16, 32], [4], [2], [0, 1], 1
         args.split_slots = [0, 32]
         args.page_records, args.record_align, args.table_ahead = [0], [4, 16], [1]
+        args.half_dequant = [0]  # fp32 toy shape: the fp16 form never applies
     run(args)
     return 0
 

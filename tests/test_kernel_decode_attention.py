@@ -27,6 +27,8 @@ KERNELS = {
     "triton-per-element": lambda *a, **kw: paged_attention(
         *a, split_slots=32, block_n=16, int_tile=False, int_pieces=False, table_ahead=2, **kw
     ),
+    # integer fields dequantized in fp16 and their products in fp16 (16-bit queries; fp32 ones keep IEEE products)
+    "triton-half": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, half_dequant=True, **kw),
     "cpu": paged_attention_cpu,
 }
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))
@@ -330,6 +332,22 @@ def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
         torch.testing.assert_close(a, b, atol=0, rtol=0)  # ring contents, scores included
     with pytest.raises(ValueError, match="window_write slot 12 is outside"):
         call([t.clone() for t in (k, v, pos, score)], PendingWrite(new_k, new_v, cap, length))
+
+
+@pytest.mark.parametrize("dtype,half", [(torch.float16, True), (torch.float32, False)])
+def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
+    """``half_dequant`` turns the fp16 form on where the products run in a 16-bit type (the "triton-half" cases
+    above with fp16 queries run it), never for fp32 queries, whose products stay IEEE fp32."""
+    from hfkv.kernels.decode_attention import plan_attention
+
+    bsz, heads, dim = 2, 2, 64
+    layouts = (_layout("model", "model", dim, dtype), _layout("int8", "int4", dim, dtype))
+    tiers = _storage(layouts, bsz, heads, dim, 80, (20, 30), None, seed=1)
+    parts = [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+    query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
+    on = plan_attention(query, parts, torch.zeros(bsz, dtype=torch.long), half_dequant=True).constants["HALF"]
+    off = plan_attention(query, parts, torch.zeros(bsz, dtype=torch.long)).constants["HALF"]
+    assert (on, off) == (half, False)
 
 
 @pytest.mark.parametrize("first_slot", [7, 11])  # 11: the second step's slot wraps to 0

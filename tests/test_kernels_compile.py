@@ -49,7 +49,8 @@ def test_aot_check_refuses_the_interpreter(monkeypatch):
 def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     """eval/kernel_sass.py (registers, spills and the loop's instructions of the sm_90 code, no GPU): the integer
     pieces read keeps its codes out of two-byte shared-memory stores and costs fewer instructions per slot than
-    the rows read it replaced, the reason it is the default (docs/kernels.md, the H100 lease)."""
+    the rows read it replaced, the reason it is the default (docs/kernels.md, the H100 lease); the fp16 form
+    cuts the loop again."""
     import json
     from pathlib import Path
 
@@ -65,13 +66,20 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "",
         "--launch",
         "int_pieces=0",
+        "--launch",
+        "half_dequant=1",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pieces, rows = json.loads(out.read_text())["rows"]
-    for r in (pieces, rows):
+    pieces, rows, half = json.loads(out.read_text())["rows"]
+    for r in (pieces, rows, half):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
     assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]
+    # the fp16 dequantization: pairs of elements per HADD2 / HFMA2, no int -> fp32 conversion, the tiles to the
+    # tensor cores by ldmatrix rather than 64-bit shared loads, fewer instructions (docs/kernels.md)
+    assert half["loop_ops"].get("HFMA2", 0) > 0 and half["loop_ops"].get("I2FP.F32.U32", 0) == 0
+    assert half["loop_families"]["LDS"] < pieces["loop_families"]["LDS"]
+    assert half["loop_instructions"] < 0.9 * pieces["loop_instructions"]

@@ -75,6 +75,12 @@ INT_TILE = True
 # without the per-element trips through shared memory of ``load_field``'s rows (118 -> 72 warp
 # instructions per slot in the loop).
 INT_PIECES = True
+# Integer fields dequantized in fp16 where the products run in a 16-bit type (``load_int_pieces``' HALF: codes
+# OR'd into an fp16 mantissa, one subtraction and one fused multiply-add per pair of elements; the products
+# in fp16 with fp32 accumulation): sm_90 loop of the quant storage 740 -> 628 instructions, its dequantized
+# tiles to the tensor cores by ldmatrix instead of 36 64-bit shared loads (eval/kernel_sass.py). Off until a
+# GPU times it (eval/kernel_variants.py --half-dequant 0,1).
+HALF_DEQUANT = False
 # Iterations ahead of its use that the page table is read (0: where it is used). None: two where a paged
 # part has an integer field, else one (H100, 64 / 8 / 2, 32k x 8; kernel_variants_h100_ahead.json: hfkv
 # storage 0.720 / 0.717 / 0.698 ms at 0 / 1 / 2 ahead, quant 0.722 / 0.718 / 0.680, full pages 0.664 /
@@ -193,6 +199,7 @@ def _partial_part(
     INT_TILE: tl.constexpr,
     INT_PIECES: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -222,6 +229,8 @@ def _partial_part(
     V_ALIGN: tl.constexpr = FMT[14]
     K_PC: tl.constexpr = FMT[15] if INT_PIECES and K_FAM == 1 else 0  # piece width, 0: load_field
     V_PC: tl.constexpr = FMT[16] if INT_PIECES and V_FAM == 1 else 0
+    K_HALF: tl.constexpr = HALF and K_PC > 0  # fp16 tiles and fp16 products (HALF_DEQUANT)
+    V_HALF: tl.constexpr = HALF and V_PC > 0
     tpp: tl.constexpr = FMT[17]  # records per page
     bh = tl.program_id(0)
     qb = tl.program_id(2)
@@ -290,13 +299,13 @@ def _partial_part(
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (page_at + TAG_AT) // 4 + s % tpp, mask=in_range, other=0)
             if K_PC:
-                k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN)
+                k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, K_HALF)
             else:
                 k = load_field(
                     pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
                 )
             if V_PC:
-                v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN)
+                v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN, V_HALF)
             else:
                 v = load_field(
                     pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE,
@@ -317,6 +326,8 @@ def _partial_part(
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
         if DOT_T == tl.float32:
             logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
+        elif K_HALF:
+            logits = tl.dot(qf.to(tl.float16), tl.trans(k))
         else:  # tensor cores, fp32 accumulation: the operands rounded to the model dtype, as SDPA's are
             logits = tl.dot(qf.to(DOT_T), tl.trans(k.to(DOT_T)))
         logits = tl.where(allowed, logits, float("-inf"))
@@ -329,6 +340,8 @@ def _partial_part(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_T == tl.float32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        elif V_HALF:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T))
         m_i = m_new
@@ -389,6 +402,7 @@ def _partial_kernel(
     INT_TILE: tl.constexpr,
     INT_PIECES: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
+    HALF: tl.constexpr,
     DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
@@ -416,7 +430,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES, TABLE_AHEAD,
+                INT_PIECES, TABLE_AHEAD, HALF,
             )  # fmt: skip
 
 
@@ -724,6 +738,7 @@ def plan_attention(
     int_pieces: bool = INT_PIECES,
     table_ahead: int | None = TABLE_AHEAD,
     score_block: int = SCORE_BLOCK,
+    half_dequant: bool = HALF_DEQUANT,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -822,6 +837,7 @@ def plan_attention(
         DOT_T=dot_t,
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
+        HALF=bool(half_dequant) and bool(int_pieces) and dot_t != tl.float32,
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
@@ -967,6 +983,7 @@ def paged_attention(
     int_pieces: bool = INT_PIECES,
     table_ahead: int | None = TABLE_AHEAD,
     score_block: int = SCORE_BLOCK,
+    half_dequant: bool = HALF_DEQUANT,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -985,8 +1002,9 @@ def paged_attention(
     power-of-two ``head_dim``, else per element) or, False, per element (``load_field``), unless
     ``int_pieces`` (the default) reads them in pieces with their columns in the pieces' order
     (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records
-    (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program:
-    ``eval/kernel_variants.py`` sweeps them.
+    (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program;
+    ``half_dequant`` dequantizes integer fields read in pieces to fp16 and runs their products in fp16 where
+    the query is 16-bit (``HALF_DEQUANT``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -995,6 +1013,6 @@ def paged_attention(
     """
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
-        int_tile, window_write is not None, int_pieces, table_ahead, score_block,
+        int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

@@ -160,20 +160,31 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _piece_bytes(word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr):
+def _piece_bytes(
+    word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr,
+    HALF: tl.constexpr = False,
+):
     # the four bytes of each word, each one code of the plane at SHIFT, dequantised; joined lowest byte first
     if COUNT == 1:
-        return ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
+        if HALF:
+            c = (((word >> (8 * LO + SHIFT)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            x = (c - 1024.0) * scale[:, None] + zero[:, None]
+        else:
+            x = ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
+        return x
     else:
-        a = _piece_bytes(word, scale, zero, SHIFT, MASK, LO, COUNT // 2)
-        return tl.join(a, _piece_bytes(word, scale, zero, SHIFT, MASK, LO + COUNT // 2, COUNT // 2))
+        a = _piece_bytes(word, scale, zero, SHIFT, MASK, LO, COUNT // 2, HALF)
+        return tl.join(a, _piece_bytes(word, scale, zero, SHIFT, MASK, LO + COUNT // 2, COUNT // 2, HALF))
 
 
 @triton.jit
-def _half_at(quads, q0, live, IDX: tl.constexpr):
+def _half_at(quads, q0, live, IDX: tl.constexpr, HALF: tl.constexpr = False):
     # half IDX of a field's scale/zero halves, from the 64-bit words holding four each (little-endian)
     w = tl.load(quads + q0 + IDX // 4, mask=live, other=0)
-    return ((w >> (16 * (IDX % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    h = ((w >> (16 * (IDX % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    if not HALF:
+        h = h.to(tl.float32)
+    return h
 
 
 @triton.jit
@@ -191,20 +202,24 @@ def _piece_planes(
     LO: tl.constexpr,
     COUNT: tl.constexpr,
     QUADS: tl.constexpr,
+    HALF: tl.constexpr = False,
 ):
     # planes LO .. LO + COUNT - 1 of the bytes at h * C: piece j = plane * H + h, with its group's scale and zero
     if COUNT == 1:
         g: tl.constexpr = (LO * H + h) * C // GROUP
         if QUADS:  # `half` points at 64-bit words, `meta` is the first one's index: one load per four halves
-            scale = _half_at(half, meta, live, g)
-            zero = _half_at(half, meta, live, D // GROUP + g)
+            scale = _half_at(half, meta, live, g, HALF)
+            zero = _half_at(half, meta, live, D // GROUP + g, HALF)
+        elif HALF:
+            scale = tl.load(half + meta + g, mask=live, other=0.0)
+            zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0)
         else:
             scale = tl.load(half + meta + g, mask=live, other=0.0).to(tl.float32)
             zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0).to(tl.float32)
-        return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4)
+        return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4, HALF)
     else:
-        a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2, QUADS)
-        b = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO + COUNT // 2, COUNT // 2, QUADS)
+        a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2, QUADS, HALF)
+        b = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO + COUNT // 2, COUNT // 2, QUADS, HALF)
         return tl.join(a, b)
 
 
@@ -222,16 +237,17 @@ def _piece_words(
     LO: tl.constexpr,
     COUNT: tl.constexpr,
     QUADS: tl.constexpr,
+    HALF: tl.constexpr = False,
 ):
     # the code bytes h * C .. h * C + C - 1 for h in LO .. LO + COUNT - 1, read once as words
     PER: tl.constexpr = 8 // BITS
     H: tl.constexpr = D // PER // C
     if COUNT == 1:
         word = tl.load(words + w0[:, None] + (LO * C // 4 + tl.arange(0, C // 4))[None, :], mask=live[:, None], other=0)
-        return _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, LO, 0, PER, QUADS)
+        return _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, LO, 0, PER, QUADS, HALF)
     else:
-        a = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO, COUNT // 2, QUADS)
-        b = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO + COUNT // 2, COUNT // 2, QUADS)
+        a = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO, COUNT // 2, QUADS, HALF)
+        b = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, LO + COUNT // 2, COUNT // 2, QUADS, HALF)
         return tl.join(a, b)
 
 
@@ -246,13 +262,17 @@ def load_int_pieces(
     D: tl.constexpr,
     C: tl.constexpr,  # piece width (``piece_width``)
     ALIGN: tl.constexpr,  # a power of two (4 or more) dividing every ``rec + OFF``
+    HALF: tl.constexpr = False,  # fp16 values (above)
 ):
     """``[N, D]`` fp32 values of an integer field (``code * scale + zero``, as ``load_field``), its columns in
-    the order ``piece_columns`` gives: each piece's codes are read as words and spread by shifts alone, and
-    the pieces and bytes are put side by side with ``tl.join`` (a new innermost dimension, held by the
-    same thread), so no reshape moves an element between threads. ``load_field``'s rows and groups went to
-    element order through shared memory, per element and at 255 registers, on sm_90 (docs/kernels.md).
-    The caller multiplies in this order: the queries are read in it, the output columns stored from it."""
+    the order ``piece_columns`` gives; fp16 with ``HALF``: each code OR'd into the mantissa of 1024.0 (exact
+    for codes below 1024), 1024 subtracted and ``scale`` / ``zero`` applied in fp16 (the stored halves as
+    they are), so sm_90 runs a pair of elements per HADD2 / HFMA2 and converts nothing to or from fp32.
+    Each piece's codes are read as words and spread by shifts alone, and the pieces and bytes are put side
+    by side with ``tl.join`` (a new innermost dimension, held by the same thread), so no reshape moves an
+    element between threads. ``load_field``'s rows and groups went to element order through shared memory,
+    per element and at 255 registers, on sm_90 (docs/kernels.md). The caller multiplies in this order: the
+    queries are read in it, the output columns stored from it."""
     PER: tl.constexpr = 8 // BITS
     H: tl.constexpr = D // PER // C
     base = tl.multiple_of(rec + OFF, ALIGN)
@@ -269,5 +289,5 @@ def load_int_pieces(
     else:
         half = pool_ptr.to(tl.pointer_type(tl.float16))
         meta = (base + D // PER) // 2
-    x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H, QUADS)
+    x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H, QUADS, HALF)
     return tl.reshape(x, [rec.shape[0], D])

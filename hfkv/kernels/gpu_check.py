@@ -50,6 +50,7 @@ DEFAULT_BUDGET_S = 510.0  # of the 600 s a lent H100 runs one command, installin
 DRY_BUDGET_S = 150.0
 KERNEL_TESTS = (
     "tests/test_kernel_decode_attention.py",
+    "tests/test_kernel_dequant.py",
     "tests/test_kernel_encode.py",
     "tests/test_kernel_compact.py",
     "tests/test_kernel_meta.py",
