@@ -165,16 +165,24 @@ def _piece_bytes(
     HALF: tl.constexpr = False,
 ):
     # the four bytes of each word, each one code of the plane at SHIFT, dequantised; joined lowest byte first
-    if COUNT == 1:
-        if HALF:
-            c = (((word >> (8 * LO + SHIFT)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            x = (c - 1024.0) * scale[:, None] + zero[:, None]
-        else:
-            x = ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
-        return x
+    if HALF and COUNT == 4:
+        # Two codes per 32-bit op: bytes 0 and 2 (then 1 and 3) of the word, each in a 16-bit half ORed into
+        # fp16 1024.0, so a pair is one register and one HADD2 / HFMA2; joined in the order [b0, b2, b1, b3],
+        # which is the order the fp32 form's tree below gives.
+        m2: tl.constexpr = MASK | (MASK << 16)
+        t02 = ((word >> SHIFT) & m2) | 0x64006400
+        t13 = ((word >> (SHIFT + 8)) & m2) | 0x64006400
+        j02 = tl.join((t02 & 0xFFFF).to(tl.int16), (t02 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+        j13 = tl.join((t13 & 0xFFFF).to(tl.int16), (t13 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+        s = scale[:, None, None]
+        z = zero[:, None, None]
+        x = tl.permute(tl.join((j02 - 1024.0) * s + z, (j13 - 1024.0) * s + z), (0, 1, 3, 2))
+    elif COUNT == 1:
+        x = ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
     else:
-        a = _piece_bytes(word, scale, zero, SHIFT, MASK, LO, COUNT // 2, HALF)
-        return tl.join(a, _piece_bytes(word, scale, zero, SHIFT, MASK, LO + COUNT // 2, COUNT // 2, HALF))
+        a = _piece_bytes(word, scale, zero, SHIFT, MASK, LO, COUNT // 2)
+        x = tl.join(a, _piece_bytes(word, scale, zero, SHIFT, MASK, LO + COUNT // 2, COUNT // 2))
+    return x  # one return: Triton 3.6 types every return of a function alike, constexpr branches included
 
 
 @triton.jit
