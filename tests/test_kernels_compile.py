@@ -78,8 +78,7 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
     assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]
-    # the fp16 dequantization: pairs of elements per HADD2 / HFMA2, no int -> fp32 conversion, the tiles to the
-    # tensor cores by ldmatrix rather than 64-bit shared loads, fewer instructions (docs/kernels.md)
+    # the fp16 dequantization: pairs of elements per HADD2 / HFMA2, no int -> fp32 conversion, fewer instructions
+    # (docs/kernels.md: 7% fewer with Triton 3.6, 20% with 3.9, which also moves the tiles by ldmatrix)
     assert half["loop_ops"].get("HFMA2", 0) > 0 and half["loop_ops"].get("I2FP.F32.U32", 0) == 0
-    assert half["loop_families"]["LDS"] < pieces["loop_families"]["LDS"]
-    assert half["loop_instructions"] < 0.9 * pieces["loop_instructions"]
+    assert half["loop_instructions"] < 0.95 * pieces["loop_instructions"]
