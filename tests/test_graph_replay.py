@@ -177,8 +177,10 @@ def test_steps_before_policy_match_what_eager_steps_do(overrides):
 class _Tape:
     """A CUDA graph's semantics on a CPU. Capture records the step's aten ops and Triton launches and runs the
     launches not at all (as a capture runs nothing); a host read of a device value fails, as it does in a
-    capture. Replay runs the record again with every tensor where the capture left it, each op's result copied
-    into the tensor the capture made (a graph's fixed addresses), the launches on those same tensors."""
+    capture; and when the capture ends, every floating tensor its ops made holds NaN, as a captured tensor holds
+    garbage until the graph is replayed. Replay runs the record again with every tensor where the capture left
+    it, each op's result copied into the tensor the capture made (a graph's fixed addresses), the launches on
+    those same tensors."""
 
     def __init__(self, run_launch):
         self.ops: list[tuple] = []
@@ -216,6 +218,8 @@ class _TapeGraphs:
         from torch.utils._python_dispatch import TorchDispatchMode
         from triton.runtime.interpreter import InterpretedFunction
 
+        made: list[torch.Tensor] = []  # tensors the capture's ops allocated (not views or in-place results)
+
         class Record(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
@@ -223,6 +227,8 @@ class _TapeGraphs:
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 tape.ops.append(("aten", func, args, kwargs, out))
+                given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+                made.extend(t for t in _tensors(out) if t.untyped_storage().data_ptr() not in given)
                 return out
 
         @contextlib.contextmanager
@@ -238,6 +244,9 @@ class _TapeGraphs:
                     yield
             finally:
                 InterpretedFunction.run = original
+                for t in made:  # nothing ran on a GPU's capture: what the step made is garbage until a replay
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))
 
         return recording()
 
