@@ -140,11 +140,11 @@ def _e2e_lines(body: dict[str, Any]) -> list[str]:
     rows = body.get("rows", [])
     if rows:
         lines.append(
-            "  context  B  cache               prefill s   step ms med / mean   peak GiB  KV GiB  compr  speed-up"
+            "  context  B  cache                     prefill s   step ms med / mean   peak GiB  KV GiB  compr  speed-up"
             "  in turns med / mean"
         )
     for r in rows:
-        head = f"  {r['context']:>7} {r['batch']:>2}  {_short(r['method']):<18}"
+        head = f"  {r['context']:>7} {r['batch']:>2}  {_short(r['method']):<24}"  # "hfkv@1024 graphed-steps"
         if r.get("status") != "ok":
             lines.append(f"{head} {r.get('status')}: {str(r.get('reason'))[:80]}")
             continue
