@@ -134,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"shared {row['shared_bytes']}  loop {row['loop_instructions']} "
                   f"({row['loop_warp_instructions_per_slot']:.1f} per slot)  {fam}", flush=True)  # fmt: skip
     if args.out:
-        write_atomic(args.out, json.dumps({"rows": rows}, indent=1))
+        import triton
+
+        from hfkv.evaluation.results import provenance
+
+        meta = {
+            "triton": triton.__version__,  # the machine code differs between Triton versions (docs/kernels.md)
+            "command": "python eval/kernel_sass.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            **provenance(),
+        }
+        write_atomic(args.out, json.dumps({"rows": rows, **meta}, indent=1))
     return 0
 
 
