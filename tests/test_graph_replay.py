@@ -251,19 +251,16 @@ class _TapeGraphs:
         return recording()
 
 
-def test_step_graphs_on_recorded_steps_equal_eager_decoding():
-    """GraphedDecoder(mode="steps")'s choices (eager for a policy step and the first step, capture, replays, the host's
-    bookkeeping, the graph kept across a policy run that changed no table and dropped after one that did) over
-    several policy runs, with a recording standing in for CUDA graphs: the tokens and every layer's token
-    states are eager decoding's."""
+def _graphed_against_eager(model, n: int, mode: str):
+    """``n`` greedy tokens decoded eagerly and by a GraphedDecoder in ``mode`` on recorded graphs, from caches whose
+    budget the prompt does not fill (policy runs during decoding grow the pool and tables, then leave them):
+    asserts tokens, token states and every layer's storage equal; gives the decoder, the eager cache's distinct
+    storage shapes (after each step) and its policy runs."""
     from hfkv.evaluation.bench import decode_step
     from hfkv.graphs import GraphedDecoder
 
-    model = tiny_model("llama", num_hidden_layers=1)
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
-    # a budget the prompt does not fill: policy runs during decoding grow the pool and tables, then leave them
     caches = [TriStateCache(model, "hfkv", backend="triton", budget=48, window=4, interval=6) for _ in range(2)]
-    n = 26
     storages, runs = set(), 0
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
@@ -273,14 +270,25 @@ def test_step_graphs_on_recorded_steps_equal_eager_decoding():
             tiers = caches[0].layers[0].tiers
             storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
             runs += caches[0].layers[0].steps_since_policy == 0
-    assert len(storages) > 1  # a policy run changed a table or the pool: the graph cannot serve past it
-    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs(), mode="steps")
+    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs(), mode=mode)
     got = decoder.generate(ids, n)
     assert torch.equal(got, torch.cat(eager, dim=1))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(a.token_states(), b.token_states())
         for x, y in zip(_state(a), _state(b), strict=True):  # scores and bytes too: a stale table reads elsewhere
             assert torch.equal(x, y)
+    return decoder, storages, runs
+
+
+def test_step_graphs_on_recorded_steps_equal_eager_decoding():
+    """GraphedDecoder(mode="steps")'s choices (eager for a policy step and the first step, capture, replays, the host's
+    bookkeeping, the graph kept across a policy run that changed no table and dropped after one that did) over
+    several policy runs, with a recording standing in for CUDA graphs: the tokens and every layer's token
+    states are eager decoding's."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    n = 26
+    decoder, storages, runs = _graphed_against_eager(model, n, "steps")
+    assert len(storages) > 1  # a policy run changed a table or the pool: the graph cannot serve past it
     # interval 6: the first step and the policy steps eager; a capture after the first step and after each run
     # that changed the pool or a table; the graph reused after every other run; all other steps replays
     c = decoder.counts
@@ -295,30 +303,10 @@ def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family):
     grown pools and tables included), with a recording standing in for CUDA graphs (a host read inside a piece
     fails it): the tokens and every layer's token states, ring, pool bytes, counts and tables are eager
     decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections."""
-    from hfkv.evaluation.bench import decode_step
-    from hfkv.graphs import GraphedDecoder
-
     model = tiny_model(family, num_hidden_layers=2)
-    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
-    caches = [TriStateCache(model, "hfkv", backend="triton", budget=48, window=4, interval=6) for _ in range(2)]
     n = 20
-    storages, runs = set(), 0
-    with torch.inference_mode():
-        out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
-        eager = [out.logits[:, -1:].argmax(-1)]
-        for i in range(n - 1):
-            eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
-            tiers = caches[0].layers[0].tiers
-            storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
-            runs += caches[0].layers[0].steps_since_policy == 0
+    decoder, storages, runs = _graphed_against_eager(model, n, "layers")
     assert runs >= 2 and len(storages) > 1  # policy runs, and storage that grew under the graphs
-    decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs())
-    got = decoder.generate(ids, n)
-    assert torch.equal(got, torch.cat(eager, dim=1))
-    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
-        assert torch.equal(a.token_states(), b.token_states())
-        for x, y in zip(_state(a), _state(b), strict=True):
-            assert torch.equal(x, y)
     assert decoder.counts == {"eager": 0, "captured": 1, "replayed": n - 2, "reused": 0}
     assert len(decoder._pieces) == len(decoder._calls) + 1 == 3
 

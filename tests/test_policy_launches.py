@@ -3,28 +3,15 @@ decode step's own work is not, and the Triton backend's moves are planned on the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from hfkv.kernels.backend import interpreter_on
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.eval_script import load
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="Triton launches are counted in the interpreter (CPU)")
 def test_policy_run_launches_are_counted_by_section(tmp_path):
-    pl = _load("policy_launches")
+    pl = load("policy_launches")
     out = tmp_path / "pl.json"
     assert pl.main(["--context", "96", "--batch", "2", "--runs", "1", "--method", "hfkv@32:backend=triton",
                     "--out", str(out)]) == 0  # fmt: skip

@@ -3,25 +3,12 @@ against a recount from each layer's shapes taken around every run."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from hfkv.evaluation.bench import decode_step
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.eval_script import load
 
 
 def test_storage_churn_counts_what_each_policy_run_changed(monkeypatch):
-    sc = _load("storage_churn")
+    sc = load("storage_churn")
     from hfkv.loading import load_model
 
     model, tok = load_model("testbed", dtype="float32")
