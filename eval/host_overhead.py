@@ -41,7 +41,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are decorated, so before any import
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -57,7 +56,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.evaluation import quiet  # noqa: E402
 
 TARGET_LAUNCHES, TARGET_HOST_US = 3, 40.0
@@ -349,7 +347,7 @@ def _quantile(xs: list[float], q: float) -> float:
 # -------------------------------------------------------------------------------------------- command
 def main(argv: list[str] | None = None) -> int:
     from hfkv import cli_args as ca
-    from hfkv.evaluation.results import json_safe, machine_name, provenance
+    from hfkv.evaluation.results import machine_name, provenance, script_command, write_result_json
 
     ap = ca.ArgumentParser(
         prog="eval/host_overhead.py",
@@ -383,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "quiet": record,
         "busy": record["busy"],
-        "command": "python eval/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": script_command("eval/host_overhead.py", argv),
         **provenance(machine=machine_name()),
     }
-    write_atomic(args.out, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    write_result_json(args.out, result)
     t = result["targets"]
     print(
         f"{result['launches_per_layer']:.1f} launches per layer per step ({result['triton_launches_per_layer']:.0f} "

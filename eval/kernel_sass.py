@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         import triton
 
-        from hfkv.evaluation.results import provenance
+        from hfkv.evaluation.results import provenance, script_command
 
         meta = {
             "triton": triton.__version__,  # the machine code differs between Triton versions (docs/kernels.md)
-            "command": "python eval/kernel_sass.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": script_command("eval/kernel_sass.py", argv),
             **provenance(),
         }
         write_atomic(args.out, json.dumps({"rows": rows, **meta}, indent=1))

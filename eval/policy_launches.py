@@ -23,7 +23,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are decorated, so before any import
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 from collections import Counter, defaultdict  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -40,8 +39,6 @@ for path in (REPO, REPO / "eval"):
 
 from host_overhead import ALLOCATIONS, DECODE_KERNELS, HOST_SYNCS, METADATA  # noqa: E402
 from policy_profile import SECTIONS, patched  # noqa: E402
-
-from hfkv.atomic import write_atomic  # noqa: E402
 
 # Sections besides policy_profile's: where a run's host reads and storage writes happen.
 EXTRA_SECTIONS = (
@@ -210,7 +207,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     from hfkv import cli_args as ca
-    from hfkv.evaluation.results import json_safe, machine_name, provenance
+    from hfkv.evaluation.results import machine_name, provenance, script_command, write_result_json
 
     ap = ca.ArgumentParser(prog="eval/policy_launches.py", description=__doc__.splitlines()[0], epilog=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -229,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     result |= {
         "what": "launches and host reads of one layer's policy run, by section, counted on a CPU from a real "
         "forward (eval/policy_launches.py docstring)",
-        "command": "python eval/policy_launches.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": script_command("eval/policy_launches.py", argv),
         **provenance(machine=machine_name()),
     }
-    write_atomic(args.out, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    write_result_json(args.out, result)
     print(
         f"{result['launches_per_run']:.1f} launches per policy run of a layer ({result['torch_launches_per_run']:.1f} "
         f"torch + {result['triton_launches_per_run']:.1f} Triton), {result['host_reads_per_run']:.1f} host reads\n"

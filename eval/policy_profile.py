@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt  # noqa: E402
 from hfkv.evaluation.methods import parse_method  # noqa: E402
-from hfkv.evaluation.results import provenance  # noqa: E402
+from hfkv.evaluation.results import provenance, script_command  # noqa: E402
 from hfkv.evaluation.shapes import build_random_like  # noqa: E402
 from hfkv.kernels.compiles import compiled_kernels  # noqa: E402
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     method = parse_method(args.method)
     result: dict[str, Any] = {
         "what": "where a policy run's time goes (eval/policy_profile.py docstring)",
-        "command": "python eval/policy_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": script_command("eval/policy_profile.py", argv),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "shape": shape,
         "layers": args.layers,

@@ -15,7 +15,6 @@ Counts, not times: any machine, no quiet needed. Every policy run happens on eve
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from hfkv.atomic import write_atomic  # noqa: E402
 
 
 def _shapes(layer) -> tuple:
@@ -79,7 +77,7 @@ def measure(model, tok, method: str, context: int, steps: int) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     from hfkv import cli_args as ca
-    from hfkv.evaluation.results import json_safe, provenance
+    from hfkv.evaluation.results import provenance, script_command, write_result_json
     from hfkv.loading import load_model
 
     ap = ca.ArgumentParser(prog="eval/storage_churn.py", description=__doc__.splitlines()[0], epilog=__doc__,
@@ -99,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     result |= {
         "model": args.model,
         "what": "per policy run, the layers whose pool or page tables changed shape (eval/storage_churn.py)",
-        "command": "python eval/storage_churn.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": script_command("eval/storage_churn.py", argv),
         **provenance(),
     }
-    write_atomic(args.out, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+    write_result_json(args.out, result)
     print(
         f"{result['policy_runs']} policy runs of {result['layers']} layers: {result['runs_changing_no_layer']} changed "
         f"no layer's storage shape, {result['mean_layers_changed_per_run']:.1f} layers changed per run on average\n"

@@ -32,6 +32,19 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     return write_atomic(path, data)
 
 
+def write_result_json(path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
+    """One result dict as indented JSON with sorted keys (values made JSON-safe), written atomically."""
+    return write_atomic(path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+
+
+def script_command(script: str, argv: Sequence[str] | None) -> str:
+    """The command line a result file records: ``python <script> <args>`` (``argv`` as the script's main() got
+    it; None: the process's own arguments)."""
+    import sys
+
+    return f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
 def json_safe(v: Any) -> Any:
     """NaN / inf become None / strings so files stay strict JSON."""
     if isinstance(v, float):

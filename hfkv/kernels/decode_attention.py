@@ -75,10 +75,10 @@ INT_TILE = True
 # without the per-element trips through shared memory of ``load_field``'s rows (118 -> 72 warp
 # instructions per slot in the loop).
 INT_PIECES = True
-# Integer fields dequantized in fp16 where the products run in a 16-bit type (``load_int_pieces``' HALF: codes
-# OR'd into an fp16 mantissa, one subtraction and one fused multiply-add per pair of elements; the products
-# in fp16 with fp32 accumulation): sm_90 loop of the quant storage 740 -> 628 instructions, its dequantized
-# tiles to the tensor cores by ldmatrix instead of 36 64-bit shared loads (eval/kernel_sass.py). Off until a
+# Integer fields dequantized in fp16 where the products run in a 16-bit type (``load_int_pieces``' HALF: two
+# codes per 32-bit op OR'd into fp16 mantissas, one subtraction and one fused multiply-add per pair; the
+# products in fp16 with fp32 accumulation): sm_90 loop of the quant storage 737 -> 686 instructions with the
+# device image's Triton 3.6, 740 -> 594 with 3.9 (eval/results/kernel_sass_half_dequant*.json). Off until a
 # GPU times it (eval/kernel_variants.py --half-dequant 0,1).
 HALF_DEQUANT = False
 # Iterations ahead of its use that the page table is read (0: where it is used). None: two where a paged

@@ -218,12 +218,11 @@ def _piece_planes(
         if QUADS:  # `half` points at 64-bit words, `meta` is the first one's index: one load per four halves
             scale = _half_at(half, meta, live, g, HALF)
             zero = _half_at(half, meta, live, D // GROUP + g, HALF)
-        elif HALF:
+        else:
             scale = tl.load(half + meta + g, mask=live, other=0.0)
             zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0)
-        else:
-            scale = tl.load(half + meta + g, mask=live, other=0.0).to(tl.float32)
-            zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0).to(tl.float32)
+            if not HALF:
+                scale, zero = scale.to(tl.float32), zero.to(tl.float32)
         return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4, HALF)
     else:
         a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2, QUADS, HALF)
