@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.table_ahead,
             args.score_block,
             args.half_dequant,
+            args.max_registers,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -162,11 +163,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
-        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
                     f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
-                    f"{score_block}/{half}"
+                    f"{score_block}/{half}/{regs}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["half_dequant"] = bool(half)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
+            if regs:  # registers per thread (0: the compiler's choice)
+                launch["max_registers"] = regs
             if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
@@ -215,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-ahead", type=_ints, default=[1, 2], help="iterations ahead the page table is read")
     p.add_argument(
         "--half-dequant", type=_ints, default=[0, 1], help="integer fields dequantized in fp32 (0) or fp16 (1)"
+    )
+    p.add_argument(
+        "--max-registers", type=_ints, default=[0], help="registers per thread of the partial pass (0: compiler's)"
     )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")

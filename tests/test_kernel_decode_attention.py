@@ -265,6 +265,8 @@ def test_bad_input_is_named(kernel):
             paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, table_ahead=3)
         with pytest.raises(ValueError, match="score_block=48; allowed: a power of two >= 16"):
             paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, score_block=48)
+        with pytest.raises(ValueError, match=r"max_registers=100; allowed: None or one of \(64, "):
+            paged_attention(q, [win], 3, torch.zeros(1, dtype=torch.long), 1.0, max_registers=100)
 
 
 @kernels

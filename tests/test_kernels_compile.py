@@ -50,7 +50,7 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     """eval/kernel_sass.py (registers, spills and the loop's instructions of the sm_90 code, no GPU): the integer
     pieces read keeps its codes out of two-byte shared-memory stores and costs fewer instructions per slot than
     the rows read it replaced, the reason it is the default (docs/kernels.md, the H100 lease); the fp16 form
-    cuts the loop again."""
+    cuts the loop again; a register cap reaches the compiler (three programs an SM where there were two)."""
     import json
     from pathlib import Path
 
@@ -68,13 +68,15 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "int_pieces=0",
         "--launch",
         "half_dequant=1",
+        "--launch",
+        "half_dequant=1;max_registers=80",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pieces, rows, half = json.loads(out.read_text())["rows"]
-    for r in (pieces, rows, half):
+    pieces, rows, half, capped = json.loads(out.read_text())["rows"]
+    for r in (pieces, rows, half, capped):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
     assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]
@@ -82,3 +84,5 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     # (docs/kernels.md: 7% fewer with Triton 3.6, 20% with 3.9, which also moves the tiles by ldmatrix)
     assert half["loop_ops"].get("HFMA2", 0) > 0 and half["loop_ops"].get("I2FP.F32.U32", 0) == 0
     assert half["loop_instructions"] < 0.95 * pieces["loop_instructions"]
+    assert half["registers"] > 80 >= capped["registers"]
+    assert capped["launch"] == {"half_dequant": 1, "max_registers": 80}

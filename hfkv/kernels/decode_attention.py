@@ -81,6 +81,11 @@ INT_PIECES = True
 # device image's Triton 3.6, 740 -> 594 with 3.9 (eval/results/kernel_sass_half_dequant*.json). Off until a
 # GPU times it (eval/kernel_variants.py --half-dequant 0,1).
 HALF_DEQUANT = False
+# Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
+# pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
+# issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
+MAX_REGISTERS = None
+_REGISTER_CAPS = (64, 72, 80, 96, 128, 168, 255)
 # Iterations ahead of its use that the page table is read (0: where it is used). None: two where a paged
 # part has an integer field, else one (H100, 64 / 8 / 2, 32k x 8; kernel_variants_h100_ahead.json: hfkv
 # storage 0.720 / 0.717 / 0.698 ms at 0 / 1 / 2 ahead, quant 0.722 / 0.718 / 0.680, full pages 0.664 /
@@ -739,6 +744,7 @@ def plan_attention(
     table_ahead: int | None = TABLE_AHEAD,
     score_block: int = SCORE_BLOCK,
     half_dequant: bool = HALF_DEQUANT,
+    max_registers: int | None = MAX_REGISTERS,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -778,6 +784,13 @@ def plan_attention(
         "num_warps": NUM_WARPS if num_warps is None else num_warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
     }
+    if max_registers is not None:
+        if max_registers not in _REGISTER_CAPS:
+            raise ValueError(
+                f"paged_attention: max_registers={max_registers!r}; allowed: None or one of {_REGISTER_CAPS}"
+            )
+        if not interp:  # the interpreter runs no registers and takes no such option
+            launch["maxnreg"] = int(max_registers)
 
     # One launch of each kernel for all parts: each part's pointers in a tuple, its sizes in a row of `meta`
     # (see META_COLS), its formats in a constant tuple, so a kernel instance holds the code of exactly the
@@ -984,6 +997,7 @@ def paged_attention(
     table_ahead: int | None = TABLE_AHEAD,
     score_block: int = SCORE_BLOCK,
     half_dequant: bool = HALF_DEQUANT,
+    max_registers: int | None = MAX_REGISTERS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1004,7 +1018,8 @@ def paged_attention(
     (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records
     (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program;
     ``half_dequant`` dequantizes integer fields read in pieces to fp16 and runs their products in fp16 where
-    the query is 16-bit (``HALF_DEQUANT``): ``eval/kernel_variants.py`` sweeps them.
+    the query is 16-bit (``HALF_DEQUANT``); ``max_registers`` caps the partial pass's registers per thread (Triton's
+    ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1013,6 +1028,6 @@ def paged_attention(
     """
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
-        int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant,
+        int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)
