@@ -236,14 +236,16 @@ def kernel_blocks(shape: AttnShape, qlen: int = 1) -> tuple[int, int]:
 
 def kernel_splits(plan: Plan) -> list[int]:
     """Programs per (row, head) of every part, as ``paged_attention`` chooses them (flash-decoding splits)."""
-    from hfkv.kernels.decode_attention import BLOCK_N, _split_slots
+    from hfkv.kernels.decode_attention import BLOCK_N, NUM_WARPS, SPLIT_PROGRAMS, _split_slots, programs_target
 
+    gpu = torch.cuda.is_available()
+    target = programs_target(torch.device("cuda"), NUM_WARPS, None) if gpu else SPLIT_PROGRAMS
     out = []
     for n in plan.slots():
         if n == 0:
             out.append(0)
             continue
-        sp = _split_slots(n, plan.batch * plan.shape.kv_heads, BLOCK_N, None)
+        sp = _split_slots(n, plan.batch * plan.shape.kv_heads, BLOCK_N, None, False, target)
         out.append(-(-n // sp))
     return out
 

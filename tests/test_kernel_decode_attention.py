@@ -477,3 +477,28 @@ def test_page_table_read_ahead_by_default_follows_the_measured_fastest():
     assert _table_ahead(parts("int4", "fp8")) == 2
     assert _table_ahead(parts("fp8", "int2")) == 2
     assert _table_ahead(parts("model", "model") + parts("int4", "int2", tokens=0)) == 1  # an empty tier runs nothing
+
+
+def test_split_sizing_fills_one_wave_at_the_occupancy_a_register_cap_buys(monkeypatch):
+    """A program's splits are sized to one wave on the device: 16 warps an SM uncapped (two programs of 8, as ncu
+    measured on the H100), 65,536 registers over the cap's per program otherwise (three at 80, four at 64); the
+    launch never asks for more programs than a wave holds, and a cap off a GPU changes nothing."""
+    from hfkv.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "_sm_count", lambda device: 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert da.programs_target(cuda, 8, None) == 264 and da.programs_target(cuda, 4, None) == 528
+    assert da.programs_target(cuda, 8, 80) == 396 and da.programs_target(cuda, 8, 64) == 528
+    assert da.programs_target(cuda, 4, 80) == 792 and da.programs_target(cpu, 8, 80) == da.SPLIT_PROGRAMS
+    for pairs in (1, 8, 24, 64, 300):  # (row, KV head) pairs: batch x KV heads
+        for target in (264, 396, 528):
+            for n in (100, 8192, 32768):
+                split = da._split_slots(n, pairs, 64, None, False, target)
+                programs = pairs * -(-n // split)
+                assert split % 64 == 0 and (programs <= max(target, pairs))
+                # as many splits as the wave holds, short only by the rounding of a split to whole blocks
+                assert programs // pairs >= min(-(-n // 64), target // pairs) // 2
+    # Llama-3.1-8B at 32k x 8 (64 pairs): four splits a head uncapped, six under the cap of 80
+    assert 32768 // da._split_slots(32768, 64, 64, None, False, 264) == 4
+    assert -(-32768 // da._split_slots(32768, 64, 64, None, False, 396)) == 6
+    assert da._split_slots(32768, 64, 64, 5000, False, 396) == 5056  # an explicit size wins, in whole blocks

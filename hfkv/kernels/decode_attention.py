@@ -86,6 +86,11 @@ HALF_DEQUANT = False
 # issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
 MAX_REGISTERS = None
 _REGISTER_CAPS = (64, 72, 80, 96, 128, 168, 255)
+# Programs the partial pass launches over all (row, head) pairs when it sizes its own splits: one wave, the device's
+# SMs times the programs an SM holds. Uncapped, the partial pass takes 97-128 registers a thread: 16 warps an SM,
+# two programs of 8 (ncu, H100: 256 programs, 0.97 waves; the sizing before this counted 256 on any device).
+WARPS_PER_SM = 16
+SPLIT_PROGRAMS = 256  # off a GPU
 # Iterations ahead of its use that the page table is read (0: where it is used). None: two where a paged
 # part has an integer field, else one (H100, 64 / 8 / 2, 32k x 8; kernel_variants_h100_ahead.json: hfkv
 # storage 0.720 / 0.717 / 0.698 ms at 0 / 1 / 2 ahead, quant 0.722 / 0.718 / 0.680, full pages 0.664 /
@@ -661,15 +666,43 @@ def _write_args(write, part: Part, bsz: int, heads: int, dim: int) -> tuple:
     return k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), write.slot, write.pos
 
 
-def _split_slots(n: int, programs: int, block_n: int, split_slots: int | None, interp: bool | None = None) -> int:
-    """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding)."""
+def _split_slots(
+    n: int,
+    programs: int,
+    block_n: int,
+    split_slots: int | None,
+    interp: bool | None = None,
+    target: int = SPLIT_PROGRAMS,
+) -> int:
+    """Slots per program: enough splits that a single long sequence fills the GPU (flash-decoding); ``target``:
+    the programs worth launching across all (row, head) pairs."""
     if split_slots is not None:
         return max(block_n, -(-split_slots // block_n) * block_n)
     if interpreter_on() if interp is None else interp:  # programs run one after another there: fewest is fastest
         return max(block_n, _cdiv(n, block_n) * block_n)
-    target = 256  # programs worth launching across all (row, head) pairs: ~2 waves on a large GPU
-    per_head = -(-target // max(1, programs))
+    per_head = max(1, target // max(1, programs))  # at most one wave
     return max(block_n, _cdiv(_cdiv(n, per_head), block_n) * block_n)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs_target(device: torch.device, num_warps: int, max_registers: int | None) -> int:
+    """Programs a partial pass launches across all (row, head) pairs when it sizes its own splits: one wave.
+
+    An SM holds as many programs as its 65,536 registers allow: ``WARPS_PER_SM`` warps uncapped (measured), else
+    ``65536 / (max_registers x 32 x num_warps)`` programs (three 8-warp programs at 80 registers), times the
+    device's SMs; a cap whose extra programs had no splits to run would buy nothing. ``SPLIT_PROGRAMS`` off a GPU.
+    """
+    if device.type != "cuda":
+        return SPLIT_PROGRAMS
+    if max_registers is None:
+        per_sm = max(1, WARPS_PER_SM // num_warps)
+    else:
+        per_sm = max(1, 65536 // (max_registers * 32 * num_warps))
+    return _sm_count(device) * per_sm
 
 
 @dataclass
@@ -760,7 +793,9 @@ def plan_attention(
     sizes = [p.slots for p in parts]
     s_total = sum(sizes)
     interp = interpreter_on()
-    splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp) for n in sizes]
+    warps = NUM_WARPS if num_warps is None else num_warps
+    target = programs_target(device, warps, max_registers)
+    splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp, target) for n in sizes]
     n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
     ns_total = sum(n_splits)
     blocks = bsz * heads * nqb
@@ -781,7 +816,7 @@ def plan_attention(
     if table_ahead not in (None, 0, 1, 2):
         raise ValueError(f"paged_attention: table_ahead={table_ahead!r}; allowed: None, 0, 1, 2")
     launch = {
-        "num_warps": NUM_WARPS if num_warps is None else num_warps,
+        "num_warps": warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
     }
     if max_registers is not None:
