@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.score_block,
             args.half_dequant,
             args.max_registers,
+            args.column_sums,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -163,16 +164,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
-        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
                     f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
-                    f"{score_block}/{half}/{regs}"
+                    f"{score_block}/{half}/{regs}/{colsums}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
             launch["int_pieces"] = bool(pieces)
             launch["half_dequant"] = bool(half)
+            launch["column_sums"] = bool(colsums)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
             if regs:  # registers per thread (0: the compiler's choice)
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--max-registers", type=_ints, default=[0], help="registers per thread of the partial pass (0: compiler's)"
+    )
+    p.add_argument(
+        "--column-sums", type=_ints, default=[1], help="softmax denominators summed per column (1) or row (0)"
     )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")

@@ -19,10 +19,11 @@ from hfkv.storage import PagedTiers, RecordLayout
 KERNELS = {
     # several splits and blocks; integer fields read in pieces (the default), as rows, per element; the page
     # table read one block ahead, where it is used, two blocks ahead (by default two where a tier is quantized);
-    # the score pass in blocks of the default size and of 16 slots (several a part, across page boundaries)
+    # the score pass in blocks of the default size and of 16 slots (several a part, across page boundaries); the
+    # softmax denominators summed per column (the default) or per row every iteration
     "triton": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, table_ahead=1, **kw),
     "triton-rows": lambda *a, **kw: paged_attention(
-        *a, split_slots=32, block_n=16, int_pieces=False, table_ahead=0, score_block=16, **kw
+        *a, split_slots=32, block_n=16, int_pieces=False, table_ahead=0, score_block=16, column_sums=False, **kw
     ),
     "triton-per-element": lambda *a, **kw: paged_attention(
         *a, split_slots=32, block_n=16, int_tile=False, int_pieces=False, table_ahead=2, **kw

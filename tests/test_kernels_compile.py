@@ -50,7 +50,8 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     """eval/kernel_sass.py (registers, spills and the loop's instructions of the sm_90 code, no GPU): the integer
     pieces read keeps its codes out of two-byte shared-memory stores and costs fewer instructions per slot than
     the rows read it replaced, the reason it is the default (docs/kernels.md, the H100 lease); the fp16 form
-    cuts the loop again; a register cap reaches the compiler (three programs an SM where there were two)."""
+    cuts the loop again; a register cap reaches the compiler (three programs an SM where there were two); column
+    sums of the softmax denominators take barriers out of the loop."""
     import json
     from pathlib import Path
 
@@ -70,13 +71,15 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "half_dequant=1",
         "--launch",
         "half_dequant=1;max_registers=80",
+        "--launch",
+        "column_sums=0",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pieces, rows, half, capped = json.loads(out.read_text())["rows"]
-    for r in (pieces, rows, half, capped):
+    pieces, rows, half, capped, row_sums = json.loads(out.read_text())["rows"]
+    for r in (pieces, rows, half, capped, row_sums):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
     assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]
@@ -86,3 +89,6 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     assert half["loop_instructions"] < 0.95 * pieces["loop_instructions"]
     assert half["registers"] > 80 >= capped["registers"]
     assert capped["launch"] == {"half_dequant": 1, "max_registers": 80}
+    # the softmax denominators summed per column: one cross-warp reduction an iteration fewer than row sums
+    bars = pieces["loop_families"]["BAR"]
+    assert bars < row_sums["loop_families"]["BAR"] and pieces["loop_instructions"] < row_sums["loop_instructions"]

@@ -81,6 +81,12 @@ INT_PIECES = True
 # device image's Triton 3.6, 740 -> 594 with 3.9 (eval/results/kernel_sass_half_dequant*.json). Off until a
 # GPU times it (eval/kernel_variants.py --half-dequant 0,1).
 HALF_DEQUANT = False
+# The partial pass's softmax denominators summed per column of its tile and reduced across the warps once, at the end,
+# instead of a row sum every iteration (two barriers fewer an iteration). sm_90 loop with the device image's Triton
+# 3.6 (eval/results/kernel_sass_column_sums_triton36.json): barriers 10 -> 7 and 437 -> 408 instructions for full
+# pages, 12 -> 9 and 737 -> 711 for quant; registers +5 for the integer tiers, -5 for full pages. The same arithmetic
+# in another order; on by default from the machine code alone, and swept (--column-sums 0,1) on the next GPU lease.
+COLUMN_SUMS = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
 # pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
 # issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
@@ -210,6 +216,7 @@ def _partial_part(
     INT_PIECES: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
     HALF: tl.constexpr,
+    COL_SUMS: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -264,7 +271,11 @@ def _partial_part(
     table_row = b.to(tl.int64) * table_sb + h.to(tl.int64) * table_sh  # 64-bit, as every pool offset
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    # COL_SUMS (COLUMN_SUMS): the softmax denominators are summed per column and reduced once at the end, where a
+    # row sum per iteration crosses the warps through shared memory. The row maximum still does (every exponent
+    # needs it).
     l_i = tl.zeros([BLOCK_R], tl.float32)
+    l_acc = tl.zeros([BLOCK_R, BLOCK_N if COL_SUMS else 1], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     lo = sp * split_slots
     hi = tl.minimum(lo + split_slots, n_slots)
@@ -347,7 +358,10 @@ def _partial_part(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(logits - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if COL_SUMS:
+            l_acc = l_acc * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_T == tl.float32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         elif V_HALF:
@@ -357,6 +371,8 @@ def _partial_part(
         m_i = m_new
     out = (blk * ns_total + split0 + sp).to(tl.int64) * BLOCK_R + r
     tl.store(m_ptr + out, m_i)
+    if COL_SUMS:
+        l_i = tl.sum(l_acc, 1)
     tl.store(l_ptr + out, l_i)
     if V_PC:  # the values' columns came in the pieces' order: each goes back to its element
         acc_cols = piece_columns(V_BITS, D, V_PC)
@@ -413,6 +429,7 @@ def _partial_kernel(
     INT_PIECES: tl.constexpr,
     TABLE_AHEAD: tl.constexpr,
     HALF: tl.constexpr,
+    COL_SUMS: tl.constexpr,
     DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
@@ -440,7 +457,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES, TABLE_AHEAD, HALF,
+                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS,
             )  # fmt: skip
 
 
@@ -778,6 +795,7 @@ def plan_attention(
     score_block: int = SCORE_BLOCK,
     half_dequant: bool = HALF_DEQUANT,
     max_registers: int | None = MAX_REGISTERS,
+    column_sums: bool = COLUMN_SUMS,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -886,6 +904,7 @@ def plan_attention(
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
         HALF=bool(half_dequant) and bool(int_pieces) and dot_t != tl.float32,
+        COL_SUMS=bool(column_sums),
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
@@ -1033,6 +1052,7 @@ def paged_attention(
     score_block: int = SCORE_BLOCK,
     half_dequant: bool = HALF_DEQUANT,
     max_registers: int | None = MAX_REGISTERS,
+    column_sums: bool = COLUMN_SUMS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1054,7 +1074,8 @@ def paged_attention(
     (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program;
     ``half_dequant`` dequantizes integer fields read in pieces to fp16 and runs their products in fp16 where
     the query is 16-bit (``HALF_DEQUANT``); ``max_registers`` caps the partial pass's registers per thread (Triton's
-    ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``): ``eval/kernel_variants.py`` sweeps them.
+    ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the softmax denominators per
+    column (``COLUMN_SUMS``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1064,5 +1085,6 @@ def paged_attention(
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
         int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
+        column_sums,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)
