@@ -15,6 +15,7 @@ import pytest
 
 KERNELS = ("_partial_kernel", "_combine_kernel", "_score_kernel")
 KERNELS += ("_encode_write_kernel", "_move_kernel", "_clear_kernel")
+KERNELS += ("_fits_kernel", "_scan_kernel", "_decide_kernel")  # the allocation's, past its fast path too
 
 
 @pytest.mark.slow
