@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["score_block"] = score_block
             if regs:  # registers per thread (0: the compiler's choice)
                 launch["max_registers"] = regs
-            if split:  # slots per program (0: the library's sizing, ~256 programs over all parts' heads)
+            if split:  # slots per program (0: the library's sizing, one wave over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
             row |= {"page_bytes": plan.page_bytes, "record_bytes": [lay.nbytes for lay in plan.layouts]}
