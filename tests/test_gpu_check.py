@@ -31,6 +31,11 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
     assert 0 < result["elapsed_s"] < result["budget_s"] == 900
     for key in ("torch", "triton", "transformers", "hfkv_version", "date", "args"):
         assert key in result
+    from hfkv.kernels import decode_attention as da
+
+    launch = result["decode_launch"]  # the decode kernel's defaults this code ran with
+    assert launch["column_sums"] is da.COLUMN_SUMS and launch["half_dequant"] is da.HALF_DEQUANT
+    assert (launch["block_n"], launch["num_warps"], launch["max_registers"]) == (da.BLOCK_N, da.NUM_WARPS, None)
     parts = result["parts"]
     assert set(parts) == {"tests", "bandwidth", "e2e"}
     assert all(p["status"] == "ok" and p["seconds"] > 0 for p in parts.values())

@@ -116,6 +116,23 @@ META_COLS = 8
 META = tl.constexpr(META_COLS)
 
 
+def launch_defaults() -> dict[str, Any]:
+    """The partial pass's launch options as this code sets them by default: results files record them, since the
+    defaults follow what each GPU lease measured."""
+    return {
+        "block_n": BLOCK_N,
+        "num_warps": NUM_WARPS,
+        "num_stages": NUM_STAGES,
+        "int_tile": INT_TILE,
+        "int_pieces": INT_PIECES,
+        "half_dequant": HALF_DEQUANT,
+        "column_sums": COLUMN_SUMS,
+        "max_registers": MAX_REGISTERS,
+        "table_ahead": TABLE_AHEAD,
+        "score_block": SCORE_BLOCK,
+    }
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -39,6 +39,7 @@ def header(args, device: str, budget) -> dict[str, Any]:
     import triton
 
     from hfkv.evaluation.results import provenance
+    from hfkv.kernels.decode_attention import launch_defaults
     from hfkv.kernels.gpu_check import DEADLINES
 
     cuda = device == "cuda"
@@ -52,6 +53,7 @@ def header(args, device: str, budget) -> dict[str, Any]:
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "budget_s": budget.total_s,
         "deadlines": dict(DEADLINES),
+        "decode_launch": launch_defaults(),  # the defaults every decode call here used
         "parts": {},
         **provenance(machine=name),
     }
