@@ -217,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=ca.integer(1), default=4, help="rows (default 4)")
     ap.add_argument("--runs", type=ca.integer(1), default=2, help="policy runs counted (default 2)")
     ap.add_argument("--out", type=Path, required=True, help="result file")
-    try:
-        args = ap.parse_args(argv)
-    except ca.UsageError as exc:
-        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+    args = ap.parse_or_report(argv)
+    if args is None:
         return 2
     result = measure(args.method, args.shape, args.context, args.batch, args.runs)
     result |= {

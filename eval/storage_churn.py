@@ -87,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=ca.integer(16), default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--steps", type=ca.integer(1), default=320, help="decode steps (default 320)")
     ap.add_argument("--out", type=Path, required=True, help="result file")
-    try:
-        args = ap.parse_args(argv)
-    except ca.UsageError as exc:
-        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+    args = ap.parse_or_report(argv)
+    if args is None:
         return 2
     model, tok = load_model(args.model, dtype="float32")
     result = measure(model, tok, args.method, args.context, args.steps)

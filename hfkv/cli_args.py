@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -57,6 +58,15 @@ class ArgumentParser(argparse.ArgumentParser):
         if message.startswith("argument ") and ": " in message:
             option, message = message[len("argument ") :].split(": ", 1)
         raise UsageError(option, message, prog=self.prog)
+
+    def parse_or_report(self, argv: Sequence[str] | None = None) -> argparse.Namespace | None:
+        """``parse_args`` for a script's ``main``: a bad command line is printed on stderr as ``prog: error: ...``
+        and gives None, for the script to return exit status 2."""
+        try:
+            return self.parse_args(argv)
+        except UsageError as exc:
+            print(f"{self.prog}: error: {exc}", file=sys.stderr)
+            return None
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         choices = action.choices

@@ -35,3 +35,12 @@ def test_storage_churn_counts_what_each_policy_run_changed(monkeypatch):
     grown = [sum(a[0] != b[0] for a, b in zip(x, y, strict=True)) for x, y in pairs]
     assert [run["pool_grown"] for run in r["runs"]] == grown and grown[0] > 0
     assert r["runs_changing_no_layer"] == changed.count(0)
+
+
+def test_eval_scripts_name_a_bad_option_and_exit_2(capsys):
+    """The two counting scripts report a bad command line as one line naming the option, before any model loads."""
+    cases = (("storage_churn", "--steps"), ("policy_launches", "--batch"))
+    for name, option in cases:
+        assert load(name).main([option, "0", "--out", "x.json"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"eval/{name}.py: error: {option}") and err.count("\n") == 1
