@@ -71,6 +71,7 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 # what the allocation decides): they run as well as being recorded, or a policy run would decide from
 # uninitialised memory.
 INTERPRETING = [False]  # a recorded kernel runs in the interpreter now: its tensor copies are not counted
+REPLAYING = [False]  # a policy run's host path replayed: no kernel runs (host_replay)
 # Within a policy run's count every kernel but the decode step's runs too: the moves' compactions and reservations
 # are read back (the step's attention would take minutes in the interpreter; its scores and ring are not read back).
 RUN_ALL = [False]
@@ -92,7 +93,7 @@ def recorded_triton_launches():
         name = getattr(getattr(self, "fn", None), "__name__", str(self))
         names.append(name)
         # its outputs are read on the host: empty tensors would steer the policy
-        if name in RUN_WHILE_RECORDING or (RUN_ALL[0] and name not in DECODE_KERNELS):
+        if not REPLAYING[0] and (name in RUN_WHILE_RECORDING or (RUN_ALL[0] and name not in DECODE_KERNELS)):
             INTERPRETING[0] = True  # the interpreter's copies in and out are not the launch's device work
             try:
                 return run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -104,6 +105,100 @@ def recorded_triton_launches():
         yield names
     finally:
         InterpretedFunction.run = run
+
+
+@contextmanager
+def timed_sorts(seconds: list[float]):
+    """Within the block ``torch.sort`` and ``torch.argsort`` add their seconds to ``seconds[0]``: a policy run ranks its
+    candidates with one, whose CPU compute here is device work on a GPU."""
+    saved = torch.sort, torch.argsort
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[0] += time.perf_counter() - t0
+
+        return call
+
+    torch.sort, torch.argsort = timed(saved[0]), timed(saved[1])
+    try:
+        yield seconds
+    finally:
+        torch.sort, torch.argsort = saved
+
+
+def host_numbers(layer) -> tuple:
+    """What a policy run decides on the host: the tables' widths, the pool's size and free count, the tier peak,
+    the ring's count and the step counters (a replay of the run's host path must leave the same)."""
+    tiers = layer.tiers
+    return (
+        tuple(t.shape[-1] for t in tiers.tables),
+        tuple(tiers.pool.data.shape),
+        tiers.pool.n_free,
+        layer._tier_peak,
+        layer.window.count,
+        layer.window.start,
+        layer.steps_since_policy,
+        layer.length,
+    )
+
+
+def replayed_policy_run(layer, run_policy, args, kwargs, names: list[str]) -> tuple[Any, float, float]:
+    """``(result, host seconds, sort seconds)`` of one policy run: it runs as it would (every kernel executed in the
+    interpreter, untimed), and its host path is then timed on a copy of the layer taken before it, with no kernel run
+    and each host read (``Tensor.tolist``) answered with what the real run read; the sorts' CPU compute is taken out
+    of the host seconds and returned beside them. Timing the real run itself, less its kernels'
+    time, counts what the interpreter leaves behind: after each interpreted kernel the host's next small torch ops
+    ran 10-20x slower than warm (cold caches; ``torch.empty`` 22 us against 1 us), which a GPU's host does not pay.
+    The replay must launch the kernels the run launched (``names``: the recorder's list) and leave the copy's host
+    numbers (:func:`host_numbers`) as the run left the layer's: the same path."""
+    import copy
+
+    twin = copy.deepcopy(layer.cache).layers[layer.layer_idx]  # the whole cache: the layer refers to it
+    reads: list[Any] = []
+    tolist = torch.Tensor.tolist
+
+    def recorded(tensor):
+        value = tolist(tensor)
+        reads.append(value)
+        return value
+
+    torch.Tensor.tolist = recorded
+    start = len(names)
+    try:
+        out = run_policy(*args, **kwargs)
+    finally:
+        torch.Tensor.tolist = tolist
+    answers, launched = iter(reads), len(names)
+
+    def answered(tensor):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise RuntimeError("host_overhead: the replayed policy run read more than the run did") from None
+
+    twin_run = type(twin).run_policy
+    torch.Tensor.tolist = answered
+    REPLAYING[0] = True
+    try:
+        with timed_sorts([0.0]) as sorting:
+            t0 = time.perf_counter()
+            twin_run(twin, *args, **kwargs)
+            seconds = time.perf_counter() - t0
+    finally:
+        REPLAYING[0] = False
+        torch.Tensor.tolist = tolist
+    ran, replayed = names[start:launched], names[launched:]
+    if next(answers, None) is not None or host_numbers(twin) != host_numbers(layer) or ran != replayed:
+        raise RuntimeError(
+            f"host_overhead: the replayed policy run took another path ({host_numbers(twin)} after it, "
+            f"{host_numbers(layer)} after the run; launches {replayed}, the run's {ran})"
+        )
+    del names[launched:]
+    return out, seconds - sorting[0], sorting[0]
 
 
 class DeviceOps(TorchDispatchMode):
@@ -182,10 +277,11 @@ def decode_inputs(batch: int, info: dict[str, Any], n: int, seed: int = 1) -> li
     return [tuple(torch.randn(*s, generator=g).to(torch.bfloat16) for s in (kv, kv, q)) for _ in range(n)]
 
 
-def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None) -> list[float]:
+def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None, rewind: bool = True) -> list[float]:
     """Decode steps, the ring put back after every ``between`` steps (outside the timing); seconds per step.
 
-    ``watch`` (a context manager) is entered around each step alone, ``on_step`` called after it.
+    ``watch`` (a context manager) is entered around each step alone, ``on_step`` called after it; ``rewind=False``
+    leaves the last steps' ring as it is (steps that ran policy runs: the tiers admitted its exits).
     """
     from contextlib import nullcontext
 
@@ -215,7 +311,8 @@ def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None) -> l
             times.append(time.perf_counter() - t0)
         if on_step is not None:
             on_step()
-    restore()
+    if rewind:
+        restore()
     return times
 
 
@@ -228,8 +325,10 @@ def measure(
     cycles: int = 40,
     warmup_cycles: int = 2,
     rounds: int = 5,
+    policy_cycles: int = 8,
 ) -> dict[str, Any]:
-    """Launches and host microseconds per compressed layer per decode step between policy runs (module docstring)."""
+    """Launches and host microseconds per compressed layer per decode step between policy runs, and per policy run
+    (module docstring)."""
     from hfkv.kernels.backend import interpreter_on
 
     if not interpreter_on():
@@ -238,11 +337,16 @@ def measure(
     cache, layer, info = build_layer(context, batch, shape_name, preset, budget)
     build_s = time.perf_counter() - t0
     between = max(1, layer.cfg.interval - 1)  # the interval-th step after a policy run runs the next one
-    policy_runs, watched = [0], []
+    policy_runs, watched, policy_host_s, policy_sort_s = [0], [], [], []
     run_policy = layer.run_policy
 
     def counted_policy(*args, **kwargs):
         policy_runs[0] += 1
+        if timing_policy[0]:  # the run's host seconds, replayed without its kernels (replayed_policy_run)
+            out, seconds, sorting = replayed_policy_run(layer, run_policy, args, kwargs, names)
+            policy_host_s.append(seconds)
+            policy_sort_s.append(sorting)
+            return out
         if not watching[0]:
             return run_policy(*args, **kwargs)
         mode, start = DeviceOps(), len(names)
@@ -251,7 +355,7 @@ def measure(
         watched.append({"torch": mode.ops, "syncs": mode.syncs, "triton": Counter(names[start:])})
         return out
 
-    watching = [False]
+    watching, timing_policy = [False], [False]
 
     layer.run_policy = counted_policy
     per_step: list[dict[str, Any]] = []
@@ -279,9 +383,17 @@ def measure(
         # Then what a policy run itself launches and waits for (counted, not timed): steps run on until two ran.
         watching[0] = RUN_ALL[0] = True
         try:
-            run_steps(cache, layer, decode_inputs(batch, info, 2 * (between + 1), seed=4), 10**9)
+            run_steps(cache, layer, decode_inputs(batch, info, 2 * (between + 1), seed=4), 10**9, rewind=False)
         finally:
             RUN_ALL[0] = False
+        watching[0] = False
+        # Then the host time of policy runs (replayed_policy_run); the steps between are recorded only.
+        timing_policy[0] = RUN_ALL[0] = True
+        try:
+            steps = decode_inputs(batch, info, policy_cycles * (between + 1), seed=5)
+            run_steps(cache, layer, steps, 10**9, rewind=False)
+        finally:
+            RUN_ALL[0] = timing_policy[0] = False
     triton = sum((s["triton"] for s in per_step), Counter())
     torch_ops = sum((s["torch"] for s in per_step), Counter())
     n = len(per_step)
@@ -306,7 +418,7 @@ def measure(
         "timed_steps": len(times),
         "steps_between_restores": between,
         "policy_runs_in_timed_steps": timed_policy_runs,
-        "policy_run": _policy_counts(watched),
+        "policy_run": _policy_counts(watched) | _policy_host(policy_host_s, policy_sort_s),
         "shape": info,
         "context": context,
         "batch": batch,
@@ -329,6 +441,19 @@ def _policy_counts(runs: list[dict[str, Counter]]) -> dict[str, Any]:
         "host_syncs_by_op": {k: v / n for k, v in sorted(syncs.items())},
         "top_torch_ops": {k: v / n for k, v in torch_ops.most_common(10)},
         "triton_by_kernel": {k: v / n for k, v in sorted(triton.items())},
+    }
+
+
+def _policy_host(seconds: list[float], sorting: list[float]) -> dict[str, Any]:
+    """Host microseconds of one layer's policy run, its host path replayed with no kernel run (``replayed_policy_run``):
+    Python, allocations and the torch ops on CPU tensors (their compute too: an upper bound of their dispatch) but
+    its sorts (``sort_us_per_layer``: device work on a GPU); not Triton's own launch path, as for a step."""
+    us = [1e6 * t for t in seconds]
+    return {
+        "host_us_per_layer": statistics.median(us) if us else None,
+        "host_us_per_layer_mean": statistics.fmean(us) if us else None,
+        "host_us_timed_runs": len(us),
+        "sort_us_per_layer": 1e6 * statistics.median(sorting) if sorting else None,
     }
 
 
@@ -360,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=ca.integer(1), default=2048, help="hfkv budget, fp_tokens per KV head (2048)")
     ap.add_argument("--cycles", type=ca.integer(1), default=40, help="timed runs of interval-1 steps (default 40)")
     ap.add_argument("--rounds", type=ca.integer(1), default=5, help="timed rounds of --cycles; median of medians (5)")
+    ap.add_argument("--policy-runs", type=ca.integer(1), default=8, help="policy runs timed after the steps (8)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
     quiet.add_arguments(ap, default_threads="1")
     try:
@@ -373,7 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     if record["busy"]:
         print(f"warning: busy machine ({quiet.describe(record)}); the result is marked busy", file=sys.stderr)
     torch.set_num_threads(args.threads[0])
-    result = measure(args.context, args.batch, budget=args.budget, cycles=args.cycles, rounds=args.rounds)
+    result = measure(
+        args.context, args.batch, budget=args.budget, cycles=args.cycles, rounds=args.rounds,
+        policy_cycles=args.policy_runs,
+    )  # fmt: skip
     quiet.finish(record)
     result |= {
         "what": "host time and launches hfkv adds per compressed layer per decode step between policy runs; "
@@ -385,12 +514,14 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(machine=machine_name()),
     }
     write_result_json(args.out, result)
-    t = result["targets"]
+    t, pol = result["targets"], result["policy_run"]
     print(
         f"{result['launches_per_layer']:.1f} launches per layer per step ({result['triton_launches_per_layer']:.0f} "
         f"Triton + {result['torch_launches_per_layer']:.0f} torch; target <= {TARGET_LAUNCHES}: "
         f"{'met' if t['launches_per_layer']['met'] else 'not met'}), host {result['host_us_per_layer']:.0f} us median "
         f"(target <= {TARGET_HOST_US:g}: {'met' if t['host_us_per_layer']['met'] else 'not met'}); "
+        f"a policy run: {pol['host_us_per_layer']:.0f} us host median, {pol['triton_launches_per_layer']:g} Triton + "
+        f"{pol['torch_launches_per_layer']:g} torch launches, {pol['host_syncs_per_layer']:g} host reads; "
         f"{quiet.describe(record)}{' BUSY' if record['busy'] else ''}\nwrote {args.out}"
     )
     return 0

@@ -144,7 +144,7 @@ class TriStateLayer(CacheLayerMixin):
         # the per-step "over budget?" check needs no device sync; refreshed whenever the tiers change.
         self._tier_peak = 0
         self._cost_t: torch.Tensor | None = None  # self.cost per tier on the tiers' device (0: a tier that is off)
-        self._cap_memo: tuple | None = None  # (ratios, their view, heads and room, exact cap): _exact_cap
+        self._cap_memo: tuple | None = None  # (ratios, their row's shape, heads and room, exact cap): _exact_cap
         self._plan = None  # the Triton decode kernels' launch plan (decode_attention.plan_attention)
         self._plan_sig, self._plan_parts = None, None  # the storage it was made for (_attend_slots_kernel)
         # A Triton decode step reads its position and ring slot from the device ([position, slot], advanced by
@@ -509,10 +509,10 @@ class TriStateLayer(CacheLayerMixin):
         pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over())
         rho = self.cache.rho(self.layer_idx)
         new = self._classify(scores, state, pos, self.window.count, rho, self._over_room(epos))
-        *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
             self._tier_peak = self._apply_planned(new, valid, sizes, (ek, ev, epos, escore))
             return
+        *news, new_exits = torch.split(new, [*sizes, m], dim=-1)
         changes = self._tier_changes(new, valid, sizes)
         valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
         self._apply(news, valids, changes, (ek, ev, epos, escore, new_exits) if m else None)
@@ -522,13 +522,13 @@ class TriStateLayer(CacheLayerMixin):
         """ARKV's OQ ratio as a cap on exact tokens: the layer's share of the exact tokens that would fit in
         the room (``[B]`` with ``head_adaptive``, else ``[B, H]``)."""
         base = self.cache._rho  # the cache's ratios (rho is this layer's row of them), kept until they are invalidated
-        key = (rho.data_ptr(), tuple(rho.shape), heads, self.room)
+        key = (tuple(rho.shape), heads, self.room)
         if self._cap_memo is not None and self._cap_memo[0] is base and self._cap_memo[1] == key:
             return self._cap_memo[2]  # the same ratios: the same cap, without its launches every policy run
         room = self.room * (heads if self.cfg.head_adaptive else 1)
         cap = torch.floor(rho.to(self.device).float() * (room / self.cost[ORIGINAL])).long()
-        cap = cap if self.cfg.head_adaptive else cap.view(-1, 1).expand(cap.shape[0], heads)
-        self._cap_memo = (base, key, cap)
+        cap = cap if self.cfg.head_adaptive else cap.view(-1, 1).expand(cap.shape[0], heads).contiguous()
+        self._cap_memo = (base, key, cap)  # contiguous: the allocation takes it as it is, no copy a run
         return cap
 
     def _nothing_competes(self, exit_pos: torch.Tensor) -> bool:
@@ -1037,6 +1037,7 @@ class TriStateCache(DynamicCache):
                 )
         Cache.__init__(self, layers=layers)
         self._rho: torch.Tensor | None = None
+        self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
 
     def __repr__(self) -> str:
         n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)
@@ -1075,13 +1076,18 @@ class TriStateCache(DynamicCache):
         """OQ ratio of ``layer_idx`` per row, once every compressed layer has its prefill statistics."""
         if not self.config.oq_ratios:
             return None
-        layers = self._tri_layers()
         if self._rho is None:
+            layers = self._tri_layers()
             if any(layer.oq is None for layer in layers):
                 return None
             self._rho = oq_ratios(torch.stack([layer.oq.to(layers[0].device) for layer in layers]))
-        pos = [layer.layer_idx for layer in layers].index(layer_idx)
-        return self._rho[pos].to(layers[pos].device)
+            self._rho_rows = {}
+        row = self._rho_rows.get(layer_idx)
+        if row is None:  # kept: every policy run of the layer asks (a search of the layers and a copy's check each)
+            layers = self._tri_layers()
+            pos = [layer.layer_idx for layer in layers].index(layer_idx)
+            row = self._rho_rows[layer_idx] = self._rho[pos].to(layers[pos].device)
+        return row
 
     def token_states(self, layer_idx: int) -> torch.Tensor:
         """``[B, KV heads, logical length]`` int8 map of token states of a compressed layer (``hfkv.states``:

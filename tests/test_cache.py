@@ -487,8 +487,9 @@ def test_exact_cap_is_kept_while_the_ratios_hold_and_recomputed_when_they_change
         cap = torch.floor(rho.float() * (room / layer.cost[ORIGINAL])).long()
         return cap if layer.cfg.head_adaptive else cap.view(-1, 1).expand(-1, heads)
 
+    assert cache.rho(0) is cache.rho(0)  # the layer's row is kept while the ratios hold
     cap = layer._exact_cap(cache.rho(0), heads)
-    assert torch.equal(cap, formula(cache.rho(0)))
+    assert torch.equal(cap, formula(cache.rho(0))) and cap.is_contiguous()  # the allocation takes it without a copy
     assert layer._exact_cap(cache.rho(0), heads) is cap  # the same ratios: no new tensor
     for i, other in enumerate(cache._tri_layers()):  # new statistics: other ratios
         other.oq = torch.tensor([0.2 + 0.1 * i, 0.9 - 0.05 * i])

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hfkv.kernels.grid import cdiv
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
 from hfkv.policy.unified import Sinks, _check_shapes, _per_head
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
@@ -212,6 +213,20 @@ def _tables(cost: tuple, fidelity: tuple, device: torch.device) -> tuple[Tensor,
     return present.to(torch.uint8).contiguous(), rate, step_cost.contiguous(), target.contiguous(), state_cost
 
 
+def _head_row(alpha: Tensor, h: int, device: torch.device) -> Tensor:
+    """A threshold per head as a contiguous fp32 ``[h]``: a layer's own thresholds are that already, and are passed
+    as they are (every policy run would otherwise make them again, host work on a GPU's critical path)."""
+    if (
+        isinstance(alpha, Tensor)
+        and alpha.dtype == torch.float32
+        and alpha.shape == (h,)
+        and alpha.device == device
+        and alpha.is_contiguous()
+    ):
+        return alpha
+    return _per_head(alpha, h, device).reshape(h).contiguous()
+
+
 def allocate_triton(
     scores: Tensor,
     state: Tensor,
@@ -246,7 +261,7 @@ def allocate_triton(
     state = state.to(torch.int8).contiguous()
     if n == 0:
         return state.clone()
-    alpha_l, alpha_h = (_per_head(a, h, device).reshape(h).contiguous() for a in (alpha_l, alpha_h))
+    alpha_l, alpha_h = _head_row(alpha_l, h, device), _head_row(alpha_h, h, device)
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int32, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact
@@ -259,7 +274,7 @@ def allocate_triton(
         pos = end = sink8
     len_scalar = isinstance(logical_len, int)
     lengths = state if len_scalar else logical_len.to(device=device, dtype=torch.int64).reshape(b)
-    grid = (b * h, triton.cdiv(n, _BLOCK))
+    grid = (b * h, cdiv(n, _BLOCK))
     _items_kernel[grid](
         scores.to(torch.float32).contiguous(), state, sink8, pos, end, lengths, logical_len if len_scalar else 0,
         alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], taken,

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
 from hfkv.kernels.dequant import format_constants, load_field, load_int_pieces, piece_columns, piece_width, tl_dtype
+from hfkv.kernels.grid import cdiv
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
@@ -135,10 +136,6 @@ def launch_defaults() -> dict[str, Any]:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a JIT function: a host call goes through its launcher
 
 
 @functools.lru_cache(maxsize=256)
@@ -713,9 +710,9 @@ def _split_slots(
     if split_slots is not None:
         return max(block_n, -(-split_slots // block_n) * block_n)
     if interpreter_on() if interp is None else interp:  # programs run one after another there: fewest is fastest
-        return max(block_n, _cdiv(n, block_n) * block_n)
+        return max(block_n, cdiv(n, block_n) * block_n)
     per_head = max(1, target // max(1, programs))  # at most one wave
-    return max(block_n, _cdiv(_cdiv(n, per_head), block_n) * block_n)
+    return max(block_n, cdiv(cdiv(n, per_head), block_n) * block_n)
 
 
 @functools.lru_cache(maxsize=16)
@@ -821,7 +818,7 @@ def plan_attention(
     # A program holds the whole GQA group for a block of queries (one query when decoding); long chunks
     # are tiled over query blocks so a program's rows stay few.
     qb = min(_next_pow2(qlen), max(1, 32 // _next_pow2(g)))
-    nqb = _cdiv(qlen, qb)
+    nqb = cdiv(qlen, qb)
     block_r = max(16, _next_pow2(g) * qb)
     block_d = max(16, _next_pow2(dim))
     device = query.device
@@ -831,7 +828,7 @@ def plan_attention(
     warps = NUM_WARPS if num_warps is None else num_warps
     target = programs_target(device, warps, max_registers)
     splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp, target) for n in sizes]
-    n_splits = [_cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
+    n_splits = [cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
     ns_total = sum(n_splits)
     blocks = bsz * heads * nqb
     sizes_f32 = (
@@ -898,7 +895,7 @@ def plan_attention(
             p_fmts.append(_paged_constants(part.layout, _page_align(pool), tpp))
             score, table_args = None, (table, t_sb, t_sh, tpp)
             s_fmt = (True, add_scores, part.layout.stride)
-        nblk = _cdiv(n, block_s)
+        nblk = cdiv(n, block_s)
         s_args.append((score if score is not None else table_args[0], table_args[0]))
         s_meta.append((*table_args[1:], n, col0, block0, nblk, 0))
         s_fmts.append(s_fmt)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.dequant import format_constants
+from hfkv.kernels.grid import cdiv
 from hfkv.quant.formats import QuantFormat
 from hfkv.storage.record import RecordLayout
 
@@ -397,7 +398,7 @@ def encode_write(
         rows = ENCODE_ROWS_MODEL if layout.key.name == layout.value.name == "model" else ENCODE_ROWS
     if rows < 1:
         raise ValueError(f"encode_write: rows={rows} tokens per program must be >= 1")
-    _encode_write_kernel[(triton.cdiv(n, rows),)](
+    _encode_write_kernel[(cdiv(n, rows),)](
         pool,
         dest,
         k,

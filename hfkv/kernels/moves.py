@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.changes import launch_changes
+from hfkv.kernels.grid import cdiv
 from hfkv.states import EVICTED
 
 __all__ = ["EXIT", "gather_exits", "place_moves", "plan_moves", "plan_moves_reference"]
@@ -277,7 +278,7 @@ def gather_exits(
     n, dim = b.numel(), k.shape[-1]
     if n == 0:
         return
-    _exits_kernel[(triton.cdiv(n, _BLOCK_N),)](
+    _exits_kernel[(cdiv(n, _BLOCK_N),)](
         k, v, *k.stride(), *v.stride(), pos.contiguous(), score, *score.stride(), b, h, src, idx, n, *out,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
     )  # fmt: skip

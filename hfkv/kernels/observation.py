@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.grid import cdiv
 from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, observation_shape, reduce_gqa
 
 __all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
@@ -155,8 +156,8 @@ def observation_scores(
     key = key if key.stride(-1) == 1 else key.contiguous()
     gp = triton.next_power_of_2(group)
     wp = max(triton.next_power_of_2(w), 16 // gp, 1)  # tl.dot needs >= 16 rows
-    split = max(SPLIT_T, triton.cdiv(triton.cdiv(t, MAX_SPLITS), BLOCK_T) * BLOCK_T)
-    splits = triton.cdiv(t, split)
+    split = max(SPLIT_T, cdiv(cdiv(t, MAX_SPLITS), BLOCK_T) * BLOCK_T)
+    splits = cdiv(t, split)
     m = torch.empty(bsz * heads, splits, gp * wp, dtype=torch.float32, device=key.device)
     l_ = torch.empty_like(m)
     # fp32 models: IEEE products; under the interpreter too, whose tl.dot misreads bf16 operands (the same
@@ -167,7 +168,7 @@ def observation_scores(
     _stats_kernel[(bsz * heads, splits)](
         query, key, m, l_, t, tq, w, splits, split, float(scaling), *strides, BLOCK=BLOCK_T, **shape
     )
-    _scores_kernel[(bsz * heads, triton.cdiv(t, BLOCK_T))](
+    _scores_kernel[(bsz * heads, cdiv(t, BLOCK_T))](
         query, key, m, l_, sums, mass, t, tq, w, splits, float(scaling), *strides,
         SP=triton.next_power_of_2(splits), BLOCK=BLOCK_T, REDUCE=GQA_REDUCTIONS.index(reduction), **shape,
     )  # fmt: skip
