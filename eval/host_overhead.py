@@ -146,18 +146,20 @@ def host_numbers(layer) -> tuple:
     )
 
 
-def replayed_policy_run(layer, run_policy, args, kwargs, names: list[str]) -> tuple[Any, float, float]:
+def replayed_policy_run(
+    layer, run_policy, args, kwargs, names: list[str], replays: int = 1
+) -> tuple[Any, float, float]:
     """``(result, host seconds, sort seconds)`` of one policy run: it runs as it would (every kernel executed in the
-    interpreter, untimed), and its host path is then timed on a copy of the layer taken before it, with no kernel run
-    and each host read (``Tensor.tolist``) answered with what the real run read; the sorts' CPU compute is taken out
-    of the host seconds and returned beside them. Timing the real run itself, less its kernels'
-    time, counts what the interpreter leaves behind: after each interpreted kernel the host's next small torch ops
-    ran 10-20x slower than warm (cold caches; ``torch.empty`` 22 us against 1 us), which a GPU's host does not pay.
-    The replay must launch the kernels the run launched (``names``: the recorder's list) and leave the copy's host
-    numbers (:func:`host_numbers`) as the run left the layer's: the same path."""
+    interpreter, untimed), and its host path is then timed ``replays`` times (the median kept), each on a fresh copy of
+    the layer as it was before the run, with no kernel run and each host read (``Tensor.tolist``) answered with what
+    the real run read; the sorts' CPU compute is taken out of the host seconds and returned beside them. Timing the
+    real run itself, less its kernels' time, counts what the interpreter leaves behind: after each interpreted kernel
+    the host's next small torch ops ran 10-20x slower than warm (cold caches; ``torch.empty`` 22 us against 1 us),
+    which a GPU's host does not pay. Each replay must launch the kernels the run launched (``names``: the recorder's
+    list) and leave the copy's host numbers (:func:`host_numbers`) as the run left the layer's: the same path."""
     import copy
 
-    twin = copy.deepcopy(layer.cache).layers[layer.layer_idx]  # the whole cache: the layer refers to it
+    snapshot = copy.deepcopy(layer.cache)  # the whole cache: the layer refers to it
     reads: list[Any] = []
     tolist = torch.Tensor.tolist
 
@@ -172,33 +174,37 @@ def replayed_policy_run(layer, run_policy, args, kwargs, names: list[str]) -> tu
         out = run_policy(*args, **kwargs)
     finally:
         torch.Tensor.tolist = tolist
-    answers, launched = iter(reads), len(names)
+    launched, timed, sorted_s = len(names), [], []
+    for _ in range(replays):
+        twin = copy.deepcopy(snapshot).layers[layer.layer_idx]
+        answers = iter(reads)
 
-    def answered(tensor):
+        def answered(tensor, answers=answers):
+            try:
+                return next(answers)
+            except StopIteration:
+                raise RuntimeError("host_overhead: the replayed policy run read more than the run did") from None
+
+        torch.Tensor.tolist = answered
+        REPLAYING[0] = True
         try:
-            return next(answers)
-        except StopIteration:
-            raise RuntimeError("host_overhead: the replayed policy run read more than the run did") from None
-
-    twin_run = type(twin).run_policy
-    torch.Tensor.tolist = answered
-    REPLAYING[0] = True
-    try:
-        with timed_sorts([0.0]) as sorting:
-            t0 = time.perf_counter()
-            twin_run(twin, *args, **kwargs)
-            seconds = time.perf_counter() - t0
-    finally:
-        REPLAYING[0] = False
-        torch.Tensor.tolist = tolist
-    ran, replayed = names[start:launched], names[launched:]
-    if next(answers, None) is not None or host_numbers(twin) != host_numbers(layer) or ran != replayed:
-        raise RuntimeError(
-            f"host_overhead: the replayed policy run took another path ({host_numbers(twin)} after it, "
-            f"{host_numbers(layer)} after the run; launches {replayed}, the run's {ran})"
-        )
-    del names[launched:]
-    return out, seconds - sorting[0], sorting[0]
+            with timed_sorts([0.0]) as sorting:
+                t0 = time.perf_counter()
+                type(twin).run_policy(twin, *args, **kwargs)
+                seconds = time.perf_counter() - t0
+        finally:
+            REPLAYING[0] = False
+            torch.Tensor.tolist = tolist
+        ran, replayed = names[start:launched], names[launched:]
+        if next(answers, None) is not None or host_numbers(twin) != host_numbers(layer) or ran != replayed:
+            raise RuntimeError(
+                f"host_overhead: the replayed policy run took another path ({host_numbers(twin)} after it, "
+                f"{host_numbers(layer)} after the run; launches {replayed}, the run's {ran})"
+            )
+        del names[launched:]
+        timed.append(seconds - sorting[0])
+        sorted_s.append(sorting[0])
+    return out, statistics.median(timed), statistics.median(sorted_s)
 
 
 class DeviceOps(TorchDispatchMode):
@@ -326,6 +332,7 @@ def measure(
     warmup_cycles: int = 2,
     rounds: int = 5,
     policy_cycles: int = 8,
+    replays: int = 5,
 ) -> dict[str, Any]:
     """Launches and host microseconds per compressed layer per decode step between policy runs, and per policy run
     (module docstring)."""
@@ -343,7 +350,7 @@ def measure(
     def counted_policy(*args, **kwargs):
         policy_runs[0] += 1
         if timing_policy[0]:  # the run's host seconds, replayed without its kernels (replayed_policy_run)
-            out, seconds, sorting = replayed_policy_run(layer, run_policy, args, kwargs, names)
+            out, seconds, sorting = replayed_policy_run(layer, run_policy, args, kwargs, names, replays)
             policy_host_s.append(seconds)
             policy_sort_s.append(sorting)
             return out
@@ -418,7 +425,7 @@ def measure(
         "timed_steps": len(times),
         "steps_between_restores": between,
         "policy_runs_in_timed_steps": timed_policy_runs,
-        "policy_run": _policy_counts(watched) | _policy_host(policy_host_s, policy_sort_s),
+        "policy_run": _policy_counts(watched) | _policy_host(policy_host_s, policy_sort_s) | {"replays": replays},
         "shape": info,
         "context": context,
         "batch": batch,
@@ -453,6 +460,7 @@ def _policy_host(seconds: list[float], sorting: list[float]) -> dict[str, Any]:
         "host_us_per_layer": statistics.median(us) if us else None,
         "host_us_per_layer_mean": statistics.fmean(us) if us else None,
         "host_us_timed_runs": len(us),
+        "host_us_runs": us,  # each run's median over its replays
         "sort_us_per_layer": 1e6 * statistics.median(sorting) if sorting else None,
     }
 
@@ -486,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=ca.integer(1), default=40, help="timed runs of interval-1 steps (default 40)")
     ap.add_argument("--rounds", type=ca.integer(1), default=5, help="timed rounds of --cycles; median of medians (5)")
     ap.add_argument("--policy-runs", type=ca.integer(1), default=8, help="policy runs timed after the steps (8)")
+    ap.add_argument("--replays", type=ca.integer(1), default=5, help="timed replays of each policy run; median (5)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
     quiet.add_arguments(ap, default_threads="1")
     try:
@@ -501,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads[0])
     result = measure(
         args.context, args.batch, budget=args.budget, cycles=args.cycles, rounds=args.rounds,
-        policy_cycles=args.policy_runs,
+        policy_cycles=args.policy_runs, replays=args.replays,
     )  # fmt: skip
     quiet.finish(record)
     result |= {
