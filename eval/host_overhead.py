@@ -1,4 +1,4 @@
-"""Host side of a decode step: launches and Python time hfkv adds per compressed layer, on a CPU.
+"""Host side of a decode step and of a policy run: launches and Python time hfkv adds per compressed layer, on a CPU.
 
 On a GPU a decode step is a stream of small launches, and the step can go no faster than the host
 issues them: 32 compressed layers, each adding its window write, its attention and its score
@@ -21,10 +21,14 @@ What is measured, on a CPU: one compressed layer of Llama-3.1-8B's attention sha
 * The torch ops of the step run on CPU tensors; they are small (one token's window write) and cost
   about their dispatch. A TorchDispatchMode counts every aten op that would launch a device kernel
   (views, allocations and metadata excluded) in a separate pass, since counting slows the step.
-* Only steps between policy runs are timed: after ``interval - 1`` steps (the next would run the
+* The steps timed are those between policy runs: after ``interval - 1`` steps (the next would run the
   policy) the window ring and the step counters are put back to their state after the prefill,
   outside the timed region. A policy run in a timed step would be counted in
   ``policy_runs_in_timed_steps`` (0 by construction).
+* Policy runs are counted (launches, host reads) and then timed apart (``policy_run``): each run
+  executes every kernel untimed, and its host path is replayed ``--replays`` times on copies of the
+  cache taken before it, with no kernel run and its host reads answered with the run's
+  (``replayed_policy_run``: timing the run itself would count the caches the interpreter leaves cold).
 
 Storage writes of the prefill use the torch backend (encoding 32k tokens in the interpreter would
 take minutes); the layer is then switched to the Triton backend, whose storage layout is the same.
