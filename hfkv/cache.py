@@ -192,6 +192,10 @@ class TriStateLayer(CacheLayerMixin):
         self.alpha_l = self.cache.alpha_l[self.layer_idx].to(self.device)
         # Host-side, once: asked at every policy run (_nothing_competes), and a device read there is a sync.
         self._has_floor = bool((self.cache.alpha_l[self.layer_idx] > 0).any())
+        # stagger: the steps (lengths modulo interval) of this layer's runs, by its rank among the compressed
+        # layers, so the runs spread evenly where only some layers are compressed
+        rank = next(i for i, layer in enumerate(self.cache._tri_layers()) if layer is self)
+        self._phase = rank % cfg.interval if cfg.stagger else 0
         self.is_initialized = True
 
     def _init_memory_budget(self, dim: int) -> None:
@@ -348,15 +352,17 @@ class TriStateLayer(CacheLayerMixin):
 
     def _maybe_run_policy(self) -> None:
         self.steps_since_policy += 1
-        if self._policy_due(self.steps_since_policy, self.window.count):
+        if self._policy_due(self.steps_since_policy, self.window.count, self.length):
             self.run_policy()
 
-    def _policy_due(self, steps: int, count: int) -> bool:
-        """Whether a step that leaves ``steps`` steps since the last policy run and ``count`` tokens in the window
-        runs the policy (host numbers only: no step waits on the device to decide)."""
+    def _policy_due(self, steps: int, count: int, length: int) -> bool:
+        """Whether a step that leaves ``steps`` steps since the last policy run, ``count`` tokens in the window and
+        the sequence ``length`` long runs the policy (host numbers only: no step waits on the device to decide)."""
         cfg = self.cfg
         # The ring (W + interval slots) fills exactly `interval` steps after the last batched exit.
         if steps >= cfg.interval or count == self.window.capacity:
+            return True
+        if cfg.stagger and steps and (length - self._phase) % cfg.interval == 0:  # this layer's turn
             return True
         if cfg.budget is None:
             return False
@@ -371,10 +377,10 @@ class TriStateLayer(CacheLayerMixin):
         one of them can replay (hfkv.graphs)."""
         if not self.is_initialized or self.length == 0:
             return 0
-        steps, count = self.steps_since_policy, self.window.count
+        steps, count, length = self.steps_since_policy, self.window.count, self.length
         for n in range(limit):
-            steps, count = steps + 1, count + 1
-            if count > self.window.capacity or self._policy_due(steps, count):
+            steps, count, length = steps + 1, count + 1, length + 1
+            if count > self.window.capacity or self._policy_due(steps, count, length):
                 return n
         return limit
 

@@ -224,6 +224,11 @@ class TriStateConfig:
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 8
+    # The i-th compressed layer runs its batched policy at the steps whose length is i modulo `interval`, not every
+    # layer at the same step: the same runs per layer, spread over the interval's steps. On a GPU a step that runs
+    # 32 layers' policy costs ~13 ms of host (eval/host_overhead.py); spread, ~4 layers' runs a step can hide under
+    # the device's work.
+    stagger: bool = False
     original: TierFormat = _DEFAULT_TIERS["original"]
     # A second quantized format between original and quantized (DiffKV's high-precision K8V4), used by
     # memory budgets only: refining a K4V2 token to K8V4 buys 5x more fidelity per byte than an exact copy
@@ -252,7 +257,7 @@ class TriStateConfig:
         w = "TriStateConfig"
         if not isinstance(self.name, str) or not self.name:
             raise _fail(f"{w}.name", self.name, "a non-empty string")
-        for f in ("compress", "oq_ratios", "head_adaptive"):
+        for f in ("compress", "oq_ratios", "head_adaptive", "stagger"):
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
         for f, lo in (
@@ -575,6 +580,8 @@ class TriStateConfig:
             parts.append(f"carry={self.carry:g}")
         if self.head_adaptive:
             parts.append("head_adaptive")
+        if self.stagger:
+            parts.append("stagger")
         return " ".join(parts)
 
 

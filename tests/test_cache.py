@@ -496,3 +496,37 @@ def test_exact_cap_is_kept_while_the_ratios_hold_and_recomputed_when_they_change
     cache.invalidate_rho()
     new = layer._exact_cap(cache.rho(0), heads)
     assert torch.equal(new, formula(cache.rho(0))) and not torch.equal(new, cap)
+
+
+@pytest.mark.parametrize("stagger", [False, True])
+def test_staggered_policy_runs_spread_the_layers_over_the_interval(stagger):
+    """``stagger``: each layer still runs its batched policy every ``interval`` decode steps, but at the steps whose
+    length is its index modulo the interval, so no step runs more than ``ceil(layers / interval)`` of them; without
+    it every layer runs in the same steps."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    interval = 4
+    cache = hfkv.TriStateCache(model, "hfkv", budget=24, window=4, interval=interval, stagger=stagger)
+    ids, mask = left_padded_batch(lengths=(20, 17))
+    prompt = ids.shape[1]
+    runs: dict[int, list[int]] = {}
+    for layer in cache.layers:
+        run = layer.run_policy
+
+        def logged(*args, layer=layer, run=run, **kwargs):
+            if layer.length > prompt:  # decode steps' runs (the prompt's own run comes first)
+                runs.setdefault(layer.layer_idx, []).append(layer.length)
+            return run(*args, **kwargs)
+
+        layer.run_policy = logged
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=17, do_sample=False)
+    assert out.shape[1] == prompt + 17 and sorted(runs) == [0, 1, 2, 3]
+    assert [layer._phase for layer in cache.layers] == ([0, 1, 2, 3] if stagger else [0] * 4)  # ranks mod interval
+    for idx, lengths in runs.items():
+        assert len(lengths) >= 3 and all(b - a == interval for a, b in zip(lengths, lengths[1:], strict=False))
+        if stagger:
+            assert all((n - idx) % interval == 0 for n in lengths)
+    per_step: dict[int, int] = {}
+    for lengths in runs.values():
+        for n in lengths:
+            per_step[n] = per_step.get(n, 0) + 1
+    assert max(per_step.values()) == (1 if stagger else 4)

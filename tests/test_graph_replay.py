@@ -153,19 +153,26 @@ def test_replaying_a_steps_launches_is_the_next_eager_step(monkeypatch):
         lg.replayed_step()  # the next step runs the policy: a graph must not stand in for it
 
 
-@pytest.mark.parametrize("overrides", [{"interval": 4}, {"budget": 20, "interval": 10}])
+@pytest.mark.parametrize(
+    "overrides", [{"interval": 4}, {"budget": 20, "interval": 10}, {"interval": 4, "stagger": True}]
+)
 def test_steps_before_policy_match_what_eager_steps_do(overrides):
     """The host's count of policy-free steps ahead, taken before each step of a run through several policy runs,
-    is 0 exactly at the steps that run the policy and counts down one a step in between."""
-    layer = _prefilled(**overrides).layers[0]
-    predicted, ran, filled = [], [], []
+    is 0 exactly at the steps that run the policy and counts down one a step in between (staggered: at the
+    steps whose length is the layer's index modulo the interval)."""
+    layer = _prefilled(**overrides).layers[-1]
+    predicted, ran, filled, lengths = [], [], [], []
     for k, v, q in _inputs(22, seed=3):
         predicted.append(layer.decode_steps_before_policy())
         fills = layer.step_fills
         _step(layer, k, v, q)
         ran.append(layer.steps_since_policy == 0)
         filled.append(layer.step_fills > fills)
+        lengths.append(layer.length)
     assert sum(ran) >= 2
+    if overrides.get("stagger"):
+        interval = overrides["interval"]
+        assert layer.layer_idx % interval and ran == [(n - layer.layer_idx) % interval == 0 for n in lengths]
     assert [p == 0 for p in predicted] == ran
     assert all(a == b + 1 for a, b in zip(predicted[:-1], predicted[1:], strict=True) if a > 0)
     # the device step is set from the host on the first step only: the steps that run the policy keep their
@@ -251,7 +258,7 @@ class _TapeGraphs:
         return recording()
 
 
-def _graphed_against_eager(model, n: int, mode: str):
+def _graphed_against_eager(model, n: int, mode: str, **overrides):
     """``n`` greedy tokens decoded eagerly and by a GraphedDecoder in ``mode`` on recorded graphs, from caches whose
     budget the prompt does not fill (policy runs during decoding grow the pool and tables, then leave them):
     asserts tokens, token states and every layer's storage equal; gives the decoder, the eager cache's distinct
@@ -260,7 +267,8 @@ def _graphed_against_eager(model, n: int, mode: str):
     from hfkv.graphs import GraphedDecoder
 
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
-    caches = [TriStateCache(model, "hfkv", backend="triton", budget=48, window=4, interval=6) for _ in range(2)]
+    cfg = dict(backend="triton", budget=48, window=4, interval=6) | overrides
+    caches = [TriStateCache(model, "hfkv", **cfg) for _ in range(2)]
     storages, runs = set(), 0
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
@@ -296,16 +304,17 @@ def test_step_graphs_on_recorded_steps_equal_eager_decoding():
     assert c["reused"] == runs - (len(storages) - 1) >= 1 and c["eager"] + c["captured"] + c["replayed"] == n - 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family):
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("qwen3", {}), ("llama", {"stagger": True})])
+def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides):
     """GraphedDecoder's default mode: one capture of the step in pieces between the cache's calls, then every
     step replays the pieces with each layer's update() and attend() run eagerly between them (policy runs,
     grown pools and tables included), with a recording standing in for CUDA graphs (a host read inside a piece
     fails it): the tokens and every layer's token states, ring, pool bytes, counts and tables are eager
-    decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections."""
+    decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections; staggered
+    policy runs too (the layers' runs in different steps)."""
     model = tiny_model(family, num_hidden_layers=2)
     n = 20
-    decoder, storages, runs = _graphed_against_eager(model, n, "layers")
+    decoder, storages, runs = _graphed_against_eager(model, n, "layers", **overrides)
     assert runs >= 2 and len(storages) > 1  # policy runs, and storage that grew under the graphs
     assert decoder.counts == {"eager": 0, "captured": 1, "replayed": n - 2, "reused": 0}
     assert len(decoder._pieces) == len(decoder._calls) + 1 == 3
