@@ -98,6 +98,9 @@ class TierFormat:
 
 
 _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
+# Config fields added after results keyed by a config were stored, with the value that behaves as before they
+# existed (TriStateConfig.key_dict).
+_LATER_FIELDS = {"stagger": False}
 _DEFAULT_TIERS = {
     "original": TierFormat("model", "model", 32),
     "mid": TierFormat("int8", "int4", 32),
@@ -464,6 +467,16 @@ class TriStateConfig:
         return tables
 
     # ------------------------------------------------------------------ (de)serialisation
+    def key_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` as a key of stored results (hold-out evaluations, a calibration study's base): a field
+        added after such files were written is left out at the value that behaves as before it existed
+        (``_LATER_FIELDS``), so the files stay valid and the studies resumable."""
+        out = self.to_dict()
+        for name, inert in _LATER_FIELDS.items():
+            if out.get(name) == inert:
+                del out[name]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):

@@ -473,3 +473,28 @@ def test_committed_calibrated_configs_load_with_provenance(path) -> None:
     assert cfg.name == path.stem
     assert cfg.provenance["tool"] == "hfkv calibrate" and cfg.provenance["study"]["name"] == path.stem
     assert cfg.provenance["params"]["budget"] == cfg.budget
+
+
+def test_stored_result_keys_survive_fields_added_after_them():
+    """Hold-out evaluations (and a calibration study's base) are keyed by a config's fields: a field added later
+    is left out of the key at the value that behaves as before it existed, so the committed files' keys are the
+    keys today's code makes for the same configs, and setting the field makes another key."""
+    import json
+    from pathlib import Path
+
+    studies = Path(__file__).resolve().parents[1] / "calibration" / "studies"
+    rows = [
+        json.loads(line)
+        for path in sorted(studies.glob("*/holdout_evaluations.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    assert rows
+
+    def key(cfg: TriStateConfig) -> str:  # as hfkv.calibration.compare makes it
+        return json.dumps({**cfg.key_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
+
+    for row in rows:
+        cfg = TriStateConfig.from_dict({**json.loads(row["config"]), "name": "stored"})
+        assert key(cfg) == row["config"]
+        assert key(dataclasses.replace(cfg, stagger=True)) != row["config"]

@@ -520,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
         key = {
             "study": ctx.study_name,
             "trial": selected.number,
-            "config": cfg.to_dict() | {"provenance": {}},
+            "config": cfg.key_dict() | {"provenance": {}},
             "holdout_sha256": ctx.selection.holdout_hash,
             "compare": args.compare,
             "match_steps": args.match_steps,

@@ -84,7 +84,7 @@ def memoized(
 
     def run(cfg: TriStateConfig) -> Evaluation:
         nonlocal newline_first
-        key = json.dumps({**cfg.to_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
+        key = json.dumps({**cfg.key_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
         if key not in seen:
             ev = seen[key] = evaluate(cfg)
             if path is not None:

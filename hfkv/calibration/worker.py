@@ -126,7 +126,7 @@ def prepare(args: argparse.Namespace) -> Context:
         },
         "evaluation": evaluation,
         "space": space.describe(),
-        "base": {k: v for k, v in base.to_dict().items() if k != "provenance"},
+        "base": {k: v for k, v in base.key_dict().items() if k != "provenance"},
         "base_points": base_budgets,
     }
     spec = json.loads(json.dumps(spec))  # what the storage will hand back (lists, not tuples)
