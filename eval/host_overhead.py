@@ -75,7 +75,7 @@ HOST_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "repeat_interle
 # what the allocation decides): they run as well as being recorded, or a policy run would decide from
 # uninitialised memory.
 INTERPRETING = [False]  # a recorded kernel runs in the interpreter now: its tensor copies are not counted
-REPLAYING = [False]  # a policy run's host path replayed: no kernel runs (host_replay)
+REPLAYING = [False]  # a policy run's host path replayed: no kernel runs (replayed_policy_run)
 # Within a policy run's count every kernel but the decode step's runs too: the moves' compactions and reservations
 # are read back (the step's attention would take minutes in the interpreter; its scores and ring are not read back).
 RUN_ALL = [False]
@@ -518,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     quiet.finish(record)
     result |= {
-        "what": "host time and launches hfkv adds per compressed layer per decode step between policy runs; "
+        "what": "host time and launches hfkv adds per compressed layer per decode step between policy runs, and per "
+        "policy run (policy_run: its host path replayed without its kernels); "
         "Triton launches recorded instead of run, torch ops on CPU tensors (eval/host_overhead.py docstring)",
         "threads": torch.get_num_threads(),
         "quiet": record,
