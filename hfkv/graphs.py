@@ -108,6 +108,7 @@ class GraphedDecoder:
         self._signatures: list[tuple] | None = None  # each layer's launch_signature() at the capture
         self._replays_left = 0
         self._pool = None
+        self._held = None  # the last whole-step graph captured, which keeps the pool alive (``_capture``)
         self._warm = False  # an eager step ran on the storage as it is now (plan built, kernels compiled)
         self._tok = self._pos = self._next = None
         self.mode = mode
@@ -189,6 +190,10 @@ class GraphedDecoder:
         with self.graphs.capture(graph, self._pool):
             self._next = self._forward(self._tok, self._pos)
         graph.replay()
+        # The pool's last graph is held until the next capture: torch frees a graph's private pool with its last
+        # graph, and refuses a capture into a pool no graph holds while tensors from it live (this step's tokens
+        # do: CUDACachingAllocator's "use_count > 0" assert, the eleventh lease's steps-mode check).
+        self._held = graph
         self.counts["captured"] += 1
         # A layer that set its device step from the host during the capture recorded those numbers: replayed,
         # they would rewind every later step. Then this graph serves this step only.

@@ -195,6 +195,15 @@ def test_offload_copies_storages_once_and_writes_back_into_the_callers_tensors()
     assert whole.data_ptr() != pool.data_ptr() and row.data_ptr() == whole.data_ptr() + 32
     assert len(mover.storages) == 1
 
+    def fill(x, out):  # a call that writes its result into ``out`` and returns it, as run_plan(out=) does
+        out.copy_(x + 1)
+        return out, x + 2
+
+    x, out = torch.zeros(3), torch.empty(3)
+    res, other = offloaded(fill, "cpu")(x, out)
+    assert res is out and torch.equal(out, torch.ones(3))  # the caller's own tensor, written
+    assert other is not x and torch.equal(other, torch.full((3,), 2.0))
+
 
 @pytest.mark.skipif(not interpreter_on(), reason="the kernels run in Triton's interpreter here")
 def test_offload_routes_every_launch_of_a_generate_through_the_wrappers(monkeypatch):

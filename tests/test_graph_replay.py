@@ -11,6 +11,8 @@ policy run (``decode_steps_before_policy``). Launches run in Triton's interprete
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -209,10 +211,17 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 class _TapeGraphs:
+    """Graphs as tapes, and torch's rule for a graph pool: once captured into, a pool takes another capture only
+    while some graph captured into it is alive (else CUDACachingAllocator asserts ``use_count > 0``)."""
+
     requires_cuda = False
 
+    def __init__(self) -> None:
+        self.pools: list = []  # pools captured into (kept, so no id is reused)
+        self.holders: dict[int, weakref.WeakSet] = {}  # each pool's live graphs
+
     def pool(self):
-        return None
+        return object()
 
     def new(self) -> _Tape:
         from triton.runtime.interpreter import InterpretedFunction
@@ -221,6 +230,13 @@ class _TapeGraphs:
 
     def capture(self, tape: _Tape, pool):
         import contextlib
+
+        if id(pool) in self.holders and not self.holders[id(pool)]:
+            raise AssertionError("capture into a graph pool that no live graph holds (use_count > 0 assert)")
+        if id(pool) not in self.holders:
+            self.pools.append(pool)
+            self.holders[id(pool)] = weakref.WeakSet()
+        self.holders[id(pool)].add(tape)
 
         from torch.utils._python_dispatch import TorchDispatchMode
         from triton.runtime.interpreter import InterpretedFunction

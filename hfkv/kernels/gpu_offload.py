@@ -70,6 +70,9 @@ class _Mover:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # each argument's device view by the view's id: a call that returns an argument (``out=``) gives the
+        # caller's own tensor back, as it would without the offload
+        self.given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -94,18 +97,21 @@ class _Mover:
             host = torch.empty(0, dtype=torch.uint8).set_(storage)
             self.storages[key] = (host, host.to(self.device, copy=True))
         dev = self.storages[key][1].untyped_storage()
-        return torch.empty(0, dtype=t.dtype, device=self.device).set_(dev, t.storage_offset(), t.shape, t.stride())
+        view = torch.empty(0, dtype=t.dtype, device=self.device).set_(dev, t.storage_offset(), t.shape, t.stride())
+        self.given[id(view)] = (view, t)
+        return view
 
     def write_back(self) -> None:
         for host, dev in self.storages.values():
             host.copy_(dev)
 
 
-def _to_cpu(x: Any) -> Any:
+def _to_cpu(x: Any, given: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.cpu()
+        view, host = given.get(id(x), (None, None))
+        return host if view is x else x.cpu()  # an argument returned: the caller's tensor (written back)
     if isinstance(x, tuple):
-        return tuple(_to_cpu(i) for i in x)
+        return tuple(_to_cpu(i, given) for i in x)
     return x
 
 
@@ -124,7 +130,7 @@ def offloaded(fn: Callable, device: torch.device | str) -> Callable:
         finally:
             ACTIVE[0] -= 1
         mover.write_back()
-        return _to_cpu(out)
+        return _to_cpu(out, mover.given)
 
     call.__wrapped_for_device__ = device  # type: ignore[attr-defined]
     return call
