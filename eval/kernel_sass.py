@@ -104,11 +104,12 @@ def read_sass(cubin: bytes) -> dict[str, Any]:
 
 
 def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
-    from hfkv.kernels.decode_attention import BLOCK_N, NUM_WARPS
+    from hfkv.kernels.decode_attention import BLOCK_N
 
     kernel = compile_partial(kind, launch)
     row = {"kind": kind, "launch": launch, "shared_bytes": kernel.metadata.shared, **read_sass(kernel.asm["cubin"])}
-    warps, block_n = launch.get("num_warps", NUM_WARPS), launch.get("block_n", BLOCK_N)
+    warps, block_n = kernel.metadata.num_warps, launch.get("block_n", BLOCK_N)  # as the launch chose them
+    row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n
     return row
 

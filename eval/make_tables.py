@@ -820,7 +820,7 @@ def gpu_runs_block(
         "fraction of the measured copy bandwidth, at 32k tokens x batch 8. End to end: random-weight "
         "Llama-3.1-8B, bf16, 32k x 8, decode step against DynamicCache's (median: between policy runs; "
         "mean: policy runs included); each cache alone, then, where the run did it, stepped in turns with "
-        "DynamicCache (\"in turns\": the same host for both). `baseline SDPA`: the torch SDPA backends every "
+        'DynamicCache ("in turns": the same host for both). `baseline SDPA`: the torch SDPA backends every '
         "forward could use. Runs before 13 left the choice to torch, which on the H200 picks cuDNN attention for "
         "a decode step: cuDNN plans every new key length on the host (~1.3 ms a layer, `interleave_probe_h200_*`), "
         "so DynamicCache's step cost 23-75 ms by whether an earlier cache had stepped through the same lengths, "
@@ -879,11 +879,16 @@ def gpu_runs_block(
             f"{', integer rows' if r.get('int_tile') and not r.get('int_pieces') else ''}"
             f"{', integer pieces' if r.get('int_pieces') else ''}"
             f"{', table ' + str(r['table_ahead']) + ' ahead' if 'table_ahead' in r else ''}{_split_text(r)}"
-            f"{', score blocks of ' + str(r['score_block']) if 'score_block' in r else ''}, "
+            f"{', score blocks of ' + str(r['score_block']) if 'score_block' in r else ''}"
+            f"{', fp16 dequantization' if r.get('half_dequant') else ''}"
+            f"{', column sums' if r.get('column_sums') else ''}"
+            f"{', ' + str(r['max_registers']) + ' registers' if r.get('max_registers') else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]
         lines += ["", f"Fastest launch shape per case in `{name}` ({res['device']}): " + "; ".join(cells) + "."]
+        if any(len({r.get(k) for r in res["rows"]}) > 1 for k in _OPTION_KEYS):
+            lines += ["", option_sweep_table(name, res)]
         # Files before the split was fixed hold the split-slots loop variable there (an int), not a split.
         splits = {case: ms for case, ms in res.get("kernel_split_ms", {}).items() if isinstance(ms, dict) and ms}
         if splits:
@@ -900,6 +905,30 @@ def gpu_runs_block(
         if any("prefill" in p for _, p in policy):
             lines += ["", prefill_profile_table(policy)]
     return "\n".join(lines)
+
+
+_OPTION_KEYS = ("half_dequant", "column_sums", "max_registers")
+
+
+def option_sweep_table(name: str, res: dict[str, Any]) -> str:
+    """Every row of a sweep over the partial pass's code options, with how far its output lies from the default
+    launch's on the same storage: an option that is faster but moves the output is not a free speed-up."""
+    rows = []
+    for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"], *(
+            str(r.get(k)) for k in _OPTION_KEYS))):  # fmt: skip
+        if "ms" not in r:
+            continue
+        rows.append([
+            f"{r['kind']} {r['context']:,} x {r['batch']}", str(r["num_warps"]),
+            "yes" if r.get("half_dequant") else "no", "yes" if r.get("column_sums") else "no",
+            str(r.get("max_registers") or "-"), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
+            fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
+        ])  # fmt: skip
+    header = [
+        "case", "warps", "fp16 dequant", "column sums", "register cap", "ms", "GB/s", "rel. diff vs default",
+        "vs fp32 twin",
+    ]  # fmt: skip
+    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "lllllllll")
 
 
 def storage_variants_table(name: str, res: dict[str, Any]) -> str:
@@ -1257,6 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
         scaling = root / CPU_SCALING
         block = cpu_scaling_table(json.loads(scaling.read_text(encoding="utf-8")) if scaling.exists() else None)
         text = replace_block(kernels.read_text(encoding="utf-8"), block, SCALING_START, SCALING_END)
+
         def load(pattern: str) -> list:
             return [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in natural(root.glob(pattern))]
 

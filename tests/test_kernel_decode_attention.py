@@ -479,6 +479,16 @@ def test_page_table_read_ahead_by_default_follows_the_measured_fastest():
     assert _table_ahead(parts("fp8", "int2")) == 2
     assert _table_ahead(parts("model", "model") + parts("int4", "int2", tokens=0)) == 1  # an empty tier runs nothing
 
+    # Warps follow the same rule (NUM_WARPS: 4 where an integer field is read, 8 otherwise), as a plan launches them
+    from hfkv.kernels import decode_attention as da
+
+    query, pad_end = torch.zeros(1, 2, 1, 64, dtype=torch.float16), torch.zeros(1, dtype=torch.int64)
+    for fields, warps in [(("model", "model"), 8), (("fp8", "fp8"), 8), (("int4", "fp8"), 4), (("fp8", "int2"), 4)]:
+        assert da.plan_attention(query, parts(*fields), pad_end).constants["num_warps"] == warps
+    mixed = parts("model", "model") + parts("int4", "int2", tokens=0)
+    assert da.default_num_warps(da._reads_integers(mixed)) == 8  # (two pools here: no plan)
+    assert da.plan_attention(query, parts("int4", "fp8"), pad_end, num_warps=8).constants["num_warps"] == 8
+
 
 def test_split_sizing_fills_one_wave_at_the_occupancy_a_register_cap_buys(monkeypatch):
     """A program's splits are sized to one wave on the device: 16 warps an SM uncapped (two programs of 8, as ncu

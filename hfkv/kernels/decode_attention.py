@@ -69,7 +69,12 @@ __all__ = [
 # was the fastest for full-precision pages (0.623 ms; H200 run 3 and the H100 storage sweep). Reading codes
 # per element was 4x slower for every shape (kernel_variants_h200_run2.json).
 BLOCK_N = 64
-NUM_WARPS = 8
+# Warps of the partial pass; None: 4 where a paged part holding slots has an integer field, else 8. H200, 32k x 8
+# (kernel_variants_h200_run5.json, the default code options): quant 0.461 ms at 4 warps against 0.527 at 8, hfkv
+# 0.498 against 0.534; runs 2 and 3 there (block 128) 0.72 / 0.70 against 0.95 / 0.89 (quant) and 0.74 / 0.72
+# against 0.94 / 0.90 (hfkv); H100 (kernel_variants_h100_pieces.json) quant 0.677 against 0.741, hfkv 0.754
+# against 0.735. Full-precision pages stay at 8 (0.625 against 0.631, H200 run 2).
+NUM_WARPS = None
 NUM_STAGES = 2
 INT_TILE = True
 # Integer fields read in pieces, their columns in the pieces' order (``load_int_pieces``): sm_90 code
@@ -157,14 +162,22 @@ def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     return (True, False, lay.stride, lay.key.nbytes, lay.tag_region(tpp), *fields[0], *fields[1], *aligns, *pieces, tpp)
 
 
-def _table_ahead(parts: Sequence[Part]) -> int:
-    """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``)."""
-    # An empty tier launches no program, so only tiers holding slots count.
-    integer = any(
+def _reads_integers(parts: Sequence[Part]) -> bool:
+    """Whether a paged part holding slots has an integer field (an empty tier launches no program)."""
+    return any(
         isinstance(p, PagedSlots) and p.slots and (piece_width(p.layout.key) or piece_width(p.layout.value))
         for p in parts
     )
-    return 2 if integer else 1
+
+
+def _table_ahead(parts: Sequence[Part]) -> int:
+    """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``)."""
+    return 2 if _reads_integers(parts) else 1
+
+
+def default_num_warps(integer: bool) -> int:
+    """The partial pass's warps where ``NUM_WARPS`` leaves them to the storage (see there)."""
+    return (4 if integer else 8) if NUM_WARPS is None else NUM_WARPS
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -825,7 +838,7 @@ def plan_attention(
     sizes = [p.slots for p in parts]
     s_total = sum(sizes)
     interp = interpreter_on()
-    warps = NUM_WARPS if num_warps is None else num_warps
+    warps = default_num_warps(_reads_integers(parts)) if num_warps is None else num_warps
     target = programs_target(device, warps, max_registers)
     splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp, target) for n in sizes]
     n_splits = [cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
@@ -983,8 +996,10 @@ def run_plan(
         _check_step(step, plan, query, q_start, window_write)
     bsz, qlen, hq, dim = plan.out_shape
     heads, device = plan.heads, query.device
-    if out is not None and checked and (
-        out.shape != (bsz, qlen, hq, dim) or out.dtype != query.dtype or not out.is_contiguous()
+    if (
+        out is not None
+        and checked
+        and (out.shape != (bsz, qlen, hq, dim) or out.dtype != query.dtype or not out.is_contiguous())
     ):
         raise ValueError(
             f"paged_attention: out is {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}); "
