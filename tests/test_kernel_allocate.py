@@ -95,15 +95,14 @@ def test_triton_ranking_without_the_fits_check_keeps_everything_when_everything_
 def test_thresholds_per_head_are_passed_as_they_are_when_already_a_contiguous_fp32_row():
     """A layer's own thresholds (fp32, one per head) reach the kernel as they are, every policy run; anything else
     is made into that row with the values :func:`hfkv.policy.unified._per_head` gives."""
-    from hfkv.kernels.allocate import _head_row
-    from hfkv.policy.unified import _per_head
+    from hfkv.policy.unified import _per_head, head_row
 
     cpu = torch.device("cpu")
     row = torch.tensor([0.5, 1.5, 2.5])
-    assert _head_row(row, 3, cpu) is row
+    assert head_row(row, 3, cpu) is row
     for alpha in (torch.tensor(0.75), torch.tensor([0.5, 1.5, 2.5], dtype=torch.float64), row.view(1, 3, 1),
                   torch.tensor([[0.5, 9.0], [1.5, 9.0], [2.5, 9.0]])[:, 0]):  # fmt: skip
-        got = _head_row(alpha, 3, cpu)
+        got = head_row(alpha, 3, cpu)
         assert got is not alpha and got.dtype == torch.float32 and got.shape == (3,) and got.is_contiguous()
         assert torch.equal(got, _per_head(alpha, 3, cpu).reshape(3))
 

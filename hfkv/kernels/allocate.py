@@ -26,7 +26,7 @@ from torch import Tensor
 
 from hfkv.kernels.grid import cdiv
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import Sinks, _check_shapes, _per_head
+from hfkv.policy.unified import Sinks, _check_shapes, head_row
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate_triton"]
@@ -213,20 +213,6 @@ def _tables(cost: tuple, fidelity: tuple, device: torch.device) -> tuple[Tensor,
     return present.to(torch.uint8).contiguous(), rate, step_cost.contiguous(), target.contiguous(), state_cost
 
 
-def _head_row(alpha: Tensor, h: int, device: torch.device) -> Tensor:
-    """A threshold per head as a contiguous fp32 ``[h]``: a layer's own thresholds are that already, and are passed
-    as they are (every policy run would otherwise make them again, host work on a GPU's critical path)."""
-    if (
-        isinstance(alpha, Tensor)
-        and alpha.dtype == torch.float32
-        and alpha.shape == (h,)
-        and alpha.device == device
-        and alpha.is_contiguous()
-    ):
-        return alpha
-    return _per_head(alpha, h, device).reshape(h).contiguous()
-
-
 def allocate_triton(
     scores: Tensor,
     state: Tensor,
@@ -261,7 +247,7 @@ def allocate_triton(
     state = state.to(torch.int8).contiguous()
     if n == 0:
         return state.clone()
-    alpha_l, alpha_h = _head_row(alpha_l, h, device), _head_row(alpha_h, h, device)
+    alpha_l, alpha_h = head_row(alpha_l, h, device), head_row(alpha_h, h, device)
     new = torch.empty((b, h, n), dtype=torch.int8, device=device)
     keys = torch.empty((b, h * n * k) if head_adaptive else (b * h, n * k), dtype=torch.int32, device=device)
     sums = torch.zeros(3, b, h, dtype=torch.int64, device=device)  # sink bytes, candidate bytes, exact

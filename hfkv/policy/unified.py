@@ -188,6 +188,21 @@ def _per_head(alpha: Tensor, h: int, device: torch.device) -> Tensor:
     return a.view(1, h, 1)
 
 
+def head_row(alpha: Tensor, h: int, device: torch.device) -> Tensor:
+    """A threshold per head as a contiguous fp32 ``[h]``, what the allocation kernels read: a layer's own thresholds
+    are that already, and are passed as they are (every policy run would otherwise make them again, host work on a
+    GPU's critical path)."""
+    if (
+        isinstance(alpha, Tensor)
+        and alpha.dtype == torch.float32
+        and alpha.shape == (h,)
+        and alpha.device == device
+        and alpha.is_contiguous()
+    ):
+        return alpha
+    return _per_head(alpha, h, device).reshape(h).contiguous()
+
+
 def classify(
     scores: Tensor,
     state: Tensor,

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hfkv.kernels.cpu.build import library
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import Sinks, _check_shapes, _per_head, rows_of, sink_mask
+from hfkv.policy.unified import Sinks, _check_shapes, head_row, rows_of, sink_mask
 from hfkv.states import ORIGINAL
 
 __all__ = ["allocate_cpu"]
@@ -83,8 +83,8 @@ def allocate_cpu(
         state.to(torch.int8).contiguous(),
         sink.to(torch.uint8).contiguous(),
         logical_len.to(torch.int64).reshape(b).contiguous(),
-        _per_head(alpha_h, h, scores.device).reshape(h).contiguous(),
-        _per_head(alpha_l, h, scores.device).reshape(h).contiguous(),
+        head_row(alpha_h, h, scores.device),
+        head_row(alpha_l, h, scores.device),
         room.to(torch.int64).contiguous(),
         None if exact_cap is None else exact_cap.to(torch.int64).contiguous(),
         torch.tensor([0 if c is None else int(c) for c in cost], dtype=torch.int64),
