@@ -10,6 +10,7 @@ and writes the same JSON, summary and figure. The bookkeeping that decides what 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -251,3 +252,29 @@ def test_extra_caches_run_hfkv_on_triton_unless_told_and_keep_short_labels():
     ]  # fmt: skip
     assert got[0].config.interval == 32 and got[0].config.backend == "triton"
     assert [_short(m.label + GRAPHED) for m in got[:2]] == ["hfkv@1024:interval=32 graphed", "evict@512 graphed"]
+
+
+def _poisoning_check(flag: str) -> tuple[bool, str]:
+    """Leaves its process changed, as a failed CUDA graph capture leaves the CUDA generator capturing, and fails."""
+    os.environ[flag] = "poisoned"
+    raise RuntimeError("capture failed half-way")
+
+
+def _passing_check(x: int) -> tuple[bool, str]:
+    return True, f"{x} and pid {os.getpid()}"
+
+
+def test_isolated_checks_run_in_a_process_of_their_own(monkeypatch):
+    """A check run by ``isolated`` fails as a result, not an exception, and what it did to its process does not
+    reach the caller's (run 14: a failed capture left the e2e part unable to draw random weights)."""
+    from hfkv.kernels.gpu_check import _graph_check_in, isolated, repo_root
+
+    monkeypatch.delenv("HFKV_TEST_POISON", raising=False)
+    ok, detail = isolated(_poisoning_check, "HFKV_TEST_POISON")
+    assert not ok and "capture failed half-way" in detail
+    assert "HFKV_TEST_POISON" not in os.environ
+    ok, detail = isolated(_passing_check, 7)
+    assert ok and detail.startswith("7 and pid ") and detail != f"7 and pid {os.getpid()}"
+    # the graph check itself finds the tests' helpers in the child and reaches the decoder (which refuses the mode)
+    ok, detail = isolated(_graph_check_in, str(repo_root()), "cpu", "pieces")
+    assert not ok and "GraphedDecoder: mode='pieces'" in detail
