@@ -322,7 +322,7 @@ def test_step_graphs_on_recorded_steps_equal_eager_decoding():
 
 
 @pytest.mark.parametrize(
-    "family, overrides, n", [("llama", {}, 20), ("qwen3", {}, 20), ("llama", {"stagger": True}, 13)]
+    "family, overrides, n", [("llama", {}, 14), ("qwen3", {}, 14), ("llama", {"stagger": True}, 13)]
 )
 def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides, n):
     """GraphedDecoder's default mode: one capture of the step in pieces between the cache's calls, then every
