@@ -468,9 +468,9 @@ class TriStateConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def key_dict(self) -> dict[str, Any]:
-        """:meth:`to_dict` as a key of stored results (hold-out evaluations, a calibration study's base): a field
-        added after such files were written is left out at the value that behaves as before it existed
-        (``_LATER_FIELDS``), so the files stay valid and the studies resumable."""
+        """:meth:`to_dict` as a key of stored results (sweep rows, hold-out evaluations, a calibration study's
+        base): a field added after such files were written is left out at the value that behaves as before it
+        existed (``_LATER_FIELDS``), so the files stay valid and the sweeps and studies resumable."""
         out = self.to_dict()
         for name, inert in _LATER_FIELDS.items():
             if out.get(name) == inert:

@@ -498,3 +498,21 @@ def test_stored_result_keys_survive_fields_added_after_them():
         cfg = TriStateConfig.from_dict({**json.loads(row["config"]), "name": "stored"})
         assert key(cfg) == row["config"]
         assert key(dataclasses.replace(cfg, stagger=True)) != row["config"]
+
+
+def test_committed_sweep_rows_stay_done_after_a_field_is_added():
+    """The resumable sweeps skip a row whose method's recorded config equals today's (ResultFile's match fields):
+    a field added later must not make every committed RULER row (weeks of CPU) due again. Every committed RULER
+    row's config is the one today's code records for its method, and setting the new field records another."""
+    import json
+    from pathlib import Path
+
+    from hfkv.evaluation.methods import parse_method
+
+    path = Path(__file__).resolve().parents[1] / "eval" / "results" / "ruler_smollm2.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    stored = {r["method"]: r["config"] for r in rows if r.get("config")}
+    assert len(stored) > 5
+    for method, config in stored.items():
+        assert parse_method(method).describe()["config"] == config, method
+        assert parse_method(f"{method}{',' if ':' in method else ':'}stagger=True").describe()["config"] != config

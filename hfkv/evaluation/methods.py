@@ -309,8 +309,8 @@ class Method:
     def describe(self) -> dict[str, Any]:
         """What a result row records about the method (JSON-safe)."""
         out: dict[str, Any] = {"method": self.label, "kind": self.kind, "preset": self.name, "budget": self.budget}
-        if self.config is not None:
-            out["config"] = _json_safe(self.config.to_dict())
+        if self.config is not None:  # as a key: the resumable sweeps match stored rows by it (ResultFile)
+            out["config"] = _json_safe(self.config.key_dict())
         if self.options:
             out["options"] = dict(self.options)
         return out
