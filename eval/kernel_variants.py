@@ -120,9 +120,8 @@ def reference_output(query: torch.Tensor, parts, context: int, pad_end: torch.Te
     from hfkv.kernels.decode_attention import paged_attention_reference
 
     try:
-        return paged_attention_reference(query.float(), parts, context, pad_end, scale, "max", add_scores=False)[
-            0
-        ].float()
+        out, _ = paged_attention_reference(query.float(), parts, context, pad_end, scale, "max", add_scores=False)
+        return out.float()
     except torch.OutOfMemoryError:
         return None
 
