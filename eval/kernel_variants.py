@@ -114,16 +114,22 @@ def kernel_split(call, device: torch.device, calls: int = 5) -> dict[str, float]
 
 
 def reference_output(query: torch.Tensor, parts, context: int, pad_end: torch.Tensor, scale: float):
-    """The torch twin's output in fp32 over the same storage (None where it does not fit in memory): how far each
-    launch is from exact attention, not only from the default launch, which rounds too (an fp16 dequantization that
-    moved the output 3% from the default in kernel_variants_h200_run5.json could be either side of it)."""
+    """The torch twin's output and per-slot probabilities in fp32 over the same storage (None where they do not fit
+    in memory): how far each launch is from exact attention, not only from the default launch, which rounds too (an
+    fp16 dequantization that moved the output 3% from the default in kernel_variants_h200_run5.json could be either
+    side of it). The probabilities depend on the keys alone, so a launch whose output is off but whose
+    probabilities are not has its error on the values' side."""
     from hfkv.kernels.decode_attention import paged_attention_reference
 
     try:
-        out, _ = paged_attention_reference(query.float(), parts, context, pad_end, scale, "max", add_scores=False)
-        return out.float()
+        out, delta = paged_attention_reference(query.float(), parts, context, pad_end, scale, "max", add_scores=False)
+        return out.float(), delta.float()
     except torch.OutOfMemoryError:
         return None
+
+
+def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,13 +175,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         read = kb.kernel_bytes(plan)["read_total"]
 
         def call(launch: dict[str, int], st=st, parts=parts, pad_end=pad_end, scale=scale, plan=plan):
-            return paged_attention(st.query, parts, plan.context, pad_end, scale, "max", add_scores=False, **launch)[0]
+            return paged_attention(st.query, parts, plan.context, pad_end, scale, "max", add_scores=False, **launch)
 
-        ref = call({})
+        ref, _ = call({})
         twin = reference_output(st.query, parts, plan.context, pad_end, scale)
         if kind != "dense":  # the same seed draws the same tokens whatever the pages and records look like
             first = case_ref.setdefault((kind, context, batch), ref)
-            storage_diff = float((ref.float() - first.float()).norm() / first.float().norm())
+            storage_diff = rel_diff(ref, first)
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
         for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums in grid:
@@ -200,10 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if kind != "dense":
                 row["rel_diff_vs_first_storage"] = storage_diff
             try:
-                out = call(launch)
-                row["rel_diff_vs_default"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+                out, delta = call(launch)
+                row["rel_diff_vs_default"] = rel_diff(out, ref)
                 if twin is not None:
-                    row["rel_diff_vs_reference"] = float((out.float() - twin).norm() / twin.norm())
+                    row["rel_diff_vs_reference"] = rel_diff(out, twin[0])
+                    row["probs_rel_diff_vs_reference"] = rel_diff(delta, twin[1])
                 t = kb.bench_kernel_case(plan, device, args.repeats, 3, True, False, launch, st)["timing"]
                 row |= {"ms": t["ms_median"], "gbps": read / t["ms_median"] / 1e6, "mode": t["mode"]}
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result

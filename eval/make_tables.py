@@ -923,12 +923,13 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
             "yes" if r.get("half_dequant") else "no", "yes" if r.get("column_sums") else "no",
             str(r.get("max_registers") or "-"), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
             fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
+            fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),
         ])  # fmt: skip
     header = [
         "case", "warps", "fp16 dequant", "column sums", "register cap", "ms", "GB/s", "rel. diff vs default",
-        "vs fp32 twin",
+        "vs fp32 twin", "probabilities vs twin",
     ]  # fmt: skip
-    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "lllllllll")
+    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "llllllllll")
 
 
 def storage_variants_table(name: str, res: dict[str, Any]) -> str:

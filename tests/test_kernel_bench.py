@@ -248,4 +248,5 @@ def test_kernel_variants_dry_run_times_every_launch_shape_with_the_default_resul
         assert "error" not in r and r["ms"] > 0
         assert r["rel_diff_vs_default"] < 1e-5  # fp32 toy shape: IEEE products, any block size
         assert r["rel_diff_vs_reference"] < 1e-5  # the torch twin's fp32 attention on the same storage
+        assert r["probs_rel_diff_vs_reference"] < 1e-5  # and its per-slot probabilities (the keys' side)
         assert r["rel_diff_vs_first_storage"] == 0.0  # the same tokens, read from padded records
