@@ -1158,6 +1158,9 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 # 53455b4): --contexts 512 --decode-steps 16 --prefill-repeats 5, names smollm2_bf16_cpu_512_{before,observation}
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
+# the partial pass's two dequantization forms emulated in float64 against exact attention, no GPU (docs/kernels.md,
+# "The 3% was the fp32 form's"): the sweep's random storage and SmolLM2's layers over human-written documents
+python eval/dequant_rounding.py --out eval/results/dequant_rounding.json --docs 4 --tokens 4096
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
 bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
