@@ -13,3 +13,18 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def frozen_heap():
+    """For code that collects garbage before what it times (``hfkv bench``, ``gpu_check``): in a test process that
+    has run hundreds of tests each collection walks their leftovers (seconds each, most of a minute a module).
+    Frozen for the module, they are not walked; unfrozen after it, they are collectable again."""
+    gc.freeze()
+    yield
+    gc.unfreeze()

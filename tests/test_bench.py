@@ -113,7 +113,7 @@ def quiet_machine(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
+def bench_run(tmp_path_factory, frozen_heap):
     out = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quiet, "load_average", lambda: 0.05)
@@ -181,7 +181,7 @@ def test_bench_ratios_are_to_the_dynamic_cache_of_the_same_group(bench_run):
     assert big["evict@48"]["compression"] > small["evict@48"]["compression"] > 1
 
 
-def test_bench_resumes_and_force_remeasures(bench_run, monkeypatch, tmp_path):
+def test_bench_resumes_and_force_remeasures(bench_run, monkeypatch, tmp_path, frozen_heap):
     (tmp_path / "t.json").write_text((bench_run / "t.json").read_text())
     measured: list[tuple[int, int]] = []
     real = bench.bench_group

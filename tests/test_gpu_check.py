@@ -19,7 +19,7 @@ from hfkv.kernels.backend import interpreter_on
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="the dry run is the CPU rehearsal (Triton's interpreter)")
-def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys):
+def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys, frozen_heap):
     out = tmp_path / "out"
     assert gpu_check.main(["--dry-run", "--out", str(out), "--budget-s", "900"]) == 0
     printed = capsys.readouterr().out

@@ -115,9 +115,10 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
     for unplanned in (False, True):
         if unplanned:
             monkeypatch.setattr(TriStateLayer, "_apply_planned", _apply_unplanned)
-        # (Triton's interpreter is slow: a budget that demotes at the first run, a short generation)
-        cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
+        # (Triton's interpreter is slow: a budget that demotes at the first run, runs every 4 steps, a short
+        # generation that still makes two of them)
+        cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True, interval=4)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=9, do_sample=False)
         tiers = [layer.tiers for layer in cache.layers]
         for layer in cache.layers:  # the tier peak the last run left (the plan's, when planned) is the counts'
             peak = layer._tier_peak
