@@ -236,14 +236,17 @@ def kernel_blocks(shape: AttnShape, qlen: int = 1) -> tuple[int, int]:
 
 def kernel_splits(plan: Plan) -> list[int]:
     """Programs per (row, head) of every part, as ``paged_attention`` chooses them (flash-decoding splits)."""
-    from hfkv.kernels.decode_attention import BLOCK_N, SPLIT_PROGRAMS, _split_slots, default_num_warps, programs_target
-    from hfkv.kernels.dequant import piece_width
+    from hfkv.kernels.decode_attention import (
+        BLOCK_N,
+        SPLIT_PROGRAMS,
+        _split_slots,
+        default_num_warps,
+        held_integers,
+        programs_target,
+    )
 
     gpu = torch.cuda.is_available()
-    integer = any(
-        n and (piece_width(lay.key) or piece_width(lay.value))
-        for n, lay in zip(plan.tier_tokens, plan.layouts, strict=True)
-    )
+    integer = held_integers(zip(plan.tier_tokens, plan.layouts, strict=True))
     target = programs_target(torch.device("cuda"), default_num_warps(integer), None) if gpu else SPLIT_PROGRAMS
     out = []
     for n in plan.slots():

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from hfkv.kernels.dequant import format_constants, load_field, load_int_pieces, 
 from hfkv.kernels.grid import cdiv
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
+
+if TYPE_CHECKING:
+    from hfkv.storage import RecordLayout
 
 __all__ = [
     "DecodePlan",
@@ -165,12 +168,14 @@ def _paged_constants(lay, page_align: int, tpp: int) -> tuple:
     return (True, False, lay.stride, lay.key.nbytes, lay.tag_region(tpp), *fields[0], *fields[1], *aligns, *pieces, tpp)
 
 
+def held_integers(held: Iterable[tuple[int, RecordLayout]]) -> bool:
+    """Whether a paged part holding slots has an integer field, from ``(slots, layout)`` pairs of the paged parts
+    (an empty tier launches no program): what the launch defaults follow (warps, table read-ahead)."""
+    return any(n and (piece_width(lay.key) or piece_width(lay.value)) for n, lay in held)
+
+
 def _reads_integers(parts: Sequence[Part]) -> bool:
-    """Whether a paged part holding slots has an integer field (an empty tier launches no program)."""
-    return any(
-        isinstance(p, PagedSlots) and p.slots and (piece_width(p.layout.key) or piece_width(p.layout.value))
-        for p in parts
-    )
+    return held_integers((p.slots, p.layout) for p in parts if isinstance(p, PagedSlots))
 
 
 def _table_ahead(parts: Sequence[Part]) -> int:
@@ -1094,9 +1099,10 @@ def paged_attention(
     only that, so it asks for no ``delta`` (None: 4 bytes per slot not written).
 
     The two products of the partial pass take their operands in the query's dtype: fp32 queries keep
-    IEEE fp32 products (the tests' exact comparisons); bf16 / fp16 ones round the dequantized keys,
-    values and probabilities to it and run on tensor cores with fp32 accumulation, as flash attention
-    does (the IEEE fp32 form ran at 2% of copy bandwidth on the first H200 run). Under the interpreter,
+    IEEE fp32 products (the tests' exact comparisons); bf16 / fp16 ones run on tensor cores with fp32
+    accumulation, as flash attention does (the IEEE fp32 form ran at 2% of copy bandwidth on the first H200
+    run): full-precision fields and probabilities in the query's dtype, integer fields dequantized in fp16
+    with the query and probabilities rounded to fp16 (``half_dequant``, below). Under the interpreter,
     whose tl.dot misreads bf16 operands, bf16 queries keep the fp32 products.
     ``block_n`` / ``num_warps`` / ``num_stages`` set the partial pass's launch shape (defaults: the
     fastest measured, see ``BLOCK_N``); ``int_tile`` reads integer codes as rows (the default; a
@@ -1105,9 +1111,10 @@ def paged_attention(
     (``load_int_pieces``); ``table_ahead`` reads the page table that many iterations before its records
     (None: as measured fastest, ``TABLE_AHEAD``); ``score_block`` is the score pass's slots per program;
     ``half_dequant`` dequantizes integer fields read in pieces to fp16 and runs their products in fp16 where
-    the query is 16-bit (``HALF_DEQUANT``); ``max_registers`` caps the partial pass's registers per thread (Triton's
-    ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the softmax denominators per
-    column (``COLUMN_SUMS``): ``eval/kernel_variants.py`` sweeps them.
+    the query is 16-bit (the default, ``HALF_DEQUANT``; False: dequantized in fp32 and rounded to the query's
+    dtype, which in bf16 lies further from exact attention); ``max_registers`` caps the partial pass's registers
+    per thread (Triton's ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the
+    softmax denominators per column (``COLUMN_SUMS``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
