@@ -115,10 +115,10 @@ def kernel_split(call, device: torch.device, calls: int = 5) -> dict[str, float]
 
 def reference_output(query: torch.Tensor, parts, context: int, pad_end: torch.Tensor, scale: float):
     """The torch twin's output and per-slot probabilities in fp32 over the same storage (None where they do not fit
-    in memory): how far each launch is from exact attention, not only from the default launch, which rounds too (an
-    fp16 dequantization that moved the output 3% from the default in kernel_variants_h200_run5.json could be either
-    side of it). The probabilities depend on the keys alone, so a launch whose output is off but whose
-    probabilities are not has its error on the values' side."""
+    in memory): how far each launch is from exact attention, not only from the default launch, which rounds too
+    (kernel_variants_h200_run5.json put the two dequantization forms 3% apart, which eval/dequant_rounding.py
+    places on the fp32 form's side). The probabilities depend on the keys alone, so a launch whose output is off
+    but whose probabilities are not has its error on the values' side."""
     from hfkv.kernels.decode_attention import paged_attention_reference
 
     try:

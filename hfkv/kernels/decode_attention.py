@@ -86,12 +86,12 @@ INT_TILE = True
 INT_PIECES = True
 # Integer fields dequantized in fp16 where the products run in a 16-bit type (``load_int_pieces``' HALF: two
 # codes per 32-bit op OR'd into fp16 mantissas, one subtraction and one fused multiply-add per pair; the
-# products in fp16 with fp32 accumulation): sm_90 loop of the quant storage 737 -> 686 instructions with the
-# device image's Triton 3.6 (eval/results/kernel_sass_half_dequant*.json). The fastest launch of the H200 sweep
-# at 32k x 8 for both quantized storages (kernel_variants_h200_run5.json: quant 0.384 ms, hfkv 0.470) and the
-# closer to exact attention: rounding dequantized values to bf16 is what moved the other launches' outputs 3%
-# from its own there (eval/dequant_rounding.py: in bf16, 2.9% from exact against 0.2% on that storage, 0.31-0.33%
-# against 0.18% on SmolLM2's layers over human-written documents).
+# products in fp16 with fp32 accumulation): sm_90 loop of the quant storage at 4 warps 74.1 -> 69.9
+# warp-instructions a slot with the device image's Triton 3.6 (eval/results/kernel_sass_half_default_triton36.json).
+# The fastest launch of the H200 sweep at 32k x 8 for both quantized storages (kernel_variants_h200_run5.json:
+# quant 0.384 ms, hfkv 0.470) and the closer to exact attention: rounding dequantized values to bf16 is what moved
+# the other launches' outputs 3% from its own there (eval/dequant_rounding.py: in bf16, 2.9% from exact against
+# 0.2% on that storage, 0.31-0.33% against 0.18% on SmolLM2's layers over human-written documents).
 HALF_DEQUANT = True
 # The partial pass's softmax denominators summed per column of its tile and reduced across the warps once, at the end,
 # instead of a row sum every iteration (two barriers fewer an iteration). sm_90 loop with the device image's Triton
