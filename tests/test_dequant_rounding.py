@@ -27,7 +27,7 @@ def test_attention_without_rounding_is_masked_softmax_attention():
 
 
 def test_random_storage_puts_the_bf16_form_further_from_exact_than_the_fp16_form():
-    (row,) = dr.random_cases([2048])
+    (row,) = dr.random_cases([2048], ["int4/int2"])
     d = row["distance_from_exact"]
     assert set(d) == set(dr.FORMS)
     half, bf16 = d["fp16 dequantization (fp16 operands)"], d["fp32 dequantization (bf16 operands)"]
@@ -36,7 +36,11 @@ def test_random_storage_puts_the_bf16_form_further_from_exact_than_the_fp16_form
     assert row["values_bf16_mean_error_rms"] > 10 * row["unbiased_mean_error_rms"]  # a bias, not noise
 
 
-def test_unknown_source_is_refused_with_the_allowed_ones(tmp_path, capsys):
+def test_unknown_source_or_format_is_refused_with_the_allowed_ones(tmp_path, capsys):
     with pytest.raises(SystemExit):
         dr.main(["--out", str(tmp_path / "x.json"), "--sources", "random,gpu"])
     assert "allowed: random, smollm2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dr.main(["--out", str(tmp_path / "x.json"), "--sources", "random", "--formats", "int4/fp8"])
+    assert "--formats='int4/fp8': allowed: KEY/VALUE pairs of int8, int4, int2" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
