@@ -128,10 +128,6 @@ def reference_output(query: torch.Tensor, parts, context: int, pad_end: torch.Te
         return None
 
 
-def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hfkv.kernels.decode_attention import paged_attention
 
@@ -181,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         twin = reference_output(st.query, parts, plan.context, pad_end, scale)
         if kind != "dense":  # the same seed draws the same tokens whatever the pages and records look like
             first = case_ref.setdefault((kind, context, batch), ref)
-            storage_diff = rel_diff(ref, first)
+            storage_diff = kb._rel_err(ref, first)
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
         for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums in grid:
@@ -207,10 +203,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["rel_diff_vs_first_storage"] = storage_diff
             try:
                 out, delta = call(launch)
-                row["rel_diff_vs_default"] = rel_diff(out, ref)
+                row["rel_diff_vs_default"] = kb._rel_err(out, ref)
                 if twin is not None:
-                    row["rel_diff_vs_reference"] = rel_diff(out, twin[0])
-                    row["probs_rel_diff_vs_reference"] = rel_diff(delta, twin[1])
+                    row["rel_diff_vs_reference"] = kb._rel_err(out, twin[0])
+                    row["probs_rel_diff_vs_reference"] = kb._rel_err(delta, twin[1])
                 t = kb.bench_kernel_case(plan, device, args.repeats, 3, True, False, launch, st)["timing"]
                 row |= {"ms": t["ms_median"], "gbps": read / t["ms_median"] / 1e6, "mode": t["mode"]}
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result
