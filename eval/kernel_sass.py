@@ -108,6 +108,9 @@ def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
 
     kernel = compile_partial(kind, launch)
     row = {"kind": kind, "launch": launch, "shared_bytes": kernel.metadata.shared, **read_sass(kernel.asm["cubin"])}
+    # the products' operand fragment widths (mma v2 kWidth): 2 is the tensor cores' pair of 16-bit elements
+    row["dot_operand_kwidths"] = sorted({int(w) for w in re.findall(r"kWidth = (\d+)", kernel.asm["ttgir"])})
+    row["inline_asm_ops"] = kernel.asm["ttgir"].count("elementwise_inline_asm")  # operand fences (OPERAND_FENCE)
     warps, block_n = kernel.metadata.num_warps, launch.get("block_n", BLOCK_N)  # as the launch chose them
     row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             fam = " ".join(f"{k} {v}" for k, v in row["loop_families"].items() if v)
             print(f"{kind:<6} {json.dumps(launch):<40} regs {row['registers']} stack {row['stack_bytes']} "
                   f"shared {row['shared_bytes']}  loop {row['loop_instructions']} "
-                  f"({row['loop_warp_instructions_per_slot']:.1f} per slot)  {fam}", flush=True)  # fmt: skip
+                  f"({row['loop_warp_instructions_per_slot']:.1f} per slot)  "
+                  f"kWidth {row['dot_operand_kwidths']}  {fam}", flush=True)  # fmt: skip
     if args.out:
         import triton
 

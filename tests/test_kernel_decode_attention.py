@@ -384,6 +384,27 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     assert (default, off) == (half, False)
 
 
+def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
+    """The operand fence is inline assembly, which the interpreter cannot run: asked for there, the plan leaves it out
+    (the same values reach the products either way; the compiled tests on a GPU run it). Its default is on for the
+    Triton versions whose operand-width heuristic halves at a join (before 3.8; docs/kernels.md)."""
+    from hfkv.kernels import decode_attention as da
+    from hfkv.kernels.backend import triton_version
+
+    bsz, heads, dim, dtype = 1, 2, 64, torch.float16
+    layouts = (_layout("int8", "int4", dim, dtype),)
+    tiers = _storage(layouts, bsz, heads, dim, 40, (20,), None, seed=2)
+    parts = [PagedSlots(tiers.pool.data, tiers.tables[0], tiers.tpp[0], layouts[0])]
+    query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
+    pad_end = torch.zeros(bsz, dtype=torch.long)
+    assert da.plan_attention(query, parts, pad_end, operand_fence=True).constants["FENCE"] is (not interpreter_on())
+    assert da.plan_attention(query, parts, pad_end, operand_fence=False).constants["FENCE"] is False
+    assert da.OPERAND_FENCE is (triton_version() < (3, 8)) and da.launch_defaults()["operand_fence"] is da.OPERAND_FENCE
+    assert [triton_version(v) for v in ("3.6.0", "3.7.1", "3.10.0+git1a2b", "3.8.0rc1", "4")] == [
+        (3, 6), (3, 7), (3, 10), (3, 8), (4, 0)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("first_slot", [7, 11])  # 11: the second step's slot wraps to 0
 def test_triton_device_step_replays_the_same_launch_for_the_next_token(first_slot):
     """With ``step`` the decode launches read the position and ring slot from the device and advance them, so

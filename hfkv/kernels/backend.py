@@ -24,6 +24,17 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_version(version: str | None = None) -> tuple[int, int]:
+    """The installed Triton's (or ``version``'s) (major, minor): code shapes that help one compiler hurt another
+    (``OPERAND_FENCE``)."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in (version.split(".") + ["0"])[:2])
+    return major, minor
+
+
 def cpu_kernel_available() -> bool:
     from hfkv.kernels.cpu.build import available
 

@@ -43,8 +43,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import interpreter_on
-from hfkv.kernels.dequant import format_constants, load_field, load_int_pieces, piece_columns, piece_width, tl_dtype
+from hfkv.kernels.backend import interpreter_on, triton_version
+from hfkv.kernels.dequant import (
+    format_constants,
+    load_field,
+    load_int_pieces,
+    operand_fence,
+    piece_columns,
+    piece_width,
+    tl_dtype,
+)
 from hfkv.kernels.grid import cdiv
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
@@ -99,6 +107,13 @@ HALF_DEQUANT = True
 # pages, 12 -> 9 and 737 -> 711 for quant; registers +5 for the integer tiers, -5 for full pages. The same arithmetic
 # in another order; on by default from the machine code alone, and swept (--column-sums 0,1) on the next GPU lease.
 COLUMN_SUMS = True
+# Integer tiles read in pieces reach the two products through an opaque identity (``operand_fence``) with the
+# Triton versions whose operand-width heuristic halves at a ``tl.join`` (3.7 and before): they gave the pieces' tiles
+# fragments of width 4, so register moves rebuilt every HMMA's operands. sm_90 loop of the quant storage at the 4-warp
+# default (eval/results/kernel_sass_operand_fence_*.json, warp-instructions a slot): Triton 3.6 (the device image's)
+# 69.9 -> 59.0, 3.7.1 70.5 -> 58.6; 3.8 and 3.9 give width 2 unaided (56.2 and 58.4) and the fence adds nothing
+# there (56.4, 59.2). Compiled code only: the interpreter runs no inline assembly.
+OPERAND_FENCE = triton_version() < (3, 8)
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
 # pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
 # issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
@@ -139,6 +154,7 @@ def launch_defaults() -> dict[str, Any]:
         "int_pieces": INT_PIECES,
         "half_dequant": HALF_DEQUANT,
         "column_sums": COLUMN_SUMS,
+        "operand_fence": OPERAND_FENCE,
         "max_registers": MAX_REGISTERS,
         "table_ahead": TABLE_AHEAD,
         "score_block": SCORE_BLOCK,
@@ -252,6 +268,7 @@ def _partial_part(
     TABLE_AHEAD: tl.constexpr,
     HALF: tl.constexpr,
     COL_SUMS: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -383,9 +400,9 @@ def _partial_part(
         if DOT_T == tl.float32:
             logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
         elif K_HALF:
-            logits = tl.dot(qf.to(tl.float16), tl.trans(k))
+            logits = tl.dot(qf.to(tl.float16), tl.trans(operand_fence(k, FENCE)))
         else:  # tensor cores, fp32 accumulation: the operands rounded to the model dtype, as SDPA's are
-            logits = tl.dot(qf.to(DOT_T), tl.trans(k.to(DOT_T)))
+            logits = tl.dot(qf.to(DOT_T), tl.trans(operand_fence(k.to(DOT_T), FENCE and K_PC > 0)))
         logits = tl.where(allowed, logits, float("-inf"))
         lg_rows = (blk * (G * QB) + r).to(tl.int64) * s_total + col0  # valid rows only: r < G * QB
         tl.store(logits_ptr + lg_rows[:, None] + s[None, :], logits, mask=row_ok[:, None] & in_range[None, :])
@@ -400,9 +417,9 @@ def _partial_part(
         if DOT_T == tl.float32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         elif V_HALF:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), operand_fence(v, FENCE))
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), v.to(DOT_T))
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_T), operand_fence(v.to(DOT_T), FENCE and V_PC > 0))
         m_i = m_new
     out = (blk * ns_total + split0 + sp).to(tl.int64) * BLOCK_R + r
     tl.store(m_ptr + out, m_i)
@@ -465,6 +482,7 @@ def _partial_kernel(
     TABLE_AHEAD: tl.constexpr,
     HALF: tl.constexpr,
     COL_SUMS: tl.constexpr,
+    FENCE: tl.constexpr,
     DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
@@ -492,7 +510,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS,
+                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS, FENCE,
             )  # fmt: skip
 
 
@@ -831,6 +849,7 @@ def plan_attention(
     half_dequant: bool = HALF_DEQUANT,
     max_registers: int | None = MAX_REGISTERS,
     column_sums: bool = COLUMN_SUMS,
+    operand_fence: bool = OPERAND_FENCE,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -940,6 +959,7 @@ def plan_attention(
         INT_PIECES=bool(int_pieces) and dim == block_d,
         HALF=bool(half_dequant) and bool(int_pieces) and dot_t != tl.float32,
         COL_SUMS=bool(column_sums),
+        FENCE=bool(operand_fence) and not interp,
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
@@ -1090,6 +1110,7 @@ def paged_attention(
     half_dequant: bool = HALF_DEQUANT,
     max_registers: int | None = MAX_REGISTERS,
     column_sums: bool = COLUMN_SUMS,
+    operand_fence: bool = OPERAND_FENCE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1114,7 +1135,8 @@ def paged_attention(
     the query is 16-bit (the default, ``HALF_DEQUANT``; False: dequantized in fp32 and rounded to the query's
     dtype, which in bf16 lies further from exact attention); ``max_registers`` caps the partial pass's registers
     per thread (Triton's ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the
-    softmax denominators per column (``COLUMN_SUMS``): ``eval/kernel_variants.py`` sweeps them.
+    softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
+    opaque identity (``OPERAND_FENCE``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1124,6 +1146,6 @@ def paged_attention(
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
         int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
-        column_sums,
+        column_sums, operand_fence,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

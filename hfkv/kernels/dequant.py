@@ -259,6 +259,22 @@ def _piece_words(
 
 
 @triton.jit
+def operand_fence(x, ON: tl.constexpr):
+    """``x`` itself, through an instruction Triton's layout heuristics cannot look past (``ON``; compiled code only).
+
+    Triton 3.6 picks the width of a product's operand fragments (mma v2 ``kWidth``) from the narrowest load the
+    operand derives from, and halves it when any ``tl.join`` lies on the way: the pieces' join tree made it 4 for
+    fp16 tiles where the tensor cores take pairs, so every HMMA waited on register moves that rebuilt its operand
+    quads (sm_90: 202 ``IMAD.MOV`` an iteration of the quantized loop, 168 registers). A side-effecting identity
+    (``mov.b32`` on each pair) ends that backward walk at the tile, which then gets the standard width 2
+    (docs/kernels.md). The interpreter runs no inline assembly: there ``ON`` is off and the value the same.
+    """
+    if ON:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    return x
+
+
+@triton.jit
 def load_int_pieces(
     pool_ptr,
     rec,  # [N] int64: byte offset of each record
