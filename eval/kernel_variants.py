@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.max_registers,
             args.column_sums,
             args.operand_fence,
+            args.asm_dequant,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -181,11 +182,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storage_diff = kb._rel_err(ref, first)
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
-        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums, fence in grid:
+        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums, fence, asm in grid:
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
                     f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
-                    f"{score_block}/{half}/{regs}/{colsums}/{fence}"
+                    f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["half_dequant"] = bool(half)
             launch["column_sums"] = bool(colsums)
             launch["operand_fence"] = bool(fence)
+            launch["asm_dequant"] = bool(asm)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
             if regs:  # registers per thread (0: the compiler's choice)
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--operand-fence", type=_ints, default=[1], help="integer tiles reach the products through an opaque identity"
+    )
+    p.add_argument(
+        "--asm-dequant", type=_ints, default=[1], help="the fp16 dequantization's arithmetic as PTX (1) or Triton (0)"
     )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")

@@ -883,6 +883,7 @@ def gpu_runs_block(
             f"{', fp16 dequantization' if r.get('half_dequant') else ''}"
             f"{', column sums' if r.get('column_sums') else ''}"
             f"{', operand fence' if r.get('operand_fence') else ''}"
+            f"{', PTX dequantization' if r.get('asm_dequant') else ''}"
             f"{', ' + str(r['max_registers']) + ' registers' if r.get('max_registers') else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
@@ -908,7 +909,7 @@ def gpu_runs_block(
     return "\n".join(lines)
 
 
-_OPTION_KEYS = ("half_dequant", "column_sums", "operand_fence", "max_registers")
+_OPTION_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant", "max_registers")
 
 
 def option_sweep_table(name: str, res: dict[str, Any]) -> str:
@@ -923,15 +924,16 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
             f"{r['kind']} {r['context']:,} x {r['batch']}", str(r["num_warps"]),
             "yes" if r.get("half_dequant") else "no", "yes" if r.get("column_sums") else "no",
             "yes" if r.get("operand_fence") else "no",  # files before the fence have none
+            "yes" if r.get("asm_dequant") else "no",  # nor the PTX dequantization
             str(r.get("max_registers") or "-"), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
             fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
             fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),
         ])  # fmt: skip
     header = [
-        "case", "warps", "fp16 dequant", "column sums", "operand fence", "register cap", "ms", "GB/s",
+        "case", "warps", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "register cap", "ms", "GB/s",
         "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
     ]  # fmt: skip
-    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "lllllllllll")
+    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "llllllllllll")
 
 
 def storage_variants_table(name: str, res: dict[str, Any]) -> str:

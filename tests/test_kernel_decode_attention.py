@@ -385,9 +385,10 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
 
 
 def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
-    """The operand fence is inline assembly, which the interpreter cannot run: asked for there, the plan leaves it out
-    (the same values reach the products either way; the compiled tests on a GPU run it). Its default is on for the
-    Triton versions whose operand-width heuristic halves at a join (before 3.8; docs/kernels.md)."""
+    """The operand fence and the PTX dequantization are inline assembly, which the interpreter cannot run: asked for
+    there, the plan leaves them out (the same values reach the products; the compiled tests on a GPU run them). The
+    fence's default is on for the Triton versions whose operand-width heuristic halves at a join (before 3.8;
+    docs/kernels.md)."""
     from hfkv.kernels import decode_attention as da
     from hfkv.kernels.backend import triton_version
 
@@ -399,6 +400,12 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     pad_end = torch.zeros(bsz, dtype=torch.long)
     assert da.plan_attention(query, parts, pad_end, operand_fence=True).constants["FENCE"] is (not interpreter_on())
     assert da.plan_attention(query, parts, pad_end, operand_fence=False).constants["FENCE"] is False
+    # the same for the dequantization's arithmetic as PTX (HALF 2; 1: written in Triton, 0: fp32 dequantization)
+    def half(**kw):
+        return da.plan_attention(query, parts, pad_end, **kw).constants["HALF"]
+
+    assert (half(asm_dequant=True), half(asm_dequant=False)) == (1 if interpreter_on() else 2, 1)
+    assert half(asm_dequant=True, half_dequant=False) == 0
     assert da.OPERAND_FENCE is (triton_version() < (3, 8)) and da.launch_defaults()["operand_fence"] is da.OPERAND_FENCE
     assert [triton_version(v) for v in ("3.6.0", "3.7.1", "3.10.0+git1a2b", "3.8.0rc1", "4")] == [
         (3, 6), (3, 7), (3, 10), (3, 8), (4, 0)

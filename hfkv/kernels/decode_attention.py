@@ -114,6 +114,12 @@ COLUMN_SUMS = True
 # 69.9 -> 59.0, 3.7.1 70.5 -> 58.6; 3.8 and 3.9 give width 2 unaided (56.2 and 58.4) and the fence adds nothing
 # there (56.4, 59.2). Compiled code only: the interpreter runs no inline assembly.
 OPERAND_FENCE = triton_version() < (3, 8)
+# The fp16 form's per-pair arithmetic written as PTX (``half_pair_asm``: one lop3, HADD2 and HFMA2 per pair of codes)
+# where Triton left pairs' operations on one lane and repacked the rest. sm_90 loop of the quant storage at the 4-warp
+# default (eval/results/kernel_sass_asm_dequant_*.json, warp-instructions a slot): Triton 3.6 59.0 -> 48.9 (fenced),
+# 3.7.1 58.6 -> 48.7, 3.8 56.2 -> 48.3, 3.9 58.4 -> 49.1. Compiled code only: the interpreter runs the same
+# arithmetic written in Triton. Not yet run on a GPU (docs/kernels.md).
+ASM_DEQUANT = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
 # pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
 # issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
@@ -155,6 +161,7 @@ def launch_defaults() -> dict[str, Any]:
         "half_dequant": HALF_DEQUANT,
         "column_sums": COLUMN_SUMS,
         "operand_fence": OPERAND_FENCE,
+        "asm_dequant": ASM_DEQUANT,
         "max_registers": MAX_REGISTERS,
         "table_ahead": TABLE_AHEAD,
         "score_block": SCORE_BLOCK,
@@ -298,8 +305,8 @@ def _partial_part(
     V_ALIGN: tl.constexpr = FMT[14]
     K_PC: tl.constexpr = FMT[15] if INT_PIECES and K_FAM == 1 else 0  # piece width, 0: load_field
     V_PC: tl.constexpr = FMT[16] if INT_PIECES and V_FAM == 1 else 0
-    K_HALF: tl.constexpr = HALF and K_PC > 0  # fp16 tiles and fp16 products (HALF_DEQUANT)
-    V_HALF: tl.constexpr = HALF and V_PC > 0
+    K_HALF: tl.constexpr = HALF if K_PC > 0 else 0  # fp16 tiles and fp16 products (HALF_DEQUANT; 2: ASM_DEQUANT)
+    V_HALF: tl.constexpr = HALF if V_PC > 0 else 0
     tpp: tl.constexpr = FMT[17]  # records per page
     bh = tl.program_id(0)
     qb = tl.program_id(2)
@@ -850,6 +857,7 @@ def plan_attention(
     max_registers: int | None = MAX_REGISTERS,
     column_sums: bool = COLUMN_SUMS,
     operand_fence: bool = OPERAND_FENCE,
+    asm_dequant: bool = ASM_DEQUANT,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -957,7 +965,7 @@ def plan_attention(
         DOT_T=dot_t,
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
-        HALF=bool(half_dequant) and bool(int_pieces) and dot_t != tl.float32,
+        HALF=(2 if asm_dequant and not interp else 1) if half_dequant and int_pieces and dot_t != tl.float32 else 0,
         COL_SUMS=bool(column_sums),
         FENCE=bool(operand_fence) and not interp,
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
@@ -1111,6 +1119,7 @@ def paged_attention(
     max_registers: int | None = MAX_REGISTERS,
     column_sums: bool = COLUMN_SUMS,
     operand_fence: bool = OPERAND_FENCE,
+    asm_dequant: bool = ASM_DEQUANT,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1136,7 +1145,8 @@ def paged_attention(
     dtype, which in bf16 lies further from exact attention); ``max_registers`` caps the partial pass's registers
     per thread (Triton's ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the
     softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
-    opaque identity (``OPERAND_FENCE``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
+    opaque identity (``OPERAND_FENCE``; compiled code only); ``asm_dequant`` runs the fp16 dequantization's arithmetic
+    as PTX (``ASM_DEQUANT``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1146,6 +1156,6 @@ def paged_attention(
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
         int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
-        column_sums, operand_fence,
+        column_sums, operand_fence, asm_dequant,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

@@ -159,6 +159,38 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
     return (pl * H + h) * C + 4 * (f // NSUB) + k
 
 
+def half_pair_asm(bits: int) -> str:
+    """The fp16 form's arithmetic for a pair of 16-bit lanes in one register, as PTX (``ASM_DEQUANT``): each lane's
+    low ``bits`` ORed into fp16 1024.0 (one ``lop3`` for both lanes), 1024 subtracted (the code, exactly), then
+    ``code * scale + zero`` with one rounding. Lane by lane, so whichever elements the compiler pairs in a register,
+    each output is its own input's. Written out where Triton 3.6 left half the pairs' operations on one lane and
+    repacked the rest (``PRMT``), for a third of the quantized loop's instructions (docs/kernels.md)."""
+    mask = (1 << bits) - 1
+    return (
+        "{ .reg .b32 t, c; "
+        f"lop3.b32 t, $1, {mask | mask << 16:#x}, 0x64006400, 0xea; "  # 0xea: (a & b) | c
+        "mov.b32 c, 0x64006400; sub.f16x2 t, t, c; "
+        "fma.rn.f16x2 $0, t, $2, $3; }"
+    )
+
+
+_ASM_INT2 = tl.constexpr(half_pair_asm(2))
+_ASM_INT4 = tl.constexpr(half_pair_asm(4))
+_ASM_INT8 = tl.constexpr(half_pair_asm(8))
+
+
+@triton.jit
+def _half_pairs_asm(lanes, scale, zero, MASK: tl.constexpr):
+    # fp16 ``code * scale + zero`` of each uint16 lane's low bits, two lanes a register (``half_pair_asm``)
+    if MASK == 3:
+        ASM: tl.constexpr = _ASM_INT2
+    elif MASK == 15:
+        ASM: tl.constexpr = _ASM_INT4
+    else:
+        ASM: tl.constexpr = _ASM_INT8
+    return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [lanes, scale, zero], dtype=tl.float16, is_pure=True, pack=2)
+
+
 @triton.jit
 def _piece_bytes(
     word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr,
@@ -166,17 +198,29 @@ def _piece_bytes(
 ):
     # the four bytes of each word, each one code of the plane at SHIFT, dequantised; joined lowest byte first
     if HALF and COUNT == 4:
-        # Two codes per 32-bit op: bytes 0 and 2 (then 1 and 3) of the word, each in a 16-bit half ORed into
+        # Two codes per 32-bit op: bytes 0 and 2 (then 1 and 3) of the word, each in a 16-bit lane ORed into
         # fp16 1024.0, so a pair is one register and one HADD2 / HFMA2; joined in the order [b0, b2, b1, b3],
         # which is the order the fp32 form's tree below gives.
-        m2: tl.constexpr = MASK | (MASK << 16)
-        t02 = ((word >> SHIFT) & m2) | 0x64006400
-        t13 = ((word >> (SHIFT + 8)) & m2) | 0x64006400
-        j02 = tl.join((t02 & 0xFFFF).to(tl.int16), (t02 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
-        j13 = tl.join((t13 & 0xFFFF).to(tl.int16), (t13 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
-        s = scale[:, None, None]
-        z = zero[:, None, None]
-        x = tl.permute(tl.join((j02 - 1024.0) * s + z, (j13 - 1024.0) * s + z), (0, 1, 3, 2))
+        u02 = word >> SHIFT
+        u13 = word >> (SHIFT + 8)
+        if HALF == 2:  # the arithmetic as PTX, on the word's two 16-bit halves side by side (packed back into it)
+            l02 = tl.join(u02.to(tl.uint16), (u02 >> 16).to(tl.uint16))
+            l13 = tl.join(u13.to(tl.uint16), (u13 >> 16).to(tl.uint16))
+            s = tl.broadcast_to(scale[:, None, None], l02.shape)
+            z = tl.broadcast_to(zero[:, None, None], l02.shape)
+            a = _half_pairs_asm(l02, s, z, MASK)
+            b = _half_pairs_asm(l13, s, z, MASK)
+        else:
+            m2: tl.constexpr = MASK | (MASK << 16)
+            t02 = (u02 & m2) | 0x64006400
+            t13 = (u13 & m2) | 0x64006400
+            j02 = tl.join((t02 & 0xFFFF).to(tl.int16), (t02 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+            j13 = tl.join((t13 & 0xFFFF).to(tl.int16), (t13 >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+            s = scale[:, None, None]
+            z = zero[:, None, None]
+            a = (j02 - 1024.0) * s + z
+            b = (j13 - 1024.0) * s + z
+        x = tl.permute(tl.join(a, b), (0, 1, 3, 2))
     elif COUNT == 1:
         x = ((word >> (8 * LO + SHIFT)) & MASK).to(tl.float32) * scale[:, None] + zero[:, None]
     else:
@@ -285,7 +329,7 @@ def load_int_pieces(
     D: tl.constexpr,
     C: tl.constexpr,  # piece width (``piece_width``)
     ALIGN: tl.constexpr,  # a power of two (4 or more) dividing every ``rec + OFF``
-    HALF: tl.constexpr = False,  # fp16 values (above)
+    HALF: tl.constexpr = False,  # fp16 values (above); 2: their arithmetic as PTX (``half_pair_asm``)
 ):
     """``[N, D]`` fp32 values of an integer field (``code * scale + zero``, as ``load_field``), its columns in
     the order ``piece_columns`` gives; fp16 with ``HALF``: each code OR'd into the mantissa of 1024.0 (exact

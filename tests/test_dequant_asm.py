@@ -1,0 +1,84 @@
+"""The PTX of the fp16 dequantization (``half_pair_asm``), run by an emulator of the four instructions it uses.
+
+The interpreter runs no inline assembly, so the kernel tests on a CPU run the same arithmetic written in Triton;
+this checks the assembly text itself: for every code width, each 16-bit lane of a register comes out as
+``code * scale + zero`` rounded once to fp16, where ``code`` is that lane's low bits, whatever the other lane
+and the bits above the code hold. The compiled kernel tests on a GPU run it inside the kernel.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from hfkv.kernels.dequant import half_pair_asm
+
+
+def _f16x2(word: int) -> tuple[np.float16, np.float16]:
+    lanes = np.array([word & 0xFFFF, word >> 16], dtype=np.uint16)
+    return tuple(lanes.view(np.float16))
+
+
+def _word(lo: float, hi: float) -> int:
+    bits = np.array([lo, hi], dtype=np.float16).view(np.uint16).astype(np.int64)
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def _operand(text: str, regs: dict[str, int]) -> int:
+    text = text.strip()
+    return regs[text] if text in regs else int(text, 0)
+
+
+def run_ptx(asm: str, inputs: list[int]) -> int:
+    """Run ``asm`` (Triton's ``$0`` output, ``$1..`` 32-bit inputs) with the semantics of the PTX ISA: ``lop3.b32``
+    evaluates its look-up table bit by bit (a, b, c select bits 4, 2, 1 of the index), the f16x2 operations work
+    lane by lane, ``fma.rn`` rounds the exact ``a * b + c`` once (float64 holds the inputs used here exactly)."""
+    regs = {f"${i + 1}": v for i, v in enumerate(inputs)}
+    body = asm.strip().strip("{}")
+    for stmt in (s.strip() for s in body.split(";")):
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = _operand(src[0], regs) & 0xFFFFFFFF
+        elif op == "lop3.b32":
+            a, b, c, lut = (_operand(x, regs) for x in src)
+            out = 0
+            for bit in range(32):
+                idx = ((a >> bit) & 1) << 2 | ((b >> bit) & 1) << 1 | ((c >> bit) & 1)
+                out |= ((lut >> idx) & 1) << bit
+            regs[dst] = out
+        elif op == "sub.f16x2":
+            a, b = (_f16x2(_operand(x, regs)) for x in src)
+            regs[dst] = _word(*(np.float16(np.float64(x) - np.float64(y)) for x, y in zip(a, b, strict=True)))
+        elif op == "fma.rn.f16x2":
+            a, b, c = (_f16x2(_operand(x, regs)) for x in src)
+            lanes = (np.float16(np.float64(x) * np.float64(y) + np.float64(z)) for x, y, z in zip(a, b, c, strict=True))
+            regs[dst] = _word(*lanes)
+        else:
+            raise AssertionError(f"instruction {op!r} is not emulated: extend run_ptx before using it")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_half_pair_asm_gives_each_lane_its_code_times_scale_plus_zero(bits):
+    rng = np.random.default_rng(bits)
+    asm = half_pair_asm(bits)
+    assert re.search(r"\$0\b", asm) and "$4" not in asm  # one output, three inputs (lanes, scales, zeros)
+    for _ in range(200):
+        word = int(rng.integers(0, 2**32))  # the bits above each lane's code are anything
+        scale = rng.uniform(1e-3, 2.0, 2).astype(np.float16) * rng.choice([-1, 1], 2).astype(np.float16)
+        zero = rng.uniform(-4.0, 4.0, 2).astype(np.float16)
+        out = _f16x2(run_ptx(asm, [word, _word(*scale), _word(*zero)]))
+        for lane, got in enumerate(out):
+            code = (word >> (16 * lane)) & ((1 << bits) - 1)
+            want = np.float16(code * np.float64(scale[lane]) + np.float64(zero[lane]))
+            assert got == want, (bits, hex(word), lane, got, want)
+
+
+def test_run_ptx_refuses_what_it_does_not_emulate():
+    with pytest.raises(AssertionError, match="add.s32"):
+        run_ptx("{ add.s32 $0, $1, $2; }", [1, 2])
