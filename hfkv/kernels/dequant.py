@@ -147,7 +147,10 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
     H: tl.constexpr = D // PER // C  # pieces per code plane
     NSUB: tl.constexpr = D // C * 4  # (piece, byte of a word) sub-tiles, joined in a tree
     f = tl.arange(0, D)
-    r = f % NSUB
+    # load_int_pieces moves the byte index's high bit (j) behind the tree's dimensions: column i, t, j holds what the
+    # tree put at i, j, t
+    q = f % NSUB
+    r = q // (NSUB // 2) * (NSUB // 2) + q % 2 * (NSUB // 4) + q % (NSUB // 2) // 2
     s = r * 0
     for bit in tl.static_range(8):  # the join tree puts sub-tile s at column w * NSUB + bitreverse(s)
         if (NSUB >> (bit + 1)) > 0:
@@ -357,4 +360,9 @@ def load_int_pieces(
         half = pool_ptr.to(tl.pointer_type(tl.float16))
         meta = (base + D // PER) // 2
     x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H, QUADS, HALF)
+    # [N, word, i, j, tree...]: bytes i + 2 j of each word, the planes' and pieces' joins behind them. j goes last, so
+    # the fp16 form's pairs (j = 0, 1: one register) are neighbouring columns, which the tile's trip to shared memory
+    # stores as they are (sm_90: no PRMT repacking them); free in registers, and piece_columns follows
+    x = tl.reshape(x, [rec.shape[0], C // 4, 2, 2, PER * H])
+    x = tl.permute(x, (0, 1, 2, 4, 3))
     return tl.reshape(x, [rec.shape[0], D])
