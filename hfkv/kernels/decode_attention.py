@@ -116,9 +116,9 @@ COLUMN_SUMS = True
 OPERAND_FENCE = triton_version() < (3, 8)
 # The fp16 form's per-pair arithmetic written as PTX (``half_pair_asm``: one lop3, HADD2 and HFMA2 per pair of codes)
 # where Triton left pairs' operations on one lane and repacked the rest. sm_90 loop of the quant storage at the 4-warp
-# default (eval/results/kernel_sass_asm_dequant_*.json, warp-instructions a slot): Triton 3.6 59.0 -> 48.9 (fenced),
-# 3.7.1 58.6 -> 48.7, 3.8 56.2 -> 48.3, 3.9 58.4 -> 49.1. Compiled code only: the interpreter runs the same
-# arithmetic written in Triton. Not yet run on a GPU (docs/kernels.md).
+# default (eval/results/kernel_sass_asm_dequant_*.json, warp-instructions a slot, with the pieces' lanes as neighbouring
+# columns): Triton 3.6 60.9 -> 46.8 (fenced), 3.7.1 60.8 -> 46.6, 3.8 56.1 -> 44.9, 3.9 55.1 -> 44.8. Compiled code
+# only: the interpreter runs the same arithmetic written in Triton. Not yet run on a GPU (docs/kernels.md).
 ASM_DEQUANT = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
 # pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
