@@ -63,20 +63,25 @@ def run_ptx(asm: str, inputs: list[int]) -> int:
     return regs["$0"]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_half_pair_asm_gives_each_lane_its_code_times_scale_plus_zero(bits):
-    rng = np.random.default_rng(bits)
-    asm = half_pair_asm(bits)
+@pytest.mark.parametrize("bits,shift", [(2, 0), (2, 2), (2, 4), (2, 6), (4, 0), (4, 4), (8, 0)])  # every plane read
+def test_half_pair_asm_gives_each_lane_its_code_times_scale_plus_zero(bits, shift):
+    rng = np.random.default_rng(bits * 8 + shift)
+    asm = half_pair_asm(bits, shift)
     assert re.search(r"\$0\b", asm) and "$4" not in asm  # one output, three inputs (lanes, scales, zeros)
     for _ in range(200):
-        word = int(rng.integers(0, 2**32))  # the bits above each lane's code are anything
+        word = int(rng.integers(0, 2**32))  # the bits around each lane's code are anything
         scale = rng.uniform(1e-3, 2.0, 2).astype(np.float16) * rng.choice([-1, 1], 2).astype(np.float16)
         zero = rng.uniform(-4.0, 4.0, 2).astype(np.float16)
         out = _f16x2(run_ptx(asm, [word, _word(*scale), _word(*zero)]))
         for lane, got in enumerate(out):
-            code = (word >> (16 * lane)) & ((1 << bits) - 1)
+            code = (word >> (16 * lane + shift)) & ((1 << bits) - 1)
             want = np.float16(code * np.float64(scale[lane]) + np.float64(zero[lane]))
-            assert got == want, (bits, hex(word), lane, got, want)
+            assert got == want, (bits, shift, hex(word), lane, got, want)
+
+
+def test_half_pair_asm_refuses_a_plane_past_its_byte():
+    with pytest.raises(ValueError, match="bits=4 from shift=6"):
+        half_pair_asm(4, 6)
 
 
 def test_run_ptx_refuses_what_it_does_not_emulate():

@@ -9,6 +9,7 @@ with an fp32 scale); the torch twin of every function here is ``QuantFormat.deco
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -162,35 +163,54 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
     return (pl * H + h) * C + 4 * (f // NSUB) + k
 
 
-def half_pair_asm(bits: int) -> str:
-    """The fp16 form's arithmetic for a pair of 16-bit lanes in one register, as PTX (``ASM_DEQUANT``): each lane's
-    low ``bits`` ORed into fp16 1024.0 (one ``lop3`` for both lanes), 1024 subtracted (the code, exactly), then
-    ``code * scale + zero`` with one rounding. Lane by lane, so whichever elements the compiler pairs in a register,
-    each output is its own input's. Written out where Triton 3.6 left half the pairs' operations on one lane and
-    repacked the rest (``PRMT``), for a third of the quantized loop's instructions (docs/kernels.md)."""
-    mask = (1 << bits) - 1
-    return (
-        "{ .reg .b32 t, c; "
-        f"lop3.b32 t, $1, {mask | mask << 16:#x}, 0x64006400, 0xea; "  # 0xea: (a & b) | c
-        "mov.b32 c, 0x64006400; sub.f16x2 t, t, c; "
-        "fma.rn.f16x2 $0, t, $2, $3; }"
-    )
+def half_pair_asm(bits: int, shift: int = 0) -> str:
+    """The fp16 form's arithmetic for a pair of 16-bit lanes in one register, as PTX (``ASM_DEQUANT``): the ``bits``
+    of each lane from bit ``shift`` up ORed into fp16 1024.0 (one ``lop3`` for both lanes: ``1024 + code * 2**shift``,
+    exact below 1024), scaled back to the code exactly (a subtraction of 1024, or with ``shift`` a fused
+    ``* 2**-shift - 1024 * 2**-shift``), then ``code * scale + zero`` with one rounding. A code plane is read where it
+    lies, without a shift of its word. Lane by lane, so whichever elements the compiler pairs in a register, each
+    output is its own input's. Written out where Triton 3.6 left half the pairs' operations on one lane and repacked
+    the rest (``PRMT``), for a third of the quantized loop's instructions (docs/kernels.md)."""
+    if bits + shift > 8:
+        raise ValueError(f"half_pair_asm: bits={bits} from shift={shift} reach past a byte")
+    mask = ((1 << bits) - 1) << shift
+    lop = f"lop3.b32 t, $1, {mask | mask << 16:#x}, 0x64006400, 0xea; "  # 0xea: (a & b) | c
+    if shift:
+        step, base = (int(np.array([v], np.float16).view(np.uint16)[0]) for v in (2.0**-shift, -1024 * 2.0**-shift))
+        back = f"mov.b32 a, {step | step << 16:#x}; mov.b32 c, {base | base << 16:#x}; fma.rn.f16x2 t, t, a, c; "
+    else:
+        back = "mov.b32 c, 0x64006400; sub.f16x2 t, t, c; "
+    return "{ .reg .b32 t, a, c; " + lop + back + "fma.rn.f16x2 $0, t, $2, $3; }"
 
 
-_ASM_INT2 = tl.constexpr(half_pair_asm(2))
-_ASM_INT4 = tl.constexpr(half_pair_asm(4))
-_ASM_INT8 = tl.constexpr(half_pair_asm(8))
+# Every (bits, plane shift) a format reads: int2 planes at bits 0, 2, 4, 6 of a byte, int4 at 0, 4, int8 at 0.
+_ASM_2_0 = tl.constexpr(half_pair_asm(2, 0))
+_ASM_2_2 = tl.constexpr(half_pair_asm(2, 2))
+_ASM_2_4 = tl.constexpr(half_pair_asm(2, 4))
+_ASM_2_6 = tl.constexpr(half_pair_asm(2, 6))
+_ASM_4_0 = tl.constexpr(half_pair_asm(4, 0))
+_ASM_4_4 = tl.constexpr(half_pair_asm(4, 4))
+_ASM_8_0 = tl.constexpr(half_pair_asm(8, 0))
 
 
 @triton.jit
-def _half_pairs_asm(lanes, scale, zero, MASK: tl.constexpr):
-    # fp16 ``code * scale + zero`` of each uint16 lane's low bits, two lanes a register (``half_pair_asm``)
-    if MASK == 3:
-        ASM: tl.constexpr = _ASM_INT2
-    elif MASK == 15:
-        ASM: tl.constexpr = _ASM_INT4
+def _half_pairs_asm(lanes, scale, zero, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    # fp16 ``code * scale + zero`` of each uint16 lane's BITS from bit SHIFT, two lanes a register (``half_pair_asm``)
+    if BITS == 8:
+        ASM: tl.constexpr = _ASM_8_0
+    elif BITS == 4:
+        if SHIFT == 0:
+            ASM: tl.constexpr = _ASM_4_0
+        else:
+            ASM: tl.constexpr = _ASM_4_4
+    elif SHIFT == 0:
+        ASM: tl.constexpr = _ASM_2_0
+    elif SHIFT == 2:
+        ASM: tl.constexpr = _ASM_2_2
+    elif SHIFT == 4:
+        ASM: tl.constexpr = _ASM_2_4
     else:
-        ASM: tl.constexpr = _ASM_INT8
+        ASM: tl.constexpr = _ASM_2_6
     return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [lanes, scale, zero], dtype=tl.float16, is_pure=True, pack=2)
 
 
@@ -204,16 +224,18 @@ def _piece_bytes(
         # Two codes per 32-bit op: bytes 0 and 2 (then 1 and 3) of the word, each in a 16-bit lane ORed into
         # fp16 1024.0, so a pair is one register and one HADD2 / HFMA2; joined in the order [b0, b2, b1, b3],
         # which is the order the fp32 form's tree below gives.
-        u02 = word >> SHIFT
-        u13 = word >> (SHIFT + 8)
         if HALF == 2:  # the arithmetic as PTX, on the word's two 16-bit halves side by side (packed back into it)
-            l02 = tl.join(u02.to(tl.uint16), (u02 >> 16).to(tl.uint16))
-            l13 = tl.join(u13.to(tl.uint16), (u13 >> 16).to(tl.uint16))
+            w13 = word >> 8
+            l02 = tl.join(word.to(tl.uint16), (word >> 16).to(tl.uint16))
+            l13 = tl.join(w13.to(tl.uint16), (w13 >> 16).to(tl.uint16))
             s = tl.broadcast_to(scale[:, None, None], l02.shape)
             z = tl.broadcast_to(zero[:, None, None], l02.shape)
-            a = _half_pairs_asm(l02, s, z, MASK)
-            b = _half_pairs_asm(l13, s, z, MASK)
+            BITS: tl.constexpr = 8 if MASK == 255 else (4 if MASK == 15 else 2)
+            a = _half_pairs_asm(l02, s, z, BITS, SHIFT)
+            b = _half_pairs_asm(l13, s, z, BITS, SHIFT)
         else:
+            u02 = word >> SHIFT
+            u13 = word >> (SHIFT + 8)
             m2: tl.constexpr = MASK | (MASK << 16)
             t02 = (u02 & m2) | 0x64006400
             t13 = (u13 & m2) | 0x64006400
