@@ -114,10 +114,11 @@ COLUMN_SUMS = True
 # 69.9 -> 59.0, 3.7.1 70.5 -> 58.6; 3.8 and 3.9 give width 2 unaided (56.2 and 58.4) and the fence adds nothing
 # there (56.4, 59.2). Compiled code only: the interpreter runs no inline assembly.
 OPERAND_FENCE = triton_version() < (3, 8)
-# The fp16 form's per-pair arithmetic written as PTX (``half_pair_asm``: one lop3, HADD2 and HFMA2 per pair of codes)
+# The fp16 form's per-pair arithmetic written as PTX (``half_pair_asm``: one lop3 and two HFMA2 / HADD2 a pair of codes)
 # where Triton left pairs' operations on one lane and repacked the rest. sm_90 loop of the quant storage at the 4-warp
 # default (eval/results/kernel_sass_asm_dequant_*.json, warp-instructions a slot, with the pieces' lanes as neighbouring
-# columns): Triton 3.6 60.9 -> 46.8 (fenced), 3.7.1 60.8 -> 46.6, 3.8 56.1 -> 44.9, 3.9 55.1 -> 44.8. Compiled code
+# columns, each plane read in place): Triton 3.6 60.9 -> 44.4 (fenced), 3.7.1 60.8 -> 44.2, 3.8 56.1 -> 42.2, 3.9 55.1
+# -> 42.5. Compiled code
 # only: the interpreter runs the same arithmetic written in Triton. Not yet run on a GPU (docs/kernels.md).
 ASM_DEQUANT = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
