@@ -118,8 +118,8 @@ OPERAND_FENCE = triton_version() < (3, 8)
 # where Triton left pairs' operations on one lane and repacked the rest. sm_90 loop of the quant storage at the 4-warp
 # default (eval/results/kernel_sass_asm_dequant_*.json, warp-instructions a slot, with the pieces' lanes as neighbouring
 # columns, each plane read in place): Triton 3.6 60.9 -> 44.4 (fenced), 3.7.1 60.8 -> 44.2, 3.8 56.1 -> 42.2, 3.9 55.1
-# -> 42.5. Compiled code
-# only: the interpreter runs the same arithmetic written in Triton. Not yet run on a GPU (docs/kernels.md).
+# -> 42.5. Compiled code only: the interpreter runs the same arithmetic written in Triton. Not yet run on a GPU
+# (docs/kernels.md).
 ASM_DEQUANT = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
 # pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
