@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hfkv.evaluation.fidelity import reference_logprobs, teacher_forced
     from hfkv.evaluation.human_texts import TEXTS_NAME, human_documents
-    from hfkv.evaluation.methods import expand_methods
+    from hfkv.evaluation.methods import expand_methods, stored_row_as_today
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
     from hfkv.evaluation.texts import (
         CONTINUATION_TOKENS,
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
     texts = str(args.texts or default_path(args.model))
-    out = ResultFile(args.out, KEY, MATCH)
+    out = ResultFile(args.out, KEY, MATCH, normalize=stored_row_as_today)
 
     def key(doc_id: int, label: str) -> dict:
         return {

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from hfkv.evaluation.methods import expand_methods
+    from hfkv.evaluation.methods import expand_methods, stored_row_as_today
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
     from hfkv.evaluation.ruler import OFFLINE_TASKS, SharedPrefillLM, load_examples, tokenizer_path
     from hfkv.loading import TESTBED, load_model, parse_dtype
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     methods, skipped = expand_methods(args.methods)
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    out = ResultFile(args.out or f"eval/results/ruler_{os.path.basename(args.model)}.jsonl", KEY, MATCH)
+    out_path = args.out or f"eval/results/ruler_{os.path.basename(args.model)}.jsonl"
+    out = ResultFile(out_path, KEY, MATCH, normalize=stored_row_as_today)
     tok_path = tokenizer_path(args.model)
     pre_model, tok = load_model(args.model, dtype=pre_dtype)
     model = pre_model if dtype == pre_dtype else copy.deepcopy(pre_model).to(dtype)

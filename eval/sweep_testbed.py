@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from hfkv.evaluation.methods import expand_methods
+    from hfkv.evaluation.methods import expand_methods, stored_row_as_today
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
     from hfkv.evaluation.testbed_eval import evaluate_method
     from hfkv.loading import load_model, parse_dtype
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     methods, skipped = expand_methods(args.methods, parse_list(args.budgets))
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    out = ResultFile(args.out, KEY, MATCH)
+    out = ResultFile(args.out, KEY, MATCH, normalize=stored_row_as_today)
     data = {t: load_test_set(t)[: args.limit] for t in tasks}
     todo = [
         (d, t, m)

@@ -101,6 +101,8 @@ _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
 # Config fields added after results keyed by a config were stored, with the value that behaves as before they
 # existed (TriStateConfig.key_dict).
 _LATER_FIELDS = {"stagger": False}
+# Fields added before that rule, which key_dict writes at every value: rows stored before them ran at this value.
+_PREDATED_FIELDS = {"carry": 0.0}
 _DEFAULT_TIERS = {
     "original": TierFormat("model", "model", 32),
     "mid": TierFormat("int8", "int4", 32),
@@ -472,6 +474,19 @@ class TriStateConfig:
         base): a field added after such files were written is left out at the value that behaves as before it
         existed (``_LATER_FIELDS``), so the files stay valid and the sweeps and studies resumable."""
         out = self.to_dict()
+        for name, inert in _LATER_FIELDS.items():
+            if out.get(name) == inert:
+                del out[name]
+        return out
+
+    @staticmethod
+    def stored_key(stored: Mapping[str, Any]) -> dict[str, Any]:
+        """A config key stored by earlier code (:meth:`key_dict`) as today's code writes the same config: a row
+        written before a field existed ran at the value that behaved as before it (``_PREDATED_FIELDS``), so
+        its key gets that value, and a resumed sweep sees it done where today's config is the same."""
+        out = dict(stored)
+        for name, before in _PREDATED_FIELDS.items():
+            out.setdefault(name, before)
         for name, inert in _LATER_FIELDS.items():
             if out.get(name) == inert:
                 del out[name]

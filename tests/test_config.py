@@ -516,3 +516,39 @@ def test_committed_sweep_rows_stay_done_after_a_field_is_added():
     for method, config in stored.items():
         assert parse_method(method).describe()["config"] == config, method
         assert parse_method(f"{method}{',' if ':' in method else ':'}stagger=True").describe()["config"] != config
+
+
+def test_rows_stored_before_a_config_field_existed_stay_done_where_the_method_still_runs_as_they_did():
+    """Rows written before ``carry`` existed hold no such field; their methods ran without carrying scores, which is
+    ``carry=0.0``. Read as today's code writes a stored key (``TriStateConfig.stored_key``, the sweeps' ResultFile
+    ``normalize``), every committed fidelity, testbed and RULER row is done under today's methods, where compared raw
+    the pre-carry rows of the token presets fell due; a method that now carries scores (hfkv, 0.8) does not match
+    a row that ran without."""
+    import importlib.util
+
+    from hfkv.evaluation.methods import parse_method, stored_row_as_today
+    from hfkv.evaluation.results import ResultFile
+
+    root = Path(__file__).resolve().parents[1]
+    old = {k: v for k, v in parse_method("evict@128").describe()["config"].items() if k != "carry"}
+    assert TriStateConfig.stored_key(old) == parse_method("evict@128").describe()["config"]
+    hfkv_old = {k: v for k, v in parse_method("hfkv@128").describe()["config"].items() if k != "carry"}
+    assert TriStateConfig.stored_key(hfkv_old) != parse_method("hfkv@128").describe()["config"]
+    assert TriStateConfig.stored_key({**old, "stagger": False}) == TriStateConfig.stored_key(old)
+
+    raw_due = 0
+    for name, sweep in [("fidelity_sweep.jsonl", "sweep_fidelity"), ("testbed_sweep.jsonl", "sweep_testbed"),
+                        ("ruler_smollm2.jsonl", "sweep_ruler")]:  # fmt: skip
+        spec = importlib.util.spec_from_file_location(sweep, root / "eval" / f"{sweep}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        path = root / "eval" / "results" / name
+        raw = ResultFile(path, mod.KEY, mod.MATCH)
+        today = ResultFile(path, mod.KEY, mod.MATCH, normalize=stored_row_as_today)
+        assert today.rows
+        for row in today.rows:
+            described = parse_method(row["method"]).describe()
+            now = {**row, "config": described.get("config"), "options": described.get("options")}
+            assert today.has(now), (name, row["method"])
+            raw_due += not raw.has(now)
+    assert raw_due > 0  # the committed pre-carry rows, due without the normalization

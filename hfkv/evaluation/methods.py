@@ -316,6 +316,16 @@ class Method:
         return out
 
 
+def stored_row_as_today(row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's recorded method config as today's code records the same config (``TriStateConfig.stored_key``):
+    ``ResultFile(..., normalize=stored_row_as_today)`` keeps rows written before a config field existed done where
+    the method still runs as they did."""
+    config = row.get("config")
+    if not isinstance(config, dict):
+        return row
+    return {**row, "config": TriStateConfig.stored_key(config)}
+
+
 def _json_safe(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)

@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +99,22 @@ class ResultFile:
     """A JSONL result file keyed by some row fields; ``add`` replaces a row with the same key.
 
     ``match_fields`` (e.g. the method's full ``config``) must also be equal for a row to count as done:
-    when a preset's defaults change, its rows are re-run and replaced instead of silently kept.
+    when a preset's defaults change, its rows are re-run and replaced instead of silently kept. ``normalize``
+    maps a row to the form today's code writes before its match fields are compared (rows stored by earlier
+    code: :func:`hfkv.evaluation.methods.stored_row_as_today`).
     """
 
-    def __init__(self, path: str | os.PathLike[str], key_fields: Sequence[str], match_fields: Sequence[str] = ()):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        key_fields: Sequence[str],
+        match_fields: Sequence[str] = (),
+        normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ):
         self.path = Path(path)
         self.key_fields = tuple(key_fields)
         self.match_fields = tuple(match_fields)
+        self.normalize = normalize
         self.rows = read_rows(self.path)
         self._index = {self.key(r): self._match(r) for r in self.rows}
 
@@ -113,6 +122,7 @@ class ResultFile:
         return tuple(json.dumps(json_safe(row.get(k)), sort_keys=True) for k in self.key_fields)
 
     def _match(self, row: dict[str, Any]) -> tuple:
+        row = self.normalize(row) if self.normalize else row
         return tuple(json.dumps(json_safe(row.get(k)), sort_keys=True) for k in self.match_fields)
 
     def has(self, row: dict[str, Any]) -> bool:
