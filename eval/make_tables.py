@@ -1084,7 +1084,8 @@ COMMANDS = """\
 
 Run from the repository root with the project's venv; each sweep appends to its file, skips rows already
 there with the same method config (`--force` re-runs them; a row whose preset now resolves to another config is
-re-run and replaced) and records hfkv version, commit, date, wall time and machine in every row. After a change
+re-run and replaced; a row written before a config field existed counts at the value that behaved as before it,
+`TriStateConfig.stored_key`) and records hfkv version, commit, date, wall time and machine in every row. After a change
 of the cache's code, start from an empty file (or `--force`). The committed files were made by the commands
 below on the shared 2-core VM, one torch thread per process, three processes at a time (wall times in the
 tables' headers). The fp32 testbed rows, documents 2-3 of SmolLM2 and the bf16 bench were not re-run for the
