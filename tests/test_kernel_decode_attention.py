@@ -385,8 +385,9 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
 
 
 def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
-    """The operand fence and the PTX dequantization are inline assembly, which the interpreter cannot run: asked for
-    there, the plan leaves them out (the same values reach the products; the compiled tests on a GPU run them). The
+    """The operand fence and the PTX dequantization are inline PTX, which neither the interpreter nor an AMD GPU runs:
+    asked for there, the plan leaves them out (the same values reach the products; the compiled tests on a GPU run
+    them). The
     fence's default is on for the Triton versions whose operand-width heuristic halves at a join (before 3.8;
     docs/kernels.md)."""
     from hfkv.kernels import decode_attention as da
@@ -407,6 +408,18 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     assert (half(asm_dequant=True), half(asm_dequant=False)) == (1 if interpreter_on() else 2, 1)
     assert half(asm_dequant=True, half_dequant=False) == 0
     assert da.OPERAND_FENCE is (triton_version() < (3, 8)) and da.launch_defaults()["operand_fence"] is da.OPERAND_FENCE
+    # ROCm builds of torch compile for AMD GPUs: no PTX there either
+    from hfkv.kernels.backend import inline_ptx_ok
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        assert inline_ptx_ok() is (getattr(torch.version, "hip", None) is None)
+        mp.setattr(torch.version, "hip", "6.2.0", raising=False)
+        assert inline_ptx_ok() is False
+        mp.setattr(torch.version, "hip", None, raising=False)
+        assert inline_ptx_ok() is True
+        mp.setenv("TRITON_INTERPRET", "1")
+        assert inline_ptx_ok() is False
     assert [triton_version(v) for v in ("3.6.0", "3.7.1", "3.10.0+git1a2b", "3.8.0rc1", "4")] == [
         (3, 6), (3, 7), (3, 10), (3, 8), (4, 0)
     ]  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.backend import inline_ptx_ok
 from hfkv.kernels.dequant import load_int_pieces, piece_columns, piece_width
 from hfkv.quant.formats import QuantFormat
 
@@ -31,8 +31,8 @@ def _read_kernel(
 @pytest.mark.parametrize("align", [8, 4])
 @pytest.mark.parametrize("name,dim,group", [("int8", 64, 32), ("int4", 128, 32), ("int2", 64, 64), ("int4", 64, 16)])
 def test_triton_int_pieces_read_what_the_format_encoded(name, dim, group, align, half):
-    if half == 2 and interpreter_on():
-        pytest.skip("the fp16 form's PTX (HALF 2): the interpreter runs no inline assembly; compiled on a GPU")
+    if half == 2 and not inline_ptx_ok():
+        pytest.skip("the fp16 form's PTX (HALF 2): the interpreter runs no inline assembly; compiled on an NVIDIA GPU")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fmt = QuantFormat(name, dim, group, torch.bfloat16)
     c = piece_width(fmt)

@@ -24,6 +24,13 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def inline_ptx_ok() -> bool:
+    """Whether the kernels may use their inline PTX (the operand fence, the fp16 dequantization's arithmetic): code
+    compiled for NVIDIA GPUs. The interpreter runs no inline assembly and a ROCm build of torch compiles for AMD
+    GPUs; both get the same arithmetic written in Triton."""
+    return not interpreter_on() and getattr(torch.version, "hip", None) is None
+
+
 def triton_version(version: str | None = None) -> tuple[int, int]:
     """The installed Triton's (or ``version``'s) (major, minor): code shapes that help one compiler hurt another
     (``OPERAND_FENCE``)."""

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import interpreter_on, triton_version
+from hfkv.kernels.backend import inline_ptx_ok, interpreter_on, triton_version
 from hfkv.kernels.dequant import (
     format_constants,
     load_field,
@@ -891,6 +891,7 @@ def plan_attention(
     scratch = tuple(_shared_scratch(device, sizes_f32))
     shape = dict(G=g, QLEN=qlen, QB=qb, NQB=nqb, BLOCK_R=block_r)
     dot_t = tl_dtype(query.dtype)
+    ptx = inline_ptx_ok()  # the fence and the PTX dequantization: compiled code for NVIDIA GPUs only
     if dot_t == tl.bfloat16 and interp:  # the interpreter's tl.dot reads bf16 operands as integers
         dot_t = tl.float32
     tile = bool(int_tile) and dim == block_d  # the row read needs power-of-two planes and groups
@@ -966,9 +967,9 @@ def plan_attention(
         DOT_T=dot_t,
         INT_TILE=tile,
         INT_PIECES=bool(int_pieces) and dim == block_d,
-        HALF=(2 if asm_dequant and not interp else 1) if half_dequant and int_pieces and dot_t != tl.float32 else 0,
+        HALF=(2 if asm_dequant and ptx else 1) if half_dequant and int_pieces and dot_t != tl.float32 else 0,
         COL_SUMS=bool(column_sums),
-        FENCE=bool(operand_fence) and not interp,
+        FENCE=bool(operand_fence) and ptx,
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
