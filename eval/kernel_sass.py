@@ -34,6 +34,7 @@ from hfkv.atomic import write_atomic  # noqa: E402
 
 # Opcode families worth a column: global loads and copies, shared-memory traffic, spills, barriers, products.
 KEY_OPS = ("LDG", "LDGSTS", "LDS", "STS", "LDSM", "STL", "LDL", "BAR", "HMMA", "SHFL")
+MIN_LOOP = 100  # instructions: a loop over a part's slots is hundreds; shorter backward branches are not counted
 
 
 def _launch(text: str) -> dict[str, int]:
@@ -82,11 +83,13 @@ def read_sass(cubin: bytes) -> dict[str, Any]:
     res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     insts = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?);", sass)]
     loop: list[str] = []
+    sizes: list[int] = []  # every loop over slots, in code order: one per part the kernel instance reads
     for addr, text in insts:  # the longest backward branch: the loop over a program's slots
         m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
         if m and m.group(1) and int(m.group(1), 16) < addr:
             body = [t for a, t in insts if int(m.group(1), 16) <= a <= addr]
             loop = body if len(body) > len(loop) else loop
+            sizes += [len(body)] if len(body) >= MIN_LOOP else []
     ops: dict[str, int] = {}
     for text in loop:
         op = _opcode(text)
@@ -96,6 +99,7 @@ def read_sass(cubin: bytes) -> dict[str, Any]:
         "stack_bytes": int(res.group(2)) if res else None,
         "instructions": len(insts),
         "loop_instructions": len(loop),
+        "loops_instructions": sizes,
         "loop_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
         "loop_families": {
             fam: sum(n for op, n in ops.items() if op == fam or op.startswith(fam + ".")) for fam in KEY_OPS
@@ -110,10 +114,12 @@ def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     row = {"kind": kind, "launch": launch, "shared_bytes": kernel.metadata.shared, **read_sass(kernel.asm["cubin"])}
     # the products' operand fragment widths (mma v2 kWidth): 2 is the tensor cores' pair of 16-bit elements
     row["dot_operand_kwidths"] = sorted({int(w) for w in re.findall(r"kWidth = (\d+)", kernel.asm["ttgir"])})
-    row["inline_asm_ops"] = kernel.asm["ttgir"].count("elementwise_inline_asm")  # operand fences (OPERAND_FENCE)
+    # inline PTX: operand fences (OPERAND_FENCE) and the fp16 dequantization's pairs (ASM_DEQUANT)
+    row["inline_asm_ops"] = kernel.asm["ttgir"].count("elementwise_inline_asm")
     warps, block_n = kernel.metadata.num_warps, launch.get("block_n", BLOCK_N)  # as the launch chose them
     row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n
+    row["loops_warp_instructions_per_slot"] = [n * warps / block_n for n in row["loops_instructions"]]
     return row
 
 

@@ -90,6 +90,7 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm = json.loads(out.read_text())["rows"]
     for r in (half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
+        assert r["loops_instructions"] == [r["loop_instructions"]]  # one part (K int4 / V int2 pages), one loop
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
     assert pieces["loop_warp_instructions_per_slot"] < rows["loop_warp_instructions_per_slot"]
     # the fp16 dequantization (the default): pairs of elements per HADD2 / HFMA2, no int -> fp32 conversion, fewer
