@@ -1163,6 +1163,12 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 # 53455b4): --contexts 512 --decode-steps 16 --prefill-repeats 5, names smollm2_bf16_cpu_512_{before,observation}
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
 env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
+# the operand fence and the PTX dequantization against the code without them (docs/kernels.md, "Register moves around
+# every tensor-core product", "The fp16 dequantization as PTX"); the same with PYTHONPATH at Triton 3.7.1 / 3.8 / 3.9
+# (pip install --no-deps --target) and --kinds quant,hfkv --launch "" --launch "asm_dequant=0" for the other files
+env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv --launch "" \\
+    --launch "asm_dequant=0" --launch "asm_dequant=0;operand_fence=0" --launch "operand_fence=0" \\
+    --launch "half_dequant=0" --out eval/results/kernel_sass_asm_dequant_triton36.json
 # the partial pass's two dequantization forms emulated in float64 against exact attention, no GPU (docs/kernels.md,
 # "The 3% was the fp32 form's"): the sweep's random storage and SmolLM2's layers over human-written documents
 python eval/dequant_rounding.py --out eval/results/dequant_rounding.json --docs 4 --tokens 4096
