@@ -387,9 +387,8 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
 def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     """The operand fence and the PTX dequantization are inline PTX, which neither the interpreter nor an AMD GPU runs:
     asked for there, the plan leaves them out (the same values reach the products; the compiled tests on a GPU run
-    them). The
-    fence's default is on for the Triton versions whose operand-width heuristic halves at a join (before 3.8;
-    docs/kernels.md)."""
+    them). The fence's default is on for the Triton versions whose operand-width heuristic halves at a join (before
+    3.8; docs/kernels.md)."""
     from hfkv.kernels import decode_attention as da
     from hfkv.kernels.backend import triton_version
 
@@ -401,6 +400,7 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     pad_end = torch.zeros(bsz, dtype=torch.long)
     assert da.plan_attention(query, parts, pad_end, operand_fence=True).constants["FENCE"] is (not interpreter_on())
     assert da.plan_attention(query, parts, pad_end, operand_fence=False).constants["FENCE"] is False
+
     # the same for the dequantization's arithmetic as PTX (HALF 2; 1: written in Triton, 0: fp32 dequantization)
     def half(**kw):
         return da.plan_attention(query, parts, pad_end, **kw).constants["HALF"]
