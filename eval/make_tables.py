@@ -909,7 +909,8 @@ def gpu_runs_block(
     return "\n".join(lines)
 
 
-_OPTION_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant", "max_registers")
+_FLAG_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant")  # on / off launch options
+_OPTION_KEYS = (*_FLAG_KEYS, "max_registers")
 
 
 def option_sweep_table(name: str, res: dict[str, Any]) -> str:
@@ -922,9 +923,7 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
             continue
         rows.append([
             f"{r['kind']} {r['context']:,} x {r['batch']}", str(r["num_warps"]),
-            "yes" if r.get("half_dequant") else "no", "yes" if r.get("column_sums") else "no",
-            "yes" if r.get("operand_fence") else "no",  # files before the fence have none
-            "yes" if r.get("asm_dequant") else "no",  # nor the PTX dequantization
+            *("yes" if r.get(k) else "no" for k in _FLAG_KEYS),  # older files lack the newer options: off
             str(r.get("max_registers") or "-"), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
             fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
             fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),

@@ -473,11 +473,7 @@ class TriStateConfig:
         """:meth:`to_dict` as a key of stored results (sweep rows, hold-out evaluations, a calibration study's
         base): a field added after such files were written is left out at the value that behaves as before it
         existed (``_LATER_FIELDS``), so the files stay valid and the sweeps and studies resumable."""
-        out = self.to_dict()
-        for name, inert in _LATER_FIELDS.items():
-            if out.get(name) == inert:
-                del out[name]
-        return out
+        return self.stored_key(self.to_dict())  # to_dict holds every field: the predated ones are kept as they are
 
     @staticmethod
     def stored_key(stored: Mapping[str, Any]) -> dict[str, Any]:

@@ -194,11 +194,11 @@ _ASM_8_0 = tl.constexpr(half_pair_asm(8, 0))
 
 
 @triton.jit
-def _half_pairs_asm(lanes, scale, zero, BITS: tl.constexpr, SHIFT: tl.constexpr):
-    # fp16 ``code * scale + zero`` of each uint16 lane's BITS from bit SHIFT, two lanes a register (``half_pair_asm``)
-    if BITS == 8:
+def _half_pairs_asm(lanes, scale, zero, MASK: tl.constexpr, SHIFT: tl.constexpr):
+    # fp16 ``code * scale + zero`` of each uint16 lane's code (MASK) at bit SHIFT, two lanes a register (half_pair_asm)
+    if MASK == 255:
         ASM: tl.constexpr = _ASM_8_0
-    elif BITS == 4:
+    elif MASK == 15:
         if SHIFT == 0:
             ASM: tl.constexpr = _ASM_4_0
         else:
@@ -230,9 +230,8 @@ def _piece_bytes(
             l13 = tl.join(w13.to(tl.uint16), (w13 >> 16).to(tl.uint16))
             s = tl.broadcast_to(scale[:, None, None], l02.shape)
             z = tl.broadcast_to(zero[:, None, None], l02.shape)
-            BITS: tl.constexpr = 8 if MASK == 255 else (4 if MASK == 15 else 2)
-            a = _half_pairs_asm(l02, s, z, BITS, SHIFT)
-            b = _half_pairs_asm(l13, s, z, BITS, SHIFT)
+            a = _half_pairs_asm(l02, s, z, MASK, SHIFT)
+            b = _half_pairs_asm(l13, s, z, MASK, SHIFT)
         else:
             u02 = word >> SHIFT
             u13 = word >> (SHIFT + 8)
