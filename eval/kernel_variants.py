@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}"
                 )
                 continue
-            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "int_tile": bool(tile)}
+            launch = {"block_n": block_n, "num_warps": warps or None, "num_stages": stages, "int_tile": bool(tile)}
             launch["int_pieces"] = bool(pieces)
             launch["half_dequant"] = bool(half)
             launch["column_sums"] = bool(colsums)
@@ -197,8 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["asm_dequant"] = bool(asm)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
-            if regs:  # registers per thread (0: the compiler's choice)
-                launch["max_registers"] = regs
+            launch["max_registers"] = None if regs < 0 else regs  # 0: the compiler's choice; -1: the library's
             if split:  # slots per program (0: the library's sizing, one wave over all parts' heads)
                 launch["split_slots"] = split
             row: dict[str, Any] = {"kind": kind, "context": context, "batch": batch, **launch, "read_bytes": read}
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, toy sizes")
     p.add_argument("--cases", type=_cases, help="KIND:CONTEXT:BATCH,... (default full/hfkv at 32k x 8, hfkv 16k x 1)")
     p.add_argument("--block-n", type=_ints, default=[32, 64, 128])
-    p.add_argument("--num-warps", type=_ints, default=[4, 8])
+    p.add_argument("--num-warps", type=_ints, default=[4, 8], help="warps of the partial pass (0: the library's)")
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--int-tile", type=_ints, default=[0, 1], help="integer codes read per element (0), as rows (1)")
     p.add_argument(
@@ -245,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         "--half-dequant", type=_ints, default=[0, 1], help="integer fields dequantized in fp32 (0) or fp16 (1)"
     )
     p.add_argument(
-        "--max-registers", type=_ints, default=[0], help="registers per thread of the partial pass (0: compiler's)"
+        "--max-registers",
+        type=_ints,
+        default=[0],
+        help="registers per thread of the partial pass (0: compiler's; -1: the library's, by storage)",
     )
     p.add_argument(
         "--column-sums", type=_ints, default=[1], help="softmax denominators summed per column (1) or row (0)"

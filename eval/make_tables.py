@@ -917,7 +917,7 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
     """Every row of a sweep over the partial pass's code options, with how far its output lies from the default
     launch's on the same storage: an option that is faster but moves the output is not a free speed-up."""
     rows = []
-    for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"], *(
+    for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"] or 0, *(
             str(r.get(k)) for k in _OPTION_KEYS))):  # fmt: skip
         if "ms" not in r:
             continue

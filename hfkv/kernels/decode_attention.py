@@ -121,11 +121,16 @@ OPERAND_FENCE = triton_version() < (3, 8)
 # -> 42.5. Compiled code only: the interpreter runs the same arithmetic written in Triton. Not yet run on a GPU
 # (docs/kernels.md).
 ASM_DEQUANT = True
-# Registers per thread the partial pass may use (Triton's ``maxnreg``; None: the compiler's choice). The quantized
-# pass ran at 112 registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and
-# issued on 40% of cycles: a cap of 80 fits three, 64 four, if the compiler does not spill.
+# Registers per thread the partial pass may use (Triton's ``maxnreg``; 0: the compiler's choice; None: per storage,
+# INT_REGISTERS where a part holding slots has an integer field, else the compiler's). The quantized pass ran at 112
+# registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and issued on 40% of
+# cycles. At 4 warps with the PTX dequantization it takes 167 (three programs an SM; sm_90 code, Triton 3.6); capped
+# at 128 it fits four (quant without spills, hfkv with a few). H200, 32k x 8, block 64, PTX dequantization
+# (eval/results/gpu/kernel_variants_h200_run6.json, first lease after it): quant 0.384 -> 0.318 ms uncapped -> 128,
+# 0.334 at 168; hfkv 0.419 -> 0.350, 0.353 at 168; the same order with Triton's own arithmetic.
 MAX_REGISTERS = None
-_REGISTER_CAPS = (64, 72, 80, 96, 128, 168, 255)
+INT_REGISTERS = 128
+_REGISTER_CAPS = (0, 64, 72, 80, 96, 128, 168, 255)
 # Programs the partial pass launches over all (row, head) pairs when it sizes its own splits: one wave, the device's
 # SMs times the programs an SM holds. Uncapped, the partial pass takes 97-128 registers a thread: 16 warps an SM,
 # two programs of 8 (ncu, H100: 256 programs, 0.97 waves; the sizing before this counted 256 on any device).
@@ -164,6 +169,7 @@ def launch_defaults() -> dict[str, Any]:
         "operand_fence": OPERAND_FENCE,
         "asm_dequant": ASM_DEQUANT,
         "max_registers": MAX_REGISTERS,
+        "int_registers": INT_REGISTERS,
         "table_ahead": TABLE_AHEAD,
         "score_block": SCORE_BLOCK,
     }
@@ -210,6 +216,11 @@ def _table_ahead(parts: Sequence[Part]) -> int:
 def default_num_warps(integer: bool) -> int:
     """The partial pass's warps where ``NUM_WARPS`` leaves them to the storage (see there)."""
     return (4 if integer else 8) if NUM_WARPS is None else NUM_WARPS
+
+
+def default_max_registers(integer: bool) -> int:
+    """The partial pass's register cap where ``MAX_REGISTERS`` leaves it to the storage (see there; 0: none)."""
+    return (INT_REGISTERS if integer else 0) if MAX_REGISTERS is None else MAX_REGISTERS
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -770,13 +781,13 @@ def _sm_count(device: torch.device) -> int:
 def programs_target(device: torch.device, num_warps: int, max_registers: int | None) -> int:
     """Programs a partial pass launches across all (row, head) pairs when it sizes its own splits: one wave.
 
-    An SM holds as many programs as its 65,536 registers allow: ``WARPS_PER_SM`` warps uncapped (measured), else
+    An SM holds as many programs as its 65,536 registers allow: ``WARPS_PER_SM`` warps uncapped (0; measured), else
     ``65536 / (max_registers x 32 x num_warps)`` programs (three 8-warp programs at 80 registers), times the
     device's SMs; a cap whose extra programs had no splits to run would buy nothing. ``SPLIT_PROGRAMS`` off a GPU.
     """
     if device.type != "cuda":
         return SPLIT_PROGRAMS
-    if max_registers is None:
+    if not max_registers:
         per_sm = max(1, WARPS_PER_SM // num_warps)
     else:
         per_sm = max(1, 65536 // (max_registers * 32 * num_warps))
@@ -874,7 +885,10 @@ def plan_attention(
     sizes = [p.slots for p in parts]
     s_total = sum(sizes)
     interp = interpreter_on()
-    warps = default_num_warps(_reads_integers(parts)) if num_warps is None else num_warps
+    integer = _reads_integers(parts)
+    warps = default_num_warps(integer) if num_warps is None else num_warps
+    if max_registers is None:
+        max_registers = default_max_registers(integer)
     target = programs_target(device, warps, max_registers)
     splits = [_split_slots(n, bsz * heads, block_n, split_slots, interp, target) for n in sizes]
     n_splits = [cdiv(n, sp) for n, sp in zip(sizes, splits, strict=True)]  # empty parts: no program
@@ -901,13 +915,13 @@ def plan_attention(
         "num_warps": warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
     }
-    if max_registers is not None:
-        if max_registers not in _REGISTER_CAPS:
-            raise ValueError(
-                f"paged_attention: max_registers={max_registers!r}; allowed: None or one of {_REGISTER_CAPS}"
-            )
-        if not interp:  # the interpreter runs no registers and takes no such option
-            launch["maxnreg"] = int(max_registers)
+    if max_registers not in _REGISTER_CAPS:
+        raise ValueError(
+            f"paged_attention: max_registers={max_registers!r}; allowed: None (per storage), 0 (the compiler's) or "
+            f"one of {_REGISTER_CAPS[1:]}"
+        )
+    if max_registers and not interp:  # the interpreter runs no registers and takes no such option
+        launch["maxnreg"] = int(max_registers)
 
     # One launch of each kernel for all parts: each part's pointers in a tuple, its sizes in a row of `meta`
     # (see META_COLS), its formats in a constant tuple, so a kernel instance holds the code of exactly the
@@ -1145,7 +1159,8 @@ def paged_attention(
     ``half_dequant`` dequantizes integer fields read in pieces to fp16 and runs their products in fp16 where
     the query is 16-bit (the default, ``HALF_DEQUANT``; False: dequantized in fp32 and rounded to the query's
     dtype, which in bf16 lies further from exact attention); ``max_registers`` caps the partial pass's registers
-    per thread (Triton's ``maxnreg``, so more programs fit an SM; ``MAX_REGISTERS``); ``column_sums`` sums the
+    per thread (Triton's ``maxnreg``, so more programs fit an SM; 0: no cap; None: ``MAX_REGISTERS``, by default
+    ``INT_REGISTERS`` where integer fields are read); ``column_sums`` sums the
     softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
     opaque identity (``OPERAND_FENCE``; compiled code only); ``asm_dequant`` runs the fp16 dequantization's arithmetic
     as PTX (``ASM_DEQUANT``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
