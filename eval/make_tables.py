@@ -875,7 +875,7 @@ def gpu_runs_block(
             if "ms" in r and (case not in best or r["ms"] < best[case]["ms"]):
                 best[case] = r
         cells = [
-            f"{case}: block_n {r['block_n']}, {r['num_warps']} warps, {r['num_stages']} stages"
+            f"{case}: block_n {r['block_n']}, {_warps_text(r)} warps, {r['num_stages']} stages"
             f"{', integer rows' if r.get('int_tile') and not r.get('int_pieces') else ''}"
             f"{', integer pieces' if r.get('int_pieces') else ''}"
             f"{', table ' + str(r['table_ahead']) + ' ahead' if 'table_ahead' in r else ''}{_split_text(r)}"
@@ -884,7 +884,7 @@ def gpu_runs_block(
             f"{', column sums' if r.get('column_sums') else ''}"
             f"{', operand fence' if r.get('operand_fence') else ''}"
             f"{', PTX dequantization' if r.get('asm_dequant') else ''}"
-            f"{', ' + str(r['max_registers']) + ' registers' if r.get('max_registers') else ''}, "
+            f"{', register cap ' + _cap_text(r) if r.get('max_registers', 0) != 0 else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
         ]
@@ -913,26 +913,39 @@ _FLAG_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant")  # 
 _OPTION_KEYS = (*_FLAG_KEYS, "max_registers")
 
 
+def _warps_text(row: dict[str, Any]) -> str:
+    """A sweep row's warps (None since 652526e: the library's choice by storage)."""
+    return "by storage" if row["num_warps"] is None else str(row["num_warps"])
+
+
+def _cap_text(row: dict[str, Any]) -> str:
+    """A sweep row's register cap: rows before 652526e hold none or a number (the key absent: the compiler's
+    choice); since then 0 is the compiler's choice and None the library's (128 where integer fields are read)."""
+    if "max_registers" not in row or row["max_registers"] == 0:
+        return "-"
+    return "by storage" if row["max_registers"] is None else str(row["max_registers"])
+
+
 def option_sweep_table(name: str, res: dict[str, Any]) -> str:
     """Every row of a sweep over the partial pass's code options, with how far its output lies from the default
     launch's on the same storage: an option that is faster but moves the output is not a free speed-up."""
     rows = []
-    for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"] or 0, *(
-            str(r.get(k)) for k in _OPTION_KEYS))):  # fmt: skip
+    for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"] or 0,
+            r["block_n"], *(str(r.get(k)) for k in _OPTION_KEYS))):  # fmt: skip
         if "ms" not in r:
             continue
         rows.append([
-            f"{r['kind']} {r['context']:,} x {r['batch']}", str(r["num_warps"]),
+            f"{r['kind']} {r['context']:,} x {r['batch']}", _warps_text(r), str(r["block_n"]),
             *("yes" if r.get(k) else "no" for k in _FLAG_KEYS),  # older files lack the newer options: off
-            str(r.get("max_registers") or "-"), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
+            _cap_text(r), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
             fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
             fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),
         ])  # fmt: skip
     header = [
-        "case", "warps", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "register cap", "ms", "GB/s",
-        "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
+        "case", "warps", "block_n", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "register cap",
+        "ms", "GB/s", "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
     ]  # fmt: skip
-    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "llllllllllll")
+    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "lllllllllllll")
 
 
 def storage_variants_table(name: str, res: dict[str, Any]) -> str:
