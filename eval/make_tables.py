@@ -1186,6 +1186,14 @@ env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kind
 python eval/dequant_rounding.py --out eval/results/dequant_rounding.json --docs 4 --tokens 4096
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
 bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
+# on a GPU lease, one call: compiled tests first (the PTX dequantization off should the decode path's fail), a sweep,
+# then gpu_check's other parts, results flat under $OUT (the twelfth lease's second call: gpu_check_h200_run16/17,
+# kernel_variants_h200_run7; docs/kernels.md, "Device recipe")
+LEASE_S=330 LEASE_PARTS=e2e \\
+    LEASE_CHECK_ARGS="--e2e-contexts 32768 --e2e-batches 8 --budgets 1024 --e2e-graph-modes layers" \\
+    LEASE_SWEEP="timeout 60 python3 eval/kernel_variants.py --out \\$OUT/sweep.json --block-n 64 --num-warps 0 \
+--cases quant:32768:8,hfkv:32768:8,full:32768:8 --num-stages 2 --max-registers=-1,0,-1,0 --budget-s 45" \\
+    bash eval/gpu_lease.sh
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
 python eval/cpu_kernel_scaling.py --wait-quiet 600
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")

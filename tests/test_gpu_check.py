@@ -278,3 +278,18 @@ def test_isolated_checks_run_in_a_process_of_their_own(monkeypatch):
     # the graph check itself finds the tests' helpers in the child and reaches the decoder (which refuses the mode)
     ok, detail = isolated(_graph_check_in, str(repo_root()), "cpu", "pieces")
     assert not ok and "GraphedDecoder: mode='pieces'" in detail
+
+
+def test_decode_path_failures_name_the_decode_kernel_and_dequant_tests_only():
+    """eval/gpu_lease.sh turns the PTX dequantization off when these fail: a failure elsewhere (or a run without
+    tests) must not, and one in either file must."""
+    def result(*tests):
+        failures = [{"test": t, "outcome": "failed", "message": ""} for t in tests]
+        return {"parts": {"tests": {"pytest": {"passed": 3, "failed": len(tests), "failures": failures}}}}
+
+    decode = "tests/test_kernel_decode_attention.py::test_paged_attention_matches[triton-fp16]"
+    dequant = "tests/test_kernel_dequant.py::test_dequant[fp16-ptx]"
+    other = "tests/test_kernel_encode.py::test_encode[int4]"
+    assert gpu_check.decode_path_failures(result(other)) == []
+    assert gpu_check.decode_path_failures(result(decode, other, dequant)) == [decode, dequant]
+    assert gpu_check.decode_path_failures({"parts": {"e2e": {}}}) == []
