@@ -4,7 +4,10 @@
 # The dense case reads the same bytes at 80% of copy; the paged ones at ~55%: the diff says why.
 #
 #   bash eval/ncu_decode.sh OUT_DIR [KIND:CONTEXT:BATCH:TABLE_AHEAD ...]
-#   NCU_VARIANT_ARGS="--half-dequant 1 --max-registers 80" bash eval/ncu_decode.sh OUT_DIR quant:32768:8:2
+#   NCU_VARIANT_ARGS="--max-registers=0" bash eval/ncu_decode.sh OUT_DIR quant:32768:8:2   # a launch option changed
+#
+# The launch is the library's default (warps and register cap by storage, integer tiles in pieces, fp16 / PTX
+# dequantization) unless NCU_VARIANT_ARGS repeats an option (the last value wins); the twelfth lease's code.
 #
 # Needs a CUDA machine with ncu (Firecracker leases; `--clock-control none` leaves the clocks alone).
 # Writes OUT_DIR/ncu_decode.tar.gz (details text, stall reasons and a SASS csv per case) and prints the headline
@@ -24,8 +27,8 @@ for c in "${cases[@]}"; do
         --launch-skip 0 --launch-count 1 --set full --import-source no -f -o "$work/$name" \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 eval/kernel_variants.py --out "$work/$name.json" --cases "$kind:$ctx:$batch" --block-n 64 \
-        --num-warps 8 --num-stages 2 --int-tile 0 --int-pieces 1 --table-ahead "$ahead" --repeats 3 \
-        ${NCU_VARIANT_ARGS:-} >"$work/$name.log" 2>&1
+        --num-warps 0 --num-stages 2 --int-tile 1 --int-pieces 1 --half-dequant 1 --max-registers=-1 \
+        --table-ahead "$ahead" --repeats 3 ${NCU_VARIANT_ARGS:-} >"$work/$name.log" 2>&1
     echo "== $c: ncu rc $?"
     "$ncu" -i "$work/$name.ncu-rep" --page details >"$work/${name}_details.txt" 2>&1
     "$ncu" -i "$work/$name.ncu-rep" --page source --print-source sass --csv >"$work/${name}_sass.csv" 2>&1
