@@ -372,7 +372,8 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     """``half_dequant`` (the default) turns the fp16 form on where the products run in a 16-bit type (the cases
     above with fp16 queries run it, "triton-fp32-dequant" the other form), never for fp32 queries, whose products
     stay IEEE fp32."""
-    from hfkv.kernels.decode_attention import plan_attention
+    from hfkv.kernels.backend import inline_ptx_ok
+    from hfkv.kernels.decode_attention import ASM_DEQUANT, plan_attention
 
     bsz, heads, dim = 2, 2, 64
     layouts = (_layout("model", "model", dim, dtype), _layout("int8", "int4", dim, dtype))
@@ -380,9 +381,6 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     parts = [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
     query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
     pad_end = torch.zeros(bsz, dtype=torch.long)
-    from hfkv.kernels.backend import inline_ptx_ok
-    from hfkv.kernels.decode_attention import ASM_DEQUANT
-
     default = plan_attention(query, parts, pad_end).constants["HALF"]
     off = plan_attention(query, parts, pad_end, half_dequant=False).constants["HALF"]
     # 1: the fp16 arithmetic in Triton; 2: as PTX, on compiled code for NVIDIA GPUs (the first lease after it found
@@ -407,6 +405,7 @@ def test_compiled_partial_pass_caps_registers_where_it_reads_integers(monkeypatc
     def cap(parts, **kw):
         return da.plan_attention(query, parts, pad_end, **kw).constants.get("maxnreg")
 
+    monkeypatch.setattr(da, "interpreter_on", lambda: True)
     assert cap([full, ints]) is None  # the interpreter's plan
     monkeypatch.setattr(da, "interpreter_on", lambda: False)
     assert (cap([full]), cap([full, ints]), cap([ints])) == (None, da.INT_REGISTERS, da.INT_REGISTERS)

@@ -124,6 +124,8 @@ def decode_path_failures(result: dict[str, Any]) -> list[str]:
     tests part has none)."""
     failures = result.get("parts", {}).get("tests", {}).get("pytest", {}).get("failures", [])
     return [f["test"] for f in failures if f["test"].split("::")[0] in DECODE_PATH_TESTS]
+
+
 def pytest_outcomes(lines: Sequence[str]) -> dict[str, Any]:
     """Counts and failures from ``hfkv.kernels.gpu_offload``'s report (one JSON line per test phase)."""
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
