@@ -44,6 +44,7 @@ def test_dry_run_runs_every_part_and_writes_the_files(tmp_path, capsys, frozen_h
     tests = parts["tests"]
     py = tests["pytest"]
     assert py["passed"] >= 3 and py["failed"] == py["error"] == 0 and not py["timed_out"]
+    assert py["collected"] == py["passed"] + py["skipped"] and py["not_run"] == []  # the selection, all reported
     assert "gpu_offload" in py["command"] and py["interpreter"] is True
     names = [c["name"] for c in tests["checks"]]
     assert any(n.startswith("generate llama quant") for n in names) and any("host sync" in n for n in names)
@@ -109,6 +110,10 @@ def test_pytest_outcomes_count_each_test_once_by_its_worst_phase():
     got = gpu_check.pytest_outcomes(lines)
     assert (got["passed"], got["failed"], got["skipped"], got["error"]) == (1, 1, 1, 1)
     assert [(f["test"], f["outcome"]) for f in got["failures"]] == [("b", "failed"), ("d", "error")]
+    assert got["not_run"] is None  # no collected line: unknown, not "none"
+    # the selected tests (one line, gpu_offload's) name those a run stopped at its deadline never reported
+    got = gpu_check.pytest_outcomes([json.dumps({"collected": ["a", "b", "c", "d", "e", "f"]}), *lines])
+    assert (got["collected"], got["not_run"]) == (6, ["e", "f"])
 
 
 @pytest.mark.parametrize(

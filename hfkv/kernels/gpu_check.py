@@ -127,13 +127,18 @@ def decode_path_failures(result: dict[str, Any]) -> list[str]:
 
 
 def pytest_outcomes(lines: Sequence[str]) -> dict[str, Any]:
-    """Counts and failures from ``hfkv.kernels.gpu_offload``'s report (one JSON line per test phase)."""
+    """Counts and failures from ``hfkv.kernels.gpu_offload``'s report (one JSON line per test phase, and one of the
+    selected tests), and the selected tests that reported nothing (``not_run``: a run stopped at its deadline)."""
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
     final: dict[str, tuple[str, str]] = {}
+    collected: list[str] | None = None
     for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # blank, or a line two processes wrote into each other
+            continue
+        if "collected" in row:
+            collected = row["collected"]
             continue
         outcome = row["outcome"]
         if row["when"] != "call" and outcome == "failed":
@@ -145,7 +150,9 @@ def pytest_outcomes(lines: Sequence[str]) -> dict[str, Any]:
     failures = [
         {"test": t, "outcome": o, "message": m[-1500:]} for t, (o, m) in final.items() if o in ("failed", "error")
     ]
-    return {**counts, "failures": failures}
+    not_run = None if collected is None else [t for t in collected if t not in final]
+    return {**counts, "failures": failures, "collected": None if collected is None else len(collected),
+            "not_run": not_run}  # fmt: skip
 
 
 def pytest_workers(dry_run: bool) -> int:

@@ -84,6 +84,9 @@ def _tests_lines(body: dict[str, Any]) -> list[str]:
         for f in py["failures"][:MAX_LISTED]:
             msg = [m for m in f["message"].strip().splitlines() if m.startswith("E ")][:1] or [""]
             lines.append(f"  {f['outcome'].upper()} {f['test']} {msg[0][:110]}")
+        not_run = py.get("not_run") or []  # runs before the collected line: absent
+        if not_run:
+            lines.append(f"  NOT RUN {len(not_run)} of {py['collected']} selected: {', '.join(not_run[:MAX_LISTED])}")
     checks = body.get("checks", [])
     if checks:
         bad = [c for c in checks if not c["ok"]]

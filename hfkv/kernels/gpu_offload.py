@@ -180,6 +180,16 @@ def pytest_report_header(config) -> str | None:
     return f"hfkv.kernels.gpu_offload: Triton launches run on {device} ({', '.join(_INSTALLED)})"
 
 
+def pytest_collection_finish(session) -> None:
+    """The selected tests, once (the first xdist worker, or the only process): a run stopped at its deadline can
+    then say which did not run, not only how many did."""
+    path = os.environ.get(ENV_REPORT)
+    if not path or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"collected": [item.nodeid for item in session.items]}) + "\n")
+
+
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get(ENV_REPORT)
     if not path or (report.when != "call" and report.passed):
