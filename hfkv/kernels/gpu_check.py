@@ -180,7 +180,8 @@ def run_pytest(
 
     fd, report = tempfile.mkstemp(prefix="hfkv_gpu_check_", suffix=".jsonl")
     os.close(fd)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # not the calling pytest's own xdist variables (a suite run with -n): gpu_offload reads the child run's
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST_XDIST")}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env.update({ENV_DEVICE: device, ENV_REPORT: report, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
