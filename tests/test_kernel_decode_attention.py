@@ -367,6 +367,14 @@ def test_window_write_in_the_partial_pass_equals_writing_first(dtype):
         call([t.clone() for t in (k, v, pos, score)], PendingWrite(new_k, new_v, cap, length))
 
 
+def _plan_inputs(layouts, dtype, bsz, length, counts, seed, heads=2, dim=64):
+    """Paged parts over random storage, one a layout, and a one-token query and pad_end: what the launch-plan tests
+    below hand ``plan_attention``."""
+    tiers = _storage(layouts, bsz, heads, dim, length, counts, None, seed=seed)
+    parts = [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
+    return parts, torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype), torch.zeros(bsz, dtype=torch.long)
+
+
 @pytest.mark.parametrize("dtype,half", [(torch.float16, True), (torch.float32, False)])
 def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     """``half_dequant`` (the default) turns the fp16 form on where the products run in a 16-bit type (the cases
@@ -375,12 +383,8 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     from hfkv.kernels.backend import inline_ptx_ok
     from hfkv.kernels.decode_attention import ASM_DEQUANT, plan_attention
 
-    bsz, heads, dim = 2, 2, 64
-    layouts = (_layout("model", "model", dim, dtype), _layout("int8", "int4", dim, dtype))
-    tiers = _storage(layouts, bsz, heads, dim, 80, (20, 30), None, seed=1)
-    parts = [PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts)]
-    query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
-    pad_end = torch.zeros(bsz, dtype=torch.long)
+    layouts = (_layout("model", "model", 64, dtype), _layout("int8", "int4", 64, dtype))
+    parts, query, pad_end = _plan_inputs(layouts, dtype, 2, 80, (20, 30), seed=1)
     default = plan_attention(query, parts, pad_end).constants["HALF"]
     off = plan_attention(query, parts, pad_end, half_dequant=False).constants["HALF"]
     # 1: the fp16 arithmetic in Triton; 2: as PTX, on compiled code for NVIDIA GPUs (the first lease after it found
@@ -395,12 +399,8 @@ def test_compiled_partial_pass_caps_registers_where_it_reads_integers(monkeypatc
     cap, and the interpreter, which has no registers, gets none."""
     from hfkv.kernels import decode_attention as da
 
-    bsz, heads, dim, dtype = 2, 2, 64, torch.float16
-    layouts = (_layout("model", "model", dim, dtype), _layout("int8", "int4", dim, dtype))
-    tiers = _storage(layouts, bsz, heads, dim, 80, (20, 30), None, seed=1)
-    full, ints = (PagedSlots(tiers.pool.data, tiers.tables[t], tiers.tpp[t], lay) for t, lay in enumerate(layouts))
-    query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
-    pad_end = torch.zeros(bsz, dtype=torch.long)
+    layouts = (_layout("model", "model", 64, torch.float16), _layout("int8", "int4", 64, torch.float16))
+    (full, ints), query, pad_end = _plan_inputs(layouts, torch.float16, 2, 80, (20, 30), seed=1)
 
     def cap(parts, **kw):
         return da.plan_attention(query, parts, pad_end, **kw).constants.get("maxnreg")
@@ -420,12 +420,7 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     from hfkv.kernels import decode_attention as da
     from hfkv.kernels.backend import triton_version
 
-    bsz, heads, dim, dtype = 1, 2, 64, torch.float16
-    layouts = (_layout("int8", "int4", dim, dtype),)
-    tiers = _storage(layouts, bsz, heads, dim, 40, (20,), None, seed=2)
-    parts = [PagedSlots(tiers.pool.data, tiers.tables[0], tiers.tpp[0], layouts[0])]
-    query = torch.zeros(bsz, heads * 2, 1, dim, dtype=dtype)
-    pad_end = torch.zeros(bsz, dtype=torch.long)
+    parts, query, pad_end = _plan_inputs((_layout("int8", "int4", 64, torch.float16),), torch.float16, 1, 40, (20,), 2)
     assert da.plan_attention(query, parts, pad_end, operand_fence=True).constants["FENCE"] is (not interpreter_on())
     assert da.plan_attention(query, parts, pad_end, operand_fence=False).constants["FENCE"] is False
 
