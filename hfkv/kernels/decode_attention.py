@@ -123,14 +123,20 @@ OPERAND_FENCE = triton_version() < (3, 8)
 # all 12 launch pairs (quant 0.398 -> 0.384 ms uncapped, 0.353 -> 0.318 at 128 registers).
 ASM_DEQUANT = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; 0: the compiler's choice; None: per storage,
-# INT_REGISTERS where a part holding slots has an integer field, else the compiler's). The quantized pass ran at 112
+# INT_REGISTERS where a part holding slots has an integer field, else FULL_REGISTERS). The quantized pass ran at 112
 # registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and issued on 40% of
 # cycles. At 4 warps with the PTX dequantization it takes 167 (three programs an SM; sm_90 code, Triton 3.6); capped
 # at 128 it fits four (quant without spills, hfkv with a few). H200, 32k x 8, block 64, PTX dequantization
 # (eval/results/gpu/kernel_variants_h200_run6.json, first lease after it): quant 0.384 -> 0.318 ms uncapped -> 128,
-# 0.334 at 168; hfkv 0.419 -> 0.350, 0.353 at 168; the same order with Triton's own arithmetic.
+# 0.334 at 168; hfkv 0.419 -> 0.350, 0.353 at 168; the same order with Triton's own arithmetic. Full-precision pages
+# (8 warps) take 103 registers uncapped, two programs an SM; at FULL_REGISTERS they fit three (16 bytes of stack, 53.0
+# warp-instructions a slot against 51.0; eval/results/kernel_sass_full_registers_triton36.json) and the splits grow to
+# fill them. H200, 32k x 8 (eval/results/gpu/kernel_variants_h200_run8.json, each cap at 2 and 3 stages): full pages
+# 0.496 / 0.479 ms uncapped, 0.479 / 0.479 at 96, 0.440 / 0.440 at 80; the integer storages lose at 96 and 80 (quant
+# 0.317 -> 0.337 -> 0.361, hfkv 0.353 -> 0.410 -> 0.537 at 2 stages), so they keep 128.
 MAX_REGISTERS = None
 INT_REGISTERS = 128
+FULL_REGISTERS = 80
 _REGISTER_CAPS = (0, 64, 72, 80, 96, 128, 168, 255)
 # Programs the partial pass launches over all (row, head) pairs when it sizes its own splits: one wave, the device's
 # SMs times the programs an SM holds. Uncapped, the partial pass takes 97-128 registers a thread: 16 warps an SM,
@@ -171,6 +177,7 @@ def launch_defaults() -> dict[str, Any]:
         "asm_dequant": ASM_DEQUANT,
         "max_registers": MAX_REGISTERS,
         "int_registers": INT_REGISTERS,
+        "full_registers": FULL_REGISTERS,
         "table_ahead": TABLE_AHEAD,
         "score_block": SCORE_BLOCK,
     }
@@ -221,7 +228,7 @@ def default_num_warps(integer: bool) -> int:
 
 def default_max_registers(integer: bool) -> int:
     """The partial pass's register cap where ``MAX_REGISTERS`` leaves it to the storage (see there; 0: none)."""
-    return (INT_REGISTERS if integer else 0) if MAX_REGISTERS is None else MAX_REGISTERS
+    return (INT_REGISTERS if integer else FULL_REGISTERS) if MAX_REGISTERS is None else MAX_REGISTERS
 
 
 def field_align(record_bytes: int, page_align: int, offset: int) -> int:
@@ -1161,7 +1168,7 @@ def paged_attention(
     the query is 16-bit (the default, ``HALF_DEQUANT``; False: dequantized in fp32 and rounded to the query's
     dtype, which in bf16 lies further from exact attention); ``max_registers`` caps the partial pass's registers
     per thread (Triton's ``maxnreg``, so more programs fit an SM; 0: no cap; None: ``MAX_REGISTERS``, by default
-    ``INT_REGISTERS`` where integer fields are read); ``column_sums`` sums the
+    ``INT_REGISTERS`` where integer fields are read, else ``FULL_REGISTERS``); ``column_sums`` sums the
     softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
     opaque identity (``OPERAND_FENCE``; compiled code only); ``asm_dequant`` runs the fp16 dequantization's arithmetic
     as PTX (``ASM_DEQUANT``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
