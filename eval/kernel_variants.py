@@ -9,10 +9,11 @@ with ``torch.profiler`` (partial, combine, score: which one to work on). Rows ar
 JSON after each case, so a run stopped from outside keeps what it measured.
 
 The storage varies too, to tell the paged addressing's cost from the loop's: ``--page-records`` (records
-per page; the library's pages hold ~10 of Llama's bf16 records), ``--record-align 16`` (records padded
-to 16 bytes, so every field can be one 16-byte copy) and the case kind ``dense`` (the whole context in
-one dense part, the window ring's path: no page table, what flash SDPA reads). The same seed draws the
-same tokens for every storage, so each row's output is also compared with the case's first storage.
+per page; the library's pages hold 11 of Llama's bf16 records, 10 before they started on 32-byte sectors),
+``--record-align 16`` (records padded to 16 bytes, so every field can be one 16-byte copy) and the case kind
+``dense`` (the whole context in one dense part, the window ring's path: no page table, what flash SDPA
+reads). The same seed draws the same tokens for every storage, so each row's output is also compared with the
+case's first storage.
 
     python eval/kernel_variants.py --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 \
         --record-align 4,16

@@ -301,6 +301,45 @@ def test_memory_bound_small_pages():
     )
 
 
+@given(sizes=st.lists(st.integers(9, 1200).map(lambda n: 4 * n), min_size=1, max_size=3))
+@settings(max_examples=60, deadline=None)
+def test_auto_page_bytes_starts_pages_on_sectors_where_that_costs_little(sizes):
+    """Against a brute force over every byte count: the page holds 8 of the largest record and tiles every tier
+    within 1%; it is the smallest 32-byte multiple that does where that is at most 1/8 larger than the smallest
+    multiple of the largest record that does (the page size before sectors counted), else that one."""
+    from hfkv.storage.paged import PAGE_ALIGN, PAGE_GROWTH, auto_page_bytes
+
+    def waste(page: int) -> float:
+        return sum(page % r for r in sizes) / page
+
+    def smallest(step: int) -> int | None:
+        lo = -(-8 * max(sizes) // step) * step
+        return next((p for p in range(lo, 16385, step) if waste(p) <= 0.01), None)
+
+    page, packed, aligned = auto_page_bytes(sizes), smallest(max(sizes)), smallest(PAGE_ALIGN)
+    assert page // max(sizes) >= 8
+    if packed is not None and aligned is not None:
+        assert page == (aligned if aligned <= PAGE_GROWTH * packed else packed)
+        assert waste(page) <= 0.01
+    if page % PAGE_ALIGN:
+        assert aligned is None or aligned > PAGE_GROWTH * page
+
+
+def test_auto_page_bytes_of_the_shapes_the_project_measures():
+    """Llama-3.1-8B's bf16 and K4V2 records (the GPU lease's storage) start on sectors; SmolLM2's (head_dim 64) keep
+    their 2,376-byte pages, which a sector-aligned page would grow by a third."""
+    from hfkv.storage.paged import auto_page_bytes
+
+    assert auto_page_bytes([520, 136]) == 5728 and auto_page_bytes([264, 72]) == 2376
+
+
+def test_auto_page_bytes_names_a_bad_record_size():
+    from hfkv.storage.paged import auto_page_bytes
+
+    with pytest.raises(ValueError, match=r"record_sizes=\[520, 0\]"):
+        auto_page_bytes([520, 0])
+
+
 @pytest.mark.parametrize("page_bytes", [4096, None])
 def test_memory_realistic_head_dim_128(page_bytes):
     """Default formats at head_dim 128. ``None`` (the config default) picks a page size that the
