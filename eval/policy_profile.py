@@ -146,18 +146,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def section_table(events, policy_runs: int) -> dict[str, Any]:
-    """Per section: host ms and device ms per policy run, launches and syncs inside it per policy run."""
+def launched_kernels(event) -> dict[str, float]:
+    """Device microseconds by kernel name of every kernel launched inside ``event`` (a profiler event: itself and its
+    CPU descendants), matched to its launch by the profiler's correlation ids.
+
+    A kernel's own event sits on the device's timeline, so one counted by where its start falls among host ranges
+    lands in whatever section the host was in when the device got to it: with the host ahead of the device and a
+    wait in ``append_tokens``, that put other sections' kernels there (policy profiles before the thirteenth lease)."""
+    out: dict[str, float] = defaultdict(float)
+    stack = [event]
+    while stack:
+        e = stack.pop()
+        for k in getattr(e, "kernels", None) or ():
+            out[k.name] += k.duration
+        stack.extend(getattr(e, "cpu_children", None) or ())
+    return dict(out)
+
+
+def section_table(events, policy_runs: int, top: int = 8) -> dict[str, Any]:
+    """Per section: host ms and device ms per policy run (the kernels launched inside it, nested sections
+    included), its ``top`` kernels by device time, launches and syncs inside it per policy run."""
     spans = defaultdict(list)  # name -> [(start_us, end_us)] on the host
+    kernels: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in events:
         if e.name.startswith("hfkv::"):
             spans[e.name[6:]].append((e.time_range.start, e.time_range.end))
+            for name, us in launched_kernels(e).items():
+                kernels[e.name[6:]][name] += us
     out: dict[str, Any] = {}
     runs = max(policy_runs, 1)
     for name, ranges in spans.items():
         host_us = sum(b - a for a, b in ranges)
         launches = syncs = 0
-        device_us = 0.0
         for e in events:
             start = e.time_range.start
             if not any(a <= start <= b for a, b in ranges):
@@ -166,13 +186,14 @@ def section_table(events, policy_runs: int) -> dict[str, Any]:
                 launches += 1
             elif e.name in SYNC_EVENTS:
                 syncs += 1
-            device_us += getattr(e, "self_device_time_total", 0.0) or 0.0
+        by_kernel = sorted(kernels[name].items(), key=lambda kv: -kv[1])
         out[name] = {
             "calls": len(ranges),
             "host_ms_per_policy_run": host_us / 1e3 / runs,
-            "device_ms_per_policy_run": device_us / 1e3 / runs,
+            "device_ms_per_policy_run": sum(us for _, us in by_kernel) / 1e3 / runs,
             "launches_per_policy_run": launches / runs,
             "syncs_per_policy_run": syncs / runs,
+            "kernels_ms_per_policy_run": {k: us / 1e3 / runs for k, us in by_kernel[:top]},
         }
     return out
 
@@ -247,6 +268,9 @@ def print_sections(sections: dict[str, Any], order: str) -> None:
             f"  {name:<18} host {s['host_ms_per_policy_run']:8.2f} ms  device {s['device_ms_per_policy_run']:8.2f} ms"
             f"  launches {s['launches_per_policy_run']:6.1f}  syncs {s['syncs_per_policy_run']:5.1f}"
         )
+        top = list(s.get("kernels_ms_per_policy_run", {}).items())[:3]
+        if top:
+            print("    " + ", ".join(f"{k[:40]} {ms:.3f} ms" for k, ms in top))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,3 +27,30 @@ def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
     from hfkv.cache import TriStateLayer
 
     assert TriStateLayer.run_policy.__qualname__ == "TriStateLayer.run_policy"
+
+
+def test_section_kernels_follow_their_launch_not_the_device_clock():
+    """A section's device time is the kernels launched inside it (itself and its CPU descendants, nested sections
+    counted in each), by name; a kernel whose device run falls inside another section's host range stays with the
+    section that launched it."""
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location("policy_profile", REPO / "eval" / "policy_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def ev(name, start, end, kernels=(), children=()):
+        return NS(name=name, time_range=NS(start=start, end=end), kernels=[NS(name=k, duration=d) for k, d in kernels],
+                  cpu_children=list(children))  # fmt: skip
+
+    sort = ev("aten::sort", 12, 13, [("radix", 30.0)])
+    append = ev("hfkv::append_tokens", 20, 90, [("encode", 50.0)])
+    apply = ev("hfkv::apply", 15, 95, [("plan", 10.0)], [append])
+    classify = ev("hfkv::classify", 10, 14, [("scan", 40.0), ("scan", 20.0)], [sort])
+    # the device runs classify's kernels while the host waits in append_tokens: their own events lie there
+    device_side = ev("scan", 30, 70, [])
+    table = mod.section_table([classify, sort, apply, append, device_side], policy_runs=2)
+    assert table["classify"]["kernels_ms_per_policy_run"] == {"scan": 0.03, "radix": 0.015}
+    assert table["classify"]["device_ms_per_policy_run"] == 0.045
+    assert table["append_tokens"]["kernels_ms_per_policy_run"] == {"encode": 0.025}
+    assert table["apply"]["device_ms_per_policy_run"] == 0.03  # its own 10 us and append_tokens' 50, per run
