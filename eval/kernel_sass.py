@@ -107,6 +107,19 @@ def read_sass(cubin: bytes) -> dict[str, Any]:
     }
 
 
+def tile_lane_columns(ttgir: str) -> list[list[int]]:
+    """For each integer tile the loop hands to shared memory (a 2-D tensor in a ``#linear`` layout, the pieces'
+    joins), the tile column each lane bit selects (0: a row bit): whether a quarter-warp's 16-byte stores spread over
+    every bank (``SPREAD_BANKS``; lane 0 on column 32) or meet in half of them (lane 0 on column 64)."""
+    layouts = {m.group(1): m.group(2) for m in re.finditer(r"^#(linear\d*) = #ttg\.linear<\{(.*)\}>$", ttgir, re.M)}
+    out = []
+    for m in re.finditer(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+x\w+, #(linear\d*)>\)", ttgir):
+        lane = re.search(r"lane = \[(.*?)\]\], warp", layouts.get(m.group(1), ""))
+        if lane:
+            out.append([int(v.split(",")[1]) for v in re.findall(r"\[(\d+, \d+)", lane.group(1) + "]")])
+    return out
+
+
 def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     from hfkv.kernels.decode_attention import BLOCK_N
 
@@ -116,6 +129,7 @@ def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     row["dot_operand_kwidths"] = sorted({int(w) for w in re.findall(r"kWidth = (\d+)", kernel.asm["ttgir"])})
     # inline PTX: operand fences (OPERAND_FENCE) and the fp16 dequantization's pairs (ASM_DEQUANT)
     row["inline_asm_ops"] = kernel.asm["ttgir"].count("elementwise_inline_asm")
+    row["tile_lane_columns"] = tile_lane_columns(kernel.asm["ttgir"])
     warps, block_n = kernel.metadata.num_warps, launch.get("block_n", BLOCK_N)  # as the launch chose them
     row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n

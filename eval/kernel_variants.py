@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.column_sums,
             args.operand_fence,
             args.asm_dequant,
+            args.spread_banks,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -183,11 +184,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             storage_diff = kb._rel_err(ref, first)
         kernels_ms = kernel_split(kb.decode_call(st, parts, plan), device)
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
-        for block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums, fence, asm in grid:
+        for variant in grid:
+            (block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums, fence, asm,
+             spread) = variant  # fmt: skip
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
                     f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
-                    f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}"
+                    f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}/{spread}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps or None, "num_stages": stages, "int_tile": bool(tile)}
@@ -196,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["column_sums"] = bool(colsums)
             launch["operand_fence"] = bool(fence)
             launch["asm_dequant"] = bool(asm)
+            launch["spread_banks"] = bool(spread)
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
             launch["max_registers"] = None if regs < 0 else regs  # 0: the compiler's choice; -1: the library's
@@ -258,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--asm-dequant", type=_ints, default=[1], help="the fp16 dequantization's arithmetic as PTX (1) or Triton (0)"
+    )
+    p.add_argument(
+        "--spread-banks", type=_ints, default=[1], help="integer tiles' columns ordered for conflict-free shared stores"
     )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")

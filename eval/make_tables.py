@@ -884,6 +884,7 @@ def gpu_runs_block(
             f"{', column sums' if r.get('column_sums') else ''}"
             f"{', operand fence' if r.get('operand_fence') else ''}"
             f"{', PTX dequantization' if r.get('asm_dequant') else ''}"
+            f"{', spread banks' if r.get('spread_banks') else ''}"
             f"{', register cap ' + _cap_text(r) if r.get('max_registers', 0) != 0 else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
@@ -909,7 +910,7 @@ def gpu_runs_block(
     return "\n".join(lines)
 
 
-_FLAG_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant")  # on / off launch options
+_FLAG_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant", "spread_banks")  # on / off launch options
 _OPTION_KEYS = (*_FLAG_KEYS, "max_registers")
 
 
@@ -942,10 +943,10 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
             fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),
         ])  # fmt: skip
     header = [
-        "case", "warps", "block_n", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "register cap",
-        "ms", "GB/s", "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
+        "case", "warps", "block_n", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "spread banks",
+        "register cap", "ms", "GB/s", "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
     ]  # fmt: skip
-    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "lllllllllllll")
+    return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "l" * len(header))
 
 
 def storage_variants_table(name: str, res: dict[str, Any]) -> str:

@@ -82,13 +82,15 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "operand_fence=0;asm_dequant=0",
         "--launch",
         "asm_dequant=0",
+        "--launch",
+        "spread_banks=0",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm = json.loads(out.read_text())["rows"]
-    for r in (half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm):
+    half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread = json.loads(out.read_text())["rows"]
+    for r in (half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
         assert r["loops_instructions"] == [r["loop_instructions"]]  # one part (K int4 / V int2 pages), one loop
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
@@ -114,3 +116,8 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     assert half["inline_asm_ops"] > no_asm["inline_asm_ops"]
     assert half["loop_instructions"] < 0.9 * no_asm["loop_instructions"]
     assert half["loop_ops"].get("PRMT", 0) < no_asm["loop_ops"].get("PRMT", 0)
+    # the integer tiles' columns ordered for the shared-memory stores (the default): lane 0 of each tile handed to
+    # shared memory tells apart columns 32 apart, not 64, so a quarter-warp's 16-byte stores meet every bank group
+    # once (docs/kernels.md, thirteenth lease: 8 wavefronts a store where 4 would do on the H200)
+    assert half["tile_lane_columns"] and all(lanes[0] == 32 for lanes in half["tile_lane_columns"])
+    assert unspread["tile_lane_columns"] and all(lanes[0] == 64 for lanes in unspread["tile_lane_columns"])

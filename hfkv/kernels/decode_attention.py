@@ -122,6 +122,14 @@ OPERAND_FENCE = triton_version() < (3, 8)
 # (eval/results/gpu/kernel_variants_h200_run6.json): the same distance from the torch twin as without it and faster in
 # all 12 launch pairs (quant 0.398 -> 0.384 ms uncapped, 0.353 -> 0.318 at 128 registers).
 ASM_DEQUANT = True
+# Integer tiles' columns ordered so the tile's trip to shared memory for the tensor cores is free of bank conflicts
+# (``load_int_pieces``' SPREAD: the column bit that two lanes reading a piece tell apart moved to column bit 5). H200
+# ncu of the quant storage's partial pass (eval/results/gpu/ncu_partial_h200_quant_32768x8_memory_ops.csv): each of
+# the 16 ``STS.128`` an iteration took 8 wavefronts where 4 would do, a sixth of the L1 work of a pass bound by L1
+# (88% busy, DRAM 24%). sm_90 code (Triton 3.6): lane 0 holds column 32 instead of 64 (``eval/kernel_sass.py``'s
+# ``tile_lane_columns``); loop 720 -> 718 instructions, the same registers. A relabelling of the tile's columns: the
+# queries are read and the output stored in its order, the values the same.
+SPREAD_BANKS = True
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; 0: the compiler's choice; None: per storage,
 # INT_REGISTERS where a part holding slots has an integer field, else FULL_REGISTERS). The quantized pass ran at 112
 # registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and issued on 40% of
@@ -175,6 +183,7 @@ def launch_defaults() -> dict[str, Any]:
         "column_sums": COLUMN_SUMS,
         "operand_fence": OPERAND_FENCE,
         "asm_dequant": ASM_DEQUANT,
+        "spread_banks": SPREAD_BANKS,
         "max_registers": MAX_REGISTERS,
         "int_registers": INT_REGISTERS,
         "full_registers": FULL_REGISTERS,
@@ -296,6 +305,7 @@ def _partial_part(
     HALF: tl.constexpr,
     COL_SUMS: tl.constexpr,
     FENCE: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -340,7 +350,7 @@ def _partial_part(
     d = tl.arange(0, BLOCK_D)
     q_rows = ((b * HQ + h * G + gi) * QLEN + qi).to(tl.int64) * D
     if K_PC:  # the keys' columns come in the pieces' order: the queries are read in it
-        q_cols = piece_columns(K_BITS, D, K_PC)
+        q_cols = piece_columns(K_BITS, D, K_PC, SPREAD)
     else:
         q_cols = d
     qf = tl.load(q_ptr + q_rows[:, None] + q_cols[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
@@ -399,13 +409,13 @@ def _partial_part(
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (page_at + TAG_AT) // 4 + s % tpp, mask=in_range, other=0)
             if K_PC:
-                k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, K_HALF)
+                k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, K_HALF, SPREAD)
             else:
                 k = load_field(
                     pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
                 )
             if V_PC:
-                v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN, V_HALF)
+                v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN, V_HALF, SPREAD)
             else:
                 v = load_field(
                     pool_ptr, rec, in_range, V_OFF, V_FAM, V_BITS, V_GROUP, V_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE,
@@ -454,7 +464,7 @@ def _partial_part(
         l_i = tl.sum(l_acc, 1)
     tl.store(l_ptr + out, l_i)
     if V_PC:  # the values' columns came in the pieces' order: each goes back to its element
-        acc_cols = piece_columns(V_BITS, D, V_PC)
+        acc_cols = piece_columns(V_BITS, D, V_PC, SPREAD)
     else:
         acc_cols = d
     tl.store(acc_ptr + out[:, None] * BLOCK_D + acc_cols[None, :], acc)
@@ -510,6 +520,7 @@ def _partial_kernel(
     HALF: tl.constexpr,
     COL_SUMS: tl.constexpr,
     FENCE: tl.constexpr,
+    SPREAD: tl.constexpr,
     DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
@@ -537,7 +548,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS, FENCE,
+                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS, FENCE, SPREAD,
             )  # fmt: skip
 
 
@@ -878,6 +889,7 @@ def plan_attention(
     column_sums: bool = COLUMN_SUMS,
     operand_fence: bool = OPERAND_FENCE,
     asm_dequant: bool = ASM_DEQUANT,
+    spread_banks: bool = SPREAD_BANKS,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -992,6 +1004,7 @@ def plan_attention(
         HALF=(2 if asm_dequant and ptx else 1) if half_dequant and int_pieces and dot_t != tl.float32 else 0,
         COL_SUMS=bool(column_sums),
         FENCE=bool(operand_fence) and ptx,
+        SPREAD=bool(spread_banks),
         TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
@@ -1144,6 +1157,7 @@ def paged_attention(
     column_sums: bool = COLUMN_SUMS,
     operand_fence: bool = OPERAND_FENCE,
     asm_dequant: bool = ASM_DEQUANT,
+    spread_banks: bool = SPREAD_BANKS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1171,7 +1185,8 @@ def paged_attention(
     ``INT_REGISTERS`` where integer fields are read, else ``FULL_REGISTERS``); ``column_sums`` sums the
     softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
     opaque identity (``OPERAND_FENCE``; compiled code only); ``asm_dequant`` runs the fp16 dequantization's arithmetic
-    as PTX (``ASM_DEQUANT``; compiled code only): ``eval/kernel_variants.py`` sweeps them.
+    as PTX (``ASM_DEQUANT``; compiled code only); ``spread_banks`` orders integer tiles' columns for shared-memory
+    stores without bank conflicts (``SPREAD_BANKS``): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1181,6 +1196,6 @@ def paged_attention(
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
         int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
-        column_sums, operand_fence, asm_dequant,
+        column_sums, operand_fence, asm_dequant, spread_banks,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

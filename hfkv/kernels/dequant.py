@@ -141,13 +141,32 @@ def piece_width(fmt: QuantFormat) -> int:
     return c if c >= 16 and not c & (c - 1) and not d & (d - 1) else 0
 
 
+@triton.constexpr_function
+def spread_lane_bit(D: int, C: int, SPREAD: bool) -> int:
+    """The tile column (a power of two) whose bit ``load_int_pieces`` swaps with column bit 5 (``SPREAD``), 0: none.
+
+    A piece of 8 words is read by two lanes (16 bytes each), so word bit 2 is a lane bit; the joins put it at
+    column ``D // C * 16`` (see ``piece_columns``). The tile goes to shared memory for the tensor cores in 16-byte
+    vectors of 16-bit columns, a quarter-warp (eight lanes) a wavefront, and the products' operand layout swizzles
+    vectors by XOR with the row: a quarter-warp's four rows spread over vector bits 0 and 1 of the bank group. A lane
+    bit at column bit 5 (vector bit 2) spreads it over all eight bank groups; at column bit 6 or above it lands where
+    column 0 does, every store two wavefronts a quarter-warp (ncu, H200: 8 a 16-byte store where 4 would do)."""
+    lane = D // C * 16
+    return lane if SPREAD and C == 32 and 32 < lane < D else 0
+
+
 @triton.jit
-def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
-    """``[D]``: the element of the field each column of ``load_int_pieces``' tile holds."""
+def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPREAD: tl.constexpr = True):
+    """``[D]``: the element of the field each column of ``load_int_pieces``' tile holds (``SPREAD``: as it read
+    them with the same flag)."""
     PER: tl.constexpr = 8 // BITS
     H: tl.constexpr = D // PER // C  # pieces per code plane
     NSUB: tl.constexpr = D // C * 4  # (piece, byte of a word) sub-tiles, joined in a tree
     f = tl.arange(0, D)
+    LANE: tl.constexpr = spread_lane_bit(D, C, SPREAD)
+    if LANE:  # load_int_pieces swapped column bits 5 and LANE
+        flip = ((f & 32) > 0) != ((f & LANE) > 0)
+        f = tl.where(flip, f ^ (32 | LANE), f)
     # load_int_pieces moves the byte index's high bit (j) behind the tree's dimensions: column i, t, j holds what the
     # tree put at i, j, t
     q = f % NSUB
@@ -354,6 +373,7 @@ def load_int_pieces(
     C: tl.constexpr,  # piece width (``piece_width``)
     ALIGN: tl.constexpr,  # a power of two (4 or more) dividing every ``rec + OFF``
     HALF: tl.constexpr = False,  # fp16 values (above); 2: their arithmetic as PTX (``half_pair_asm``)
+    SPREAD: tl.constexpr = True,  # the columns ordered for bank-conflict-free shared stores (spread_lane_bit)
 ):
     """``[N, D]`` fp32 values of an integer field (``code * scale + zero``, as ``load_field``), its columns in
     the order ``piece_columns`` gives; fp16 with ``HALF``: each code OR'd into the mantissa of 1024.0 (exact
@@ -386,4 +406,8 @@ def load_int_pieces(
     # stores as they are (sm_90: no PRMT repacking them); free in registers, and piece_columns follows
     x = tl.reshape(x, [rec.shape[0], C // 4, 2, 2, PER * H])
     x = tl.permute(x, (0, 1, 2, 4, 3))
+    LANE: tl.constexpr = spread_lane_bit(D, C, SPREAD)
+    if LANE:  # the lanes' column bit to bit 5 and bit 5 to the lanes' place: a relabelling, nothing moves
+        x = tl.reshape(x, [rec.shape[0], D // (2 * LANE), 2, LANE // 64, 2, 32])
+        x = tl.permute(x, (0, 1, 4, 3, 2, 5))
     return tl.reshape(x, [rec.shape[0], D])
