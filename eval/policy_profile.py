@@ -10,8 +10,8 @@ of MB). This script says where that time is, so the fix is aimed, not guessed:
 * one policy run per layer timed alone (``run_policy``, synchronised before and after);
 * one interval of steps under ``torch.profiler`` with hfkv's sections labelled (``run_policy``, ``candidates``
   (within it ``read_meta`` per tier, except on the CPU backend), ``classify``, ``apply``, ``admit``, ``attend``):
-  host and device milliseconds per section and policy run, kernel launches and host syncs per section, and the
-  top torch ops;
+  host and device milliseconds per section and policy run (a kernel counted in the sections that launched it),
+  each section's largest kernels, kernel launches and host syncs per section, and the top torch ops;
 * a prefill (``prefill`` in the JSON; ``--no-prefill`` skips it): one prefill forward of a DynamicCache
   and of the cache, best of two, interleaved after one warm-up each, then the cache's own prefill work
   per layer with each part synchronised before and after (``synced_ms_per_layer``: host gaps included)
