@@ -395,8 +395,8 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
 
 def test_compiled_partial_pass_caps_registers_where_it_reads_integers(monkeypatch):
     """Compiled, the partial pass runs at ``INT_REGISTERS`` a thread where a part holds integer fields (four 4-warp
-    programs an SM instead of three; docs/kernels.md) and at ``FULL_REGISTERS`` over full-precision pages alone (three
-    8-warp programs instead of two); 0 asks for no cap, and the interpreter, which has no registers, gets none."""
+    programs an SM instead of three; docs/kernels.md) and at ``FULL_REGISTERS`` over full-precision pages alone (the
+    compiler's choice by default, 0); 0 asks for no cap, and the interpreter, which has no registers, gets none."""
     from hfkv.kernels import decode_attention as da
 
     layouts = (_layout("model", "model", 64, torch.float16), _layout("int8", "int4", 64, torch.float16))
@@ -408,8 +408,10 @@ def test_compiled_partial_pass_caps_registers_where_it_reads_integers(monkeypatc
     monkeypatch.setattr(da, "interpreter_on", lambda: True)
     assert cap([full, ints]) is None  # the interpreter's plan
     monkeypatch.setattr(da, "interpreter_on", lambda: False)
-    assert (cap([full]), cap([full, ints]), cap([ints])) == (da.FULL_REGISTERS, da.INT_REGISTERS, da.INT_REGISTERS)
-    assert da.FULL_REGISTERS != da.INT_REGISTERS
+    full_cap = da.FULL_REGISTERS or None  # 0: the compiler's choice, no cap in the plan
+    assert (cap([full]), cap([full, ints]), cap([ints])) == (full_cap, da.INT_REGISTERS, da.INT_REGISTERS)
+    monkeypatch.setattr(da, "FULL_REGISTERS", 80)  # a cap over full-precision pages alone reaches the plan
+    assert (cap([full]), cap([full, ints])) == (80, da.INT_REGISTERS)
     assert (cap([ints], max_registers=0), cap([full], max_registers=168)) == (None, 168)
 
 

@@ -137,14 +137,14 @@ SPREAD_BANKS = True
 # at 128 it fits four (quant without spills, hfkv with a few). H200, 32k x 8, block 64, PTX dequantization
 # (eval/results/gpu/kernel_variants_h200_run6.json, first lease after it): quant 0.384 -> 0.318 ms uncapped -> 128,
 # 0.334 at 168; hfkv 0.419 -> 0.350, 0.353 at 168; the same order with Triton's own arithmetic. Full-precision pages
-# (8 warps) take 103 registers uncapped, two programs an SM; at FULL_REGISTERS they fit three (16 bytes of stack, 53.0
-# warp-instructions a slot against 51.0; eval/results/kernel_sass_full_registers_triton36.json) and the splits grow to
-# fill them. H200, 32k x 8 (eval/results/gpu/kernel_variants_h200_run8.json, each cap at 2 and 3 stages): full pages
-# 0.496 / 0.479 ms uncapped, 0.479 / 0.479 at 96, 0.440 / 0.440 at 80; the integer storages lose at 96 and 80 (quant
-# 0.317 -> 0.337 -> 0.361, hfkv 0.353 -> 0.410 -> 0.537 at 2 stages), so they keep 128.
+# (FULL_REGISTERS; 0: the compiler's) take 103 registers at 8 warps with their table read one ahead (two programs an
+# SM; 80 fits three with 16 bytes of stack, eval/results/kernel_sass_full_registers_triton36.json). The H200 sweep
+# that capped them (eval/results/gpu/kernel_variants_h200_run8.json: 0.496 / 0.479 ms uncapped, 0.440 at 80) read
+# their table two ahead, a slower launch (112 registers, no cp.async); the library's own launch took 0.393 ms
+# uncapped the same day (gpu_check run 19), and the cap there is untimed: the next lease times it.
 MAX_REGISTERS = None
 INT_REGISTERS = 128
-FULL_REGISTERS = 80
+FULL_REGISTERS = 0
 _REGISTER_CAPS = (0, 64, 72, 80, 96, 128, 168, 255)
 # Programs the partial pass launches over all (row, head) pairs when it sizes its own splits: one wave, the device's
 # SMs times the programs an SM holds. Uncapped, the partial pass takes 97-128 registers a thread: 16 warps an SM,
