@@ -9,10 +9,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
+def _policy_profile():
     spec = importlib.util.spec_from_file_location("policy_profile", REPO / "eval" / "policy_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
+    mod = _policy_profile()
     assert mod.main(["--out", str(tmp_path), "--dry-run"]) == 0
     out = json.loads((tmp_path / "policy_profile.json").read_text())
     # the timed steps include policy runs and plain steps, each marked
@@ -35,9 +40,7 @@ def test_section_kernels_follow_their_launch_not_the_device_clock():
     section that launched it."""
     from types import SimpleNamespace as NS
 
-    spec = importlib.util.spec_from_file_location("policy_profile", REPO / "eval" / "policy_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _policy_profile()
 
     def ev(name, start, end, kernels=(), children=()):
         return NS(name=name, time_range=NS(start=start, end=end), kernels=[NS(name=k, duration=d) for k, d in kernels],
