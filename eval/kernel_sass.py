@@ -120,6 +120,16 @@ def tile_lane_columns(ttgir: str) -> list[list[int]]:
     return out
 
 
+def shared_tiles(ttgir: str) -> dict[str, list[str]]:
+    """The tensors the partial pass stages in shared memory, as ``RxCxtype``: ``stored`` from registers (a tile
+    dequantized or converted there, then stored: ``STS``), ``async_copied`` straight from global memory (``cp.async``,
+    no register on the way). Products from codes (``CODE_DOTS``) store no ``BLOCK_N x D`` fp16 tile and copy the code
+    bytes instead."""
+    stored = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+?)[,>]", ttgir)
+    copied = re.findall(r"ttg\.async_copy_global_to_local .*? -> <([0-9x]+x\w+?)[,>]", ttgir)
+    return {"stored": sorted(stored), "async_copied": sorted(copied)}
+
+
 def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     from hfkv.kernels.decode_attention import BLOCK_N
 
@@ -130,6 +140,7 @@ def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     # inline PTX: operand fences (OPERAND_FENCE) and the fp16 dequantization's pairs (ASM_DEQUANT)
     row["inline_asm_ops"] = kernel.asm["ttgir"].count("elementwise_inline_asm")
     row["tile_lane_columns"] = tile_lane_columns(kernel.asm["ttgir"])
+    row["shared_tiles"] = shared_tiles(kernel.asm["ttgir"])
     warps, block_n = kernel.metadata.num_warps, launch.get("block_n", BLOCK_N)  # as the launch chose them
     row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.operand_fence,
             args.asm_dequant,
             args.spread_banks,
+            args.code_dots,
         )
     )
     storages = list(itertools.product(args.page_records, args.record_align))
@@ -186,11 +187,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["kernel_split_call"] = "add_scores=True, return_delta=False (the timed call)"
         for variant in grid:
             (block_n, warps, stages, tile, split, pieces, ahead, score_block, half, regs, colsums, fence, asm,
-             spread) = variant  # fmt: skip
+             spread, code) = variant  # fmt: skip
             if time.monotonic() > deadline:
                 result.setdefault("skipped", []).append(
                     f"{kind}:{context}:{batch} {block_n}/{warps}/{stages}/{tile}/{split}/{pieces}/{ahead}/"
-                    f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}/{spread}"
+                    f"{score_block}/{half}/{regs}/{colsums}/{fence}/{asm}/{spread}/{code}"
                 )
                 continue
             launch = {"block_n": block_n, "num_warps": warps or None, "num_stages": stages, "int_tile": bool(tile)}
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             launch["operand_fence"] = bool(fence)
             launch["asm_dequant"] = bool(asm)
             launch["spread_banks"] = bool(spread)
+            launch["code_dots"] = code
             launch["table_ahead"] = ahead
             launch["score_block"] = score_block
             launch["max_registers"] = None if regs < 0 else regs  # 0: the compiler's choice; -1: the library's
@@ -265,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--spread-banks", type=_ints, default=[1], help="integer tiles' columns ordered for conflict-free shared stores"
+    )
+    p.add_argument(
+        "--code-dots", type=_ints, default=[0], help="products from integer codes: 0 off, 1 keys, 2 values, 3 both"
     )
     p.add_argument("--score-block", type=_ints, default=[64], help="slots per program of the score pass")
     p.add_argument("--split-slots", type=_ints, default=[0], help="slots per program, 0 = the library's split sizing")

@@ -885,6 +885,7 @@ def gpu_runs_block(
             f"{', operand fence' if r.get('operand_fence') else ''}"
             f"{', PTX dequantization' if r.get('asm_dequant') else ''}"
             f"{', spread banks' if r.get('spread_banks') else ''}"
+            f"{', products from codes (' + _CODE_DOTS[r['code_dots']] + ')' if r.get('code_dots') else ''}"
             f"{', register cap ' + _cap_text(r) if r.get('max_registers', 0) != 0 else ''}, "
             f"{fmt(r['ms'], '.3f')} ms ({fmt(r['gbps'], '.0f')} GB/s)"
             for case, r in best.items()
@@ -911,7 +912,8 @@ def gpu_runs_block(
 
 
 _FLAG_KEYS = ("half_dequant", "column_sums", "operand_fence", "asm_dequant", "spread_banks")  # on / off launch options
-_OPTION_KEYS = (*_FLAG_KEYS, "max_registers")
+_OPTION_KEYS = (*_FLAG_KEYS, "code_dots", "max_registers")  # a file varying one gets a table of every launch
+_CODE_DOTS = {0: "no", 1: "keys", 2: "values", 3: "both"}  # decode_attention.CODE_DOTS' bits
 
 
 def _warps_text(row: dict[str, Any]) -> str:
@@ -932,19 +934,21 @@ def option_sweep_table(name: str, res: dict[str, Any]) -> str:
     launch's on the same storage: an option that is faster but moves the output is not a free speed-up."""
     rows = []
     for r in sorted(res["rows"], key=lambda r: (r["kind"], r["context"], r["batch"], r["num_warps"] or 0,
-            r["block_n"], *(str(r.get(k)) for k in _OPTION_KEYS))):  # fmt: skip
+            r["block_n"], *(str(r.get(k)) for k in (*_OPTION_KEYS, "table_ahead")))):  # fmt: skip
         if "ms" not in r:
             continue
         rows.append([
             f"{r['kind']} {r['context']:,} x {r['batch']}", _warps_text(r), str(r["block_n"]),
             *("yes" if r.get(k) else "no" for k in _FLAG_KEYS),  # older files lack the newer options: off
-            _cap_text(r), fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
+            _CODE_DOTS[r.get("code_dots", 0)], str(r.get("table_ahead", "-")), _cap_text(r),
+            fmt(r["ms"], ".3f"), fmt(r["gbps"], ".0f"),
             fmt(r.get("rel_diff_vs_default"), ".4f"), fmt(r.get("rel_diff_vs_reference"), ".4f"),
             fmt(r.get("probs_rel_diff_vs_reference"), ".4f"),
         ])  # fmt: skip
     header = [
         "case", "warps", "block_n", "fp16 dequant", "column sums", "operand fence", "PTX dequant", "spread banks",
-        "register cap", "ms", "GB/s", "rel. diff vs default", "vs fp32 twin", "probabilities vs twin",
+        "products from codes", "table ahead", "register cap", "ms", "GB/s", "rel. diff vs default", "vs fp32 twin",
+        "probabilities vs twin",
     ]  # fmt: skip
     return f"Every launch of `{name}` ({res['device']}):\n\n" + md_table(header, rows, "l" * len(header))
 

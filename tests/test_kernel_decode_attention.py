@@ -31,6 +31,9 @@ KERNELS = {
     # integer fields dequantized in fp16 and their products in fp16 (the default for 16-bit queries; fp32 ones keep
     # IEEE products) or, here, dequantized in fp32 and rounded to the query's dtype for the products
     "triton-fp32-dequant": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, half_dequant=False, **kw),
+    # both products straight from integer codes, scale and zero applied to the logits and probabilities (16-bit
+    # queries; fp32 ones keep the dequantized tiles)
+    "triton-code-dots": lambda *a, **kw: paged_attention(*a, split_slots=32, block_n=16, code_dots=3, **kw),
     "cpu": paged_attention_cpu,
 }
 kernels = pytest.mark.parametrize("kernel", list(KERNELS))
@@ -393,6 +396,51 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     assert (default, off) == (want, 0)
 
 
+@pytest.mark.parametrize("dtype,code", [(torch.float16, 3), (torch.bfloat16, 3), (torch.float32, 0)])
+def test_code_dots_apply_to_16_bit_products_only_and_read_the_table_one_ahead(dtype, code):
+    """``code_dots`` reaches the kernel where the products run in a 16-bit type (under the interpreter bf16 queries
+    keep fp32 products, so there it is off for them too), never for fp32 queries; it brings the page table one block
+    ahead unless a table_ahead is given; a value outside 0-3 is named."""
+    from hfkv.kernels.backend import interpreter_on
+    from hfkv.kernels.decode_attention import CODE_DOTS, plan_attention
+
+    layouts = (_layout("model", "model", 64, dtype), _layout("int4", "int2", 64, dtype))
+    parts, query, pad_end = _plan_inputs(layouts, dtype, 2, 80, (20, 30), seed=1)
+    want = 0 if dtype == torch.bfloat16 and interpreter_on() else code
+    on = plan_attention(query, parts, pad_end, code_dots=3).constants
+    assert plan_attention(query, parts, pad_end).constants["CODE_DOTS"] == CODE_DOTS == 0
+    assert on["CODE_DOTS"] == want and on["TABLE_AHEAD"] == (1 if want else 2)
+    assert plan_attention(query, parts, pad_end, code_dots=3, table_ahead=2).constants["TABLE_AHEAD"] == 2
+    with pytest.raises(ValueError, match="code_dots=4; allowed: 0"):
+        plan_attention(query, parts, pad_end, code_dots=4)
+
+
+@pytest.mark.parametrize("key,value,group", [("int4", "int2", 32), ("int8", "int4", 32), ("int2", "int4", 64)])
+def test_code_dots_at_length_are_as_close_to_the_twin_as_dequantized_tiles(key, value, group):
+    """Over ~600 slots of Llama's head size (several byte chunks and planes a field: int4 keys two chunks of two
+    planes, int2 four planes of one; groups of 64 span two planes), products from codes are as close to the torch
+    twin's fp32 attention as the default fp16 tiles: the keys' are exact in the codes, the values' dequantized in fp16
+    as the tiles are."""
+    dtype, bsz, heads, ratio, dim, length = torch.float16, 1, 2, 4, 128, 1200
+    layouts = (_layout("model", "model", dim, dtype), _layout(key, value, dim, dtype, group))
+    tiers = _storage(layouts, bsz, heads, dim, length, (200, 900), None, seed=13)
+    win = _window(bsz, heads, dim, dtype, length, cap=16, filled=8, seed=5)
+    query = torch.randn(bsz, heads * ratio, 1, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    pad_end = torch.zeros(bsz, dtype=torch.int64)
+    args = (tiers, layouts, win, length - 1, pad_end, "max")
+    twin = _run(paged_attention_reference, query.float(), *args)
+
+    def run(**launch):
+        return _run(lambda *a, **kw: paged_attention(*a, **kw, **launch), query, *args)
+
+    tiles, codes = run(), run(code_dots=3)
+    dist = [float((o[0].float() - twin[0].float()).norm() / twin[0].float().norm()) for o in (tiles, codes)]
+    assert dist[1] <= max(1.5 * dist[0], 2e-3), dist
+    for mine in run(code_dots=1), run(code_dots=2):  # each product alone
+        assert float((mine[0].float() - twin[0].float()).norm() / twin[0].float().norm()) <= max(1.5 * dist[0], 2e-3)
+    torch.testing.assert_close(codes[1], twin[1], atol=2e-3, rtol=2e-2)  # the slots' scores
+
+
 def test_compiled_partial_pass_caps_registers_where_it_reads_integers(monkeypatch):
     """Compiled, the partial pass runs at ``INT_REGISTERS`` a thread where a part holds integer fields (four 4-warp
     programs an SM instead of three; docs/kernels.md) and at ``FULL_REGISTERS`` over full-precision pages alone (the
@@ -576,6 +624,8 @@ def test_page_table_read_ahead_by_default_follows_the_measured_fastest():
     assert _table_ahead(parts("int4", "fp8")) == 2
     assert _table_ahead(parts("fp8", "int2")) == 2
     assert _table_ahead(parts("model", "model") + parts("int4", "int2", tokens=0)) == 1  # an empty tier runs nothing
+    # products from codes read it one ahead: two ahead, the codes' asynchronous copies were not issued (sm_90 code)
+    assert _table_ahead(parts("int4", "int2"), code_dots=3) == _table_ahead(parts("int4", "fp8"), code_dots=1) == 1
 
     # Warps follow the same rule (NUM_WARPS: 4 where an integer field is read, 8 otherwise), as a plan launches them
     from hfkv.kernels import decode_attention as da

@@ -84,13 +84,16 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "asm_dequant=0",
         "--launch",
         "spread_banks=0",
+        "--launch",
+        "code_dots=3",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread = json.loads(out.read_text())["rows"]
-    for r in (half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread):
+    rows_out = json.loads(out.read_text())["rows"]
+    half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread, codes = rows_out
+    for r in (half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread, codes):
         assert 0 < r["registers"] <= 255 and r["loop_instructions"] > 100 and r["loop_families"]["HMMA"] > 0
         assert r["loops_instructions"] == [r["loop_instructions"]]  # one part (K int4 / V int2 pages), one loop
     assert pieces["loop_ops"].get("STS.U16", 0) == 0 < rows["loop_ops"].get("STS.U16", 0)
@@ -121,3 +124,10 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     # once (docs/kernels.md, thirteenth lease: 8 wavefronts a store where 4 would do on the H200)
     assert half["tile_lane_columns"] and all(lanes[0] == 32 for lanes in half["tile_lane_columns"])
     assert unspread["tile_lane_columns"] and all(lanes[0] == 64 for lanes in unspread["tile_lane_columns"])
+    # products from codes: no BLOCK_N x D fp16 tile stored to shared memory (the default stores one per product), the
+    # code bytes copied there asynchronously instead (the page table one ahead, their default), one conversion each
+    block = f"{64}x{128}xf16"  # kernel_sass compiles Llama's head_dim at the default block of 64 slots
+    assert half["shared_tiles"]["stored"].count(block) == 2 and not half["shared_tiles"]["async_copied"]
+    assert block not in codes["shared_tiles"]["stored"]
+    assert any(t.endswith("xi8") for t in codes["shared_tiles"]["async_copied"])
+    assert codes["inline_asm_ops"] > 0 and codes["loop_families"]["HMMA"] == half["loop_families"]["HMMA"]

@@ -159,8 +159,9 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
                 for int_tile in (False, True) if qlen == 1 else (False,):
                     paged_attention(query, parts, 40, torch.zeros(1, dtype=torch.long), 0.1, "max",
                                     return_delta=False, int_tile=int_tile)  # fmt: skip
-                if dtype != torch.float32:  # fp32 dequantization (HALF_DEQUANT off), no fence, no PTX
-                    for option in ({"half_dequant": False}, {"operand_fence": False}, {"asm_dequant": False}):
+                if dtype != torch.float32:  # fp32 dequantization (HALF_DEQUANT off), no fence, no PTX, code products
+                    for option in ({"half_dequant": False}, {"operand_fence": False}, {"asm_dequant": False},
+                                   {"code_dots": 3}):  # fmt: skip
                         paged_attention(query, parts, 40, torch.zeros(1, dtype=torch.long), 0.1, "max",
                                         return_delta=False, **option)  # fmt: skip
             rows = torch.zeros(2, dim, dtype=dtype)

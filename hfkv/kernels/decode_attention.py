@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.backend import inline_ptx_ok, interpreter_on, triton_version
+from hfkv.kernels.code_products import code_columns, code_products, key_code_queries
 from hfkv.kernels.dequant import (
     format_constants,
     load_field,
@@ -130,6 +131,12 @@ ASM_DEQUANT = True
 # ``tile_lane_columns``); loop 720 -> 718 instructions, the same registers. A relabelling of the tile's columns: the
 # queries are read and the output stored in its order, the values the same.
 SPREAD_BANKS = True
+# The products taken straight from integer codes, the scale and zero applied to the logits and probabilities
+# (``hfkv.kernels.code_products``): bit 0 the keys', bit 1 the values'. The codes reach the tensor cores' operand
+# layout as bytes (an asynchronous copy, then loads in that layout) instead of as dequantized fp16 tiles stored to
+# shared memory and loaded back, the traffic that bounds the quantized pass (docs/kernels.md). Off until a GPU
+# lease times it (eval/kernel_variants.py --code-dots 0,1,2,3).
+CODE_DOTS = 0
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; 0: the compiler's choice; None: per storage,
 # INT_REGISTERS where a part holding slots has an integer field, else FULL_REGISTERS). The quantized pass ran at 112
 # registers x 256 threads, two programs per SM (25% occupancy, the register limit; ncu, H100) and issued on 40% of
@@ -184,6 +191,7 @@ def launch_defaults() -> dict[str, Any]:
         "operand_fence": OPERAND_FENCE,
         "asm_dequant": ASM_DEQUANT,
         "spread_banks": SPREAD_BANKS,
+        "code_dots": CODE_DOTS,
         "max_registers": MAX_REGISTERS,
         "int_registers": INT_REGISTERS,
         "full_registers": FULL_REGISTERS,
@@ -225,9 +233,11 @@ def _reads_integers(parts: Sequence[Part]) -> bool:
     return held_integers((p.slots, p.layout) for p in parts if isinstance(p, PagedSlots))
 
 
-def _table_ahead(parts: Sequence[Part]) -> int:
-    """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``)."""
-    return 2 if _reads_integers(parts) else 1
+def _table_ahead(parts: Sequence[Part], code_dots: int = 0) -> int:
+    """How many iterations ahead the partial pass reads the page table, by default (see ``TABLE_AHEAD``). Products
+    from codes (``code_dots``) read it one ahead: two ahead, Triton 3.6's pipeliner issued no asynchronous copy at all
+    (sm_90 code), and the codes' trip to the operand layout is one."""
+    return 2 if _reads_integers(parts) and not code_dots else 1
 
 
 def default_num_warps(integer: bool) -> int:
@@ -306,6 +316,8 @@ def _partial_part(
     COL_SUMS: tl.constexpr,
     FENCE: tl.constexpr,
     SPREAD: tl.constexpr,
+    CODE_DOTS: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """One program's split of one part: masked logits (stored), online softmax, partial max / sum / output."""
     k_ptr, v_ptr, pos_ptr, table_ptr = part[0], part[1], part[2], part[3]
@@ -335,6 +347,9 @@ def _partial_part(
     V_ALIGN: tl.constexpr = FMT[14]
     K_PC: tl.constexpr = FMT[15] if INT_PIECES and K_FAM == 1 else 0  # piece width, 0: load_field
     V_PC: tl.constexpr = FMT[16] if INT_PIECES and V_FAM == 1 else 0
+    # CODE_DOTS: products straight from the codes (hfkv.kernels.code_products), bit 0 the keys', bit 1 the values'
+    K_CODE: tl.constexpr = K_PC > 0 and (CODE_DOTS & 1) > 0
+    V_CODE: tl.constexpr = V_PC > 0 and (CODE_DOTS & 2) > 0
     K_HALF: tl.constexpr = HALF if K_PC > 0 else 0  # fp16 tiles and fp16 products (HALF_DEQUANT; 2: ASM_DEQUANT)
     V_HALF: tl.constexpr = HALF if V_PC > 0 else 0
     tpp: tl.constexpr = FMT[17]  # records per page
@@ -349,12 +364,14 @@ def _partial_part(
     blk = bh * NQB + qb  # this program's block of query rows
     d = tl.arange(0, BLOCK_D)
     q_rows = ((b * HQ + h * G + gi) * QLEN + qi).to(tl.int64) * D
-    if K_PC:  # the keys' columns come in the pieces' order: the queries are read in it
+    if K_PC and not K_CODE:  # the keys' columns come in the pieces' order: the queries are read in it
         q_cols = piece_columns(K_BITS, D, K_PC, SPREAD)
     else:
         q_cols = d
     qf = tl.load(q_ptr + q_rows[:, None] + q_cols[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
     qf = qf.to(tl.float32) * scaling
+    if K_CODE:  # the queries by piece, once
+        q3, qsum3 = key_code_queries(q_ptr, q_rows, row_ok, scaling, K_BITS, D, K_PC)
     pad_end = tl.load(pad_end_ptr + b)
     qpos = q_start + qi
     table_row = b.to(tl.int64) * table_sb + h.to(tl.int64) * table_sh  # 64-bit, as every pool offset
@@ -408,13 +425,17 @@ def _partial_part(
             rec = page_at + (s % tpp).to(tl.int64) * REC
             words = pool_ptr.to(tl.pointer_type(tl.int32))
             tag = tl.load(words + (page_at + TAG_AT) // 4 + s % tpp, mask=in_range, other=0)
-            if K_PC:
+            if K_CODE:
+                k = rec  # read by code_products below
+            elif K_PC:
                 k = load_int_pieces(pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, K_HALF, SPREAD)
             else:
                 k = load_field(
                     pool_ptr, rec, in_range, 0, K_FAM, K_BITS, K_GROUP, K_DTYPE, D, BLOCK_D, BLOCK_N, INT_TILE, K_ALIGN
                 )
-            if V_PC:
+            if V_CODE:
+                v = rec  # read by code_products below
+            elif V_PC:
                 v = load_int_pieces(pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN, V_HALF, SPREAD)
             else:
                 v = load_field(
@@ -434,7 +455,9 @@ def _partial_part(
                 tag = tl.where(is_new, w_pos + 1, tag)
         pos = tag - 1
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
-        if DOT_T == tl.float32:
+        if K_CODE:
+            logits = code_products(q3, qsum3, pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, PTX, True)
+        elif DOT_T == tl.float32:
             logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
         elif K_HALF:
             logits = tl.dot(qf.to(tl.float16), tl.trans(operand_fence(k, FENCE)))
@@ -451,7 +474,11 @@ def _partial_part(
             l_acc = l_acc * alpha[:, None] + p
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_T == tl.float32:
+        if V_CODE:
+            o = code_products(p.to(tl.float16), 0, pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN,
+                              PTX, False)  # fmt: skip
+            acc = acc * alpha[:, None] + o
+        elif DOT_T == tl.float32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         elif V_HALF:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), operand_fence(v, FENCE))
@@ -463,7 +490,9 @@ def _partial_part(
     if COL_SUMS:
         l_i = tl.sum(l_acc, 1)
     tl.store(l_ptr + out, l_i)
-    if V_PC:  # the values' columns came in the pieces' order: each goes back to its element
+    if V_CODE:  # the values' columns came in the pieces' tree order: each goes back to its element
+        acc_cols = code_columns(V_BITS, D, V_PC)
+    elif V_PC:  # the values' columns came in the pieces' order: each goes back to its element
         acc_cols = piece_columns(V_BITS, D, V_PC, SPREAD)
     else:
         acc_cols = d
@@ -521,6 +550,8 @@ def _partial_kernel(
     COL_SUMS: tl.constexpr,
     FENCE: tl.constexpr,
     SPREAD: tl.constexpr,
+    CODE_DOTS: tl.constexpr,
+    PTX: tl.constexpr,
     DEV_STEP: tl.constexpr,
 ):
     """Every part in one launch: program (row x head, split, query block); splits are numbered across the
@@ -548,7 +579,7 @@ def _partial_kernel(
                 logits_ptr,
                 s_total, m_ptr, l_ptr, acc_ptr, ns_total, H, HQ, wk_ptr, wv_ptr, wk_sb, wk_sh, wv_sb, wv_sh,
                 w_at, p_at, FMTS, i, G, QLEN, QB, NQB, BLOCK_R, D, BLOCK_D, BLOCK_N, DOT_T, INT_TILE,
-                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS, FENCE, SPREAD,
+                INT_PIECES, TABLE_AHEAD, HALF, COL_SUMS, FENCE, SPREAD, CODE_DOTS, PTX,
             )  # fmt: skip
 
 
@@ -890,6 +921,7 @@ def plan_attention(
     operand_fence: bool = OPERAND_FENCE,
     asm_dequant: bool = ASM_DEQUANT,
     spread_banks: bool = SPREAD_BANKS,
+    code_dots: int = CODE_DOTS,
 ) -> DecodePlan:
     """The launch plan of :func:`paged_attention` for queries shaped like ``query`` over ``parts`` (same
     options; ``window_write``: calls will hand the first part, the ring, a pending token)."""
@@ -935,6 +967,8 @@ def plan_attention(
         "num_warps": warps,
         "num_stages": NUM_STAGES if num_stages is None else num_stages,
     }
+    if code_dots not in (0, 1, 2, 3):
+        raise ValueError(f"paged_attention: code_dots={code_dots!r}; allowed: 0 (off), 1 (keys), 2 (values), 3 (both)")
     if max_registers not in _REGISTER_CAPS:
         raise ValueError(
             f"paged_attention: max_registers={max_registers!r}; allowed: None (per storage), 0 (the compiler's) or "
@@ -953,6 +987,7 @@ def plan_attention(
     if window_write and not (parts and isinstance(parts[0], DenseSlots) and n_splits[0]):
         raise ValueError("paged_attention: window_write needs the first part to be a dense ring")
     page_bytes = pool.shape[1] if paged else 0
+    code = int(code_dots) if int_pieces and dot_t != tl.float32 else 0  # products from codes: 16-bit products only
     p_args, p_fmts, s_args, s_fmts, p_meta, s_meta = [], [], [], [], [], []
     col0 = split0 = block0 = 0
     block_s = int(score_block)
@@ -1005,7 +1040,9 @@ def plan_attention(
         COL_SUMS=bool(column_sums),
         FENCE=bool(operand_fence) and ptx,
         SPREAD=bool(spread_banks),
-        TABLE_AHEAD=_table_ahead(parts) if table_ahead is None else int(table_ahead),
+        CODE_DOTS=code,
+        PTX=bool(asm_dequant) and ptx,
+        TABLE_AHEAD=_table_ahead(parts, code) if table_ahead is None else int(table_ahead),
     )
     score_constants = dict(
         FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
@@ -1158,6 +1195,7 @@ def paged_attention(
     operand_fence: bool = OPERAND_FENCE,
     asm_dequant: bool = ASM_DEQUANT,
     spread_banks: bool = SPREAD_BANKS,
+    code_dots: int = CODE_DOTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query [B, Hq, q, D]`` (logical positions ``q_start ..``) over every part's slots.
 
@@ -1186,7 +1224,8 @@ def paged_attention(
     softmax denominators per column (``COLUMN_SUMS``); ``operand_fence`` hands the products integer tiles through an
     opaque identity (``OPERAND_FENCE``; compiled code only); ``asm_dequant`` runs the fp16 dequantization's arithmetic
     as PTX (``ASM_DEQUANT``; compiled code only); ``spread_banks`` orders integer tiles' columns for shared-memory
-    stores without bank conflicts (``SPREAD_BANKS``): ``eval/kernel_variants.py`` sweeps them.
+    stores without bank conflicts (``SPREAD_BANKS``); ``code_dots`` takes the products straight from integer codes
+    (``CODE_DOTS``: 1 the keys', 2 the values', 3 both; 16-bit queries only): ``eval/kernel_variants.py`` sweeps them.
 
     ``window_write`` (a ring's :class:`~hfkv.storage.window.PendingWrite`: ``k, v [B, H, 1, D]``, slot,
     position) is a decode step's token that the first part, the ring, holds but has not stored: the
@@ -1196,6 +1235,6 @@ def paged_attention(
     plan = plan_attention(
         query, parts, pad_end, reduction, add_scores, split_slots, block_n, return_delta, num_warps, num_stages,
         int_tile, window_write is not None, int_pieces, table_ahead, score_block, half_dequant, max_registers,
-        column_sums, operand_fence, asm_dequant, spread_banks,
+        column_sums, operand_fence, asm_dequant, spread_banks, code_dots,
     )  # fmt: skip
     return run_plan(plan, query, q_start, pad_end, scaling, window_write)

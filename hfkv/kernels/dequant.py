@@ -273,8 +273,9 @@ def _piece_bytes(
 
 
 @triton.jit
-def _half_at(quads, q0, live, IDX: tl.constexpr, HALF: tl.constexpr = False):
-    # half IDX of a field's scale/zero halves, from the 64-bit words holding four each (little-endian)
+def half_at(quads, q0, live, IDX: tl.constexpr, HALF: tl.constexpr = False):
+    """Half ``IDX`` of a field's scale/zero halves (fp32; fp16 with ``HALF``), from the 64-bit words holding four each
+    (little-endian): one load per record serves four halves."""
     w = tl.load(quads + q0 + IDX // 4, mask=live, other=0)
     h = ((w >> (16 * (IDX % 4))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
     if not HALF:
@@ -303,8 +304,8 @@ def _piece_planes(
     if COUNT == 1:
         g: tl.constexpr = (LO * H + h) * C // GROUP
         if QUADS:  # `half` points at 64-bit words, `meta` is the first one's index: one load per four halves
-            scale = _half_at(half, meta, live, g, HALF)
-            zero = _half_at(half, meta, live, D // GROUP + g, HALF)
+            scale = half_at(half, meta, live, g, HALF)
+            zero = half_at(half, meta, live, D // GROUP + g, HALF)
         else:
             scale = tl.load(half + meta + g, mask=live, other=0.0)
             zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0)
