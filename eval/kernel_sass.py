@@ -71,6 +71,33 @@ def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
+_WIDTHS = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def shared_bytes(loop: list[str]) -> dict[str, int]:
+    """Bytes one warp asks of shared memory in one pass of ``loop``: loads (``LDS``, ``LDSM``) and stores (``STS``,
+    ``STSM``, and ``LDGSTS``, the asynchronous copies' writes), 32 lanes times each instruction's width (``ldmatrix``:
+    128 bytes a matrix), instructions predicated off (``@!PT``, placeholders the compiler puts around copies) left out.
+    Requests, not wavefronts (lanes reading one address cost one, conflicts more): it locates traffic, a GPU times."""
+    out = {"loaded": 0, "stored": 0}
+    for text in loop:
+        if text.startswith("@!PT"):
+            continue
+        op = _opcode(text)
+        fam, mods = op.split(".")[0], op.split(".")[1:]
+        width = next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4)
+        matrices = next((int(m[1:]) if m.startswith("x") else int(m) for m in mods[-1:] if m.lstrip("x").isdigit()), 1)
+        if fam == "LDSM":
+            out["loaded"] += 128 * matrices
+        elif fam == "STSM":
+            out["stored"] += 128 * matrices
+        elif fam == "LDS":
+            out["loaded"] += 32 * width
+        elif fam in ("STS", "LDGSTS"):
+            out["stored"] += 32 * width
+    return out
+
+
 def read_sass(cubin: bytes) -> dict[str, Any]:
     """Registers, stack and the largest loop's instruction mix of a cubin (``cuobjdump``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -101,6 +128,7 @@ def read_sass(cubin: bytes) -> dict[str, Any]:
         "loop_instructions": len(loop),
         "loops_instructions": sizes,
         "loop_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "loop_shared_bytes_per_warp": shared_bytes(loop),
         "loop_families": {
             fam: sum(n for op, n in ops.items() if op == fam or op.startswith(fam + ".")) for fam in KEY_OPS
         },
@@ -145,6 +173,8 @@ def analyse(kind: str, launch: dict[str, int]) -> dict[str, Any]:
     row["num_warps"] = warps
     row["loop_warp_instructions_per_slot"] = row["loop_instructions"] * warps / block_n
     row["loops_warp_instructions_per_slot"] = [n * warps / block_n for n in row["loops_instructions"]]
+    # all warps, one pass of the loop (block_n slots)
+    row["loop_shared_bytes"] = {k: v * warps for k, v in row["loop_shared_bytes_per_warp"].items()}
     return row
 
 

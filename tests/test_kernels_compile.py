@@ -131,3 +131,29 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     assert block not in codes["shared_tiles"]["stored"]
     assert any(t.endswith("xi8") for t in codes["shared_tiles"]["async_copied"])
     assert codes["inline_asm_ops"] > 0 and codes["loop_families"]["HMMA"] == half["loop_families"]["HMMA"]
+
+
+def test_kernel_sass_counts_shared_memory_requests():
+    """``shared_bytes``: a warp's shared-memory requests in a loop, from SASS text: 32 lanes times an instruction's
+    width, 128 bytes a matrix for ``ldmatrix`` / ``stmatrix``, an asynchronous copy's write a store, the placeholders
+    predicated off (``@!PT``) not at all."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "eval" / "kernel_sass.py"
+    spec = importlib.util.spec_from_file_location("kernel_sass_for_test", path)
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    loop = [
+        "LDSM.16.M88.4 R8, [R44]",  # 4 matrices: 512
+        "LDSM.16.MT88.2 R1, [R2]",  # 256
+        "LDS.64 R1, [R2]",  # 256
+        "LDS.U8 R1, [R2]",  # 32
+        "@P0 LDS R1, [R2]",  # predicated on a register: may run, 128
+        "@!PT LDS RZ, [RZ]",  # never runs
+        "STS.128 [R1], R4",  # 512
+        "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]",  # 512
+        "STSM.16.M88.4 [R1], R4",  # 512
+        "HMMA.16816.F32 R24, R24, R22, RZ",
+    ]
+    assert ks.shared_bytes(loop) == {"loaded": 512 + 256 + 256 + 32 + 128, "stored": 3 * 512}

@@ -131,11 +131,13 @@ ASM_DEQUANT = True
 # ``tile_lane_columns``); loop 720 -> 718 instructions, the same registers. A relabelling of the tile's columns: the
 # queries are read and the output stored in its order, the values the same.
 SPREAD_BANKS = True
-# The products taken straight from integer codes, the scale and zero applied to the logits and probabilities
-# (``hfkv.kernels.code_products``): bit 0 the keys', bit 1 the values'. The codes reach the tensor cores' operand
-# layout as bytes (an asynchronous copy, then loads in that layout) instead of as dequantized fp16 tiles stored to
-# shared memory and loaded back, the traffic that bounds the quantized pass (docs/kernels.md). Off until a GPU
-# lease times it (eval/kernel_variants.py --code-dots 0,1,2,3).
+# The products taken from integer fields' code bytes (``hfkv.kernels.code_products``): bit 0 the keys', 1 the values'.
+# Each piece's bytes reach the tensor cores' operand layout by an asynchronous copy and are dequantized there, in
+# registers, where the default dequantizes a tile and stores it to shared memory and loads it back, the traffic that
+# bounds the quantized pass (docs/kernels.md: L1 88% busy on the H200). sm_90 code (Triton 3.6,
+# eval/results/kernel_sass_code_dots_triton36.json): no fp16 tile stored; keys alone 825 instructions a loop against
+# 748 at the same table read-ahead, their shared-memory requests 92 KiB an iteration against 122; both 1,065. Off until
+# a GPU lease times it (eval/kernel_variants.py --code-dots 0,1,2,3).
 CODE_DOTS = 0
 # Registers per thread the partial pass may use (Triton's ``maxnreg``; 0: the compiler's choice; None: per storage,
 # INT_REGISTERS where a part holding slots has an integer field, else FULL_REGISTERS). The quantized pass ran at 112
@@ -371,7 +373,7 @@ def _partial_part(
     qf = tl.load(q_ptr + q_rows[:, None] + q_cols[None, :], mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
     qf = qf.to(tl.float32) * scaling
     if K_CODE:  # the queries by piece, once
-        q3, qsum3 = key_code_queries(q_ptr, q_rows, row_ok, scaling, K_BITS, D, K_PC)
+        q3 = key_code_queries(q_ptr, q_rows, row_ok, scaling, K_BITS, D, K_PC)
     pad_end = tl.load(pad_end_ptr + b)
     qpos = q_start + qi
     table_row = b.to(tl.int64) * table_sb + h.to(tl.int64) * table_sh  # 64-bit, as every pool offset
@@ -456,7 +458,7 @@ def _partial_part(
         pos = tag - 1
         allowed = row_ok[:, None] & ((tag > 0) & (pos >= pad_end))[None, :] & (pos[None, :] <= qpos[:, None])
         if K_CODE:
-            logits = code_products(q3, qsum3, pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, PTX, True)
+            logits = code_products(q3, pool_ptr, rec, in_range, 0, K_BITS, K_GROUP, D, K_PC, K_ALIGN, PTX, True)
         elif DOT_T == tl.float32:
             logits = tl.dot(qf, tl.trans(k), input_precision="ieee")
         elif K_HALF:
@@ -475,8 +477,8 @@ def _partial_part(
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
         if V_CODE:
-            o = code_products(p.to(tl.float16), 0, pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN,
-                              PTX, False)  # fmt: skip
+            o = code_products(p.to(tl.float16), pool_ptr, rec, in_range, V_OFF, V_BITS, V_GROUP, D, V_PC, V_ALIGN, PTX,
+                              False)  # fmt: skip
             acc = acc * alpha[:, None] + o
         elif DOT_T == tl.float32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
