@@ -104,7 +104,7 @@ def _place(pool: torch.Tensor, rec: torch.Tensor, pages: torch.Tensor, page_byte
     pool[lay.record_index(at.reshape(-1), page_bytes) + shift] = rec.reshape(-1, lay.nbytes)
 
 
-def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
+def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0, dim: int = 32, dtype: torch.dtype = torch.float32):
     """Three paged tiers (model fp32, K4V2, fp8: every dequant family) past 2^34 bytes, with decoys.
 
     ``axis`` picks the table stride that passes 2^31 entries: ``"batch"`` (rows ``b * ROW_STRIDE``) or
@@ -114,8 +114,8 @@ def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
     from hfkv.storage.paged import auto_page_bytes
 
     g = torch.Generator().manual_seed(seed)
-    dim, counts = 32, (21, 37, 13)  # tokens per (row, head) and tier: last pages part-filled
-    layouts = [_layout("model", "model"), _layout("int4", "int2"), _layout("fp8", "fp8")]
+    counts = (21, 37, 13)  # tokens per (row, head) and tier: last pages part-filled
+    layouts = [_layout(k, v, dim, dtype) for k, v in (("model", "model"), ("int4", "int2"), ("fp8", "fp8"))]
     page_bytes = auto_page_bytes([lay.nbytes for lay in layouts])
     tpps = [page_bytes // lay.nbytes for lay in layouts]
     widths = [-(-n // t) for n, t in zip(counts, tpps, strict=True)]
@@ -139,7 +139,7 @@ def _paged_case(bsz: int, heads: int, axis: str, seed: int = 0):
         def records(lay=lay, pos=pos, score=score, n=n):
             k = torch.randn(bsz, heads, n, dim, generator=g) * 2
             v = torch.randn(bsz, heads, n, dim, generator=g)
-            return lay.encode(k, v, pos, score)
+            return lay.encode(k.to(dtype), v.to(dtype), pos, score)
 
         real = torch.arange(next_page, next_page + bsz * heads * w, dtype=torch.int32).view(bsz, heads, w)
         fake = real + n_pages  # pages a wrapped table row names: same tags, other keys and values
@@ -170,23 +170,31 @@ def _scores(part) -> torch.Tensor:
     return part.pool.view(torch.float32).view(-1)[part.score_offsets() // 4]
 
 
-@pytest.mark.parametrize("axis", ["batch", "head"])
-def test_decode_attention_reads_and_scores_past_2_to_the_34(axis):
-    from hfkv.kernels.decode_attention import paged_attention, paged_attention_reference
+@pytest.mark.parametrize(
+    "axis,dim,dtype,launch",
+    [("batch", 32, torch.float32, {}), ("head", 32, torch.float32, {}),
+     ("head", 64, torch.float16, {"code_dots": 3})],  # the products from codes' own loads (keys' and values' pieces)
+)  # fmt: skip
+def test_decode_attention_reads_and_scores_past_2_to_the_34(axis, dim, dtype, launch):
+    from hfkv.kernels.decode_attention import paged_attention, paged_attention_reference, plan_attention
 
     bsz, heads, group = (3, 1, 2) if axis == "batch" else (1, 3, 2)
-    parts, decoys, length, pool_flat = _paged_case(bsz, heads, axis)
+    parts, decoys, length, pool_flat = _paged_case(bsz, heads, axis, dim=dim, dtype=dtype)
     g = torch.Generator().manual_seed(5)
-    query = torch.randn(bsz, heads * group, 1, 32, generator=g)
+    query = torch.randn(bsz, heads * group, 1, dim, generator=g).to(dtype)
     pad_end = torch.zeros(bsz, dtype=torch.int64)
-    q_start, scaling = length - 1, 32**-0.5
+    q_start, scaling = length - 1, dim**-0.5
     before = [_scores(p) for p in parts]
     decoy_bytes = [pool_flat[a:b].clone() for a, b in decoys]
     assert all(d.any() for d in decoy_bytes)
+    if launch:
+        assert plan_attention(query, parts, pad_end, **launch).constants["CODE_DOTS"] == launch["code_dots"]
     want, want_delta = paged_attention_reference(query, parts, q_start, pad_end, scaling, "max", add_scores=False)
-    got, delta = paged_attention(query, parts, q_start, pad_end, scaling, "max", add_scores=True)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(delta, want_delta, atol=1e-6, rtol=1e-5)
+    got, delta = paged_attention(query, parts, q_start, pad_end, scaling, "max", add_scores=True, **launch)
+    exact = dtype == torch.float32  # fp16: the products' operands rounded to it
+    torch.testing.assert_close(got, want, **(dict(atol=2e-6, rtol=1e-5) if exact else dict(atol=1e-2, rtol=1e-2)))
+    tol = dict(atol=1e-6, rtol=1e-5) if exact else dict(atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(delta, want_delta, **tol)
     assert float(delta.sum()) > 0
     col = 0
     for part, old in zip(parts, before, strict=True):  # scores added where the records lie, nowhere else
