@@ -16,13 +16,13 @@ scale + zero``, one rounding), so the products equal the default path's up to th
 
 from __future__ import annotations
 
-import numpy as np
 import triton
 import triton.language as tl
 
-from hfkv.kernels.dequant import half_at
+from hfkv.kernels.dequant import f16_pair, field_meta, log2, scale_zero
 
 
+@triton.constexpr_function
 def code_pair_asm(bits: int, shift: int) -> str:
     """PTX for four code bytes (one 32-bit register, ``pack=4``) to their four fp16 codes: bytes 0-1 and 2-3 spread into
     16-bit lanes (``prmt``), each lane's plane kept and ORed into fp16 1024.0 (one ``lop3`` for two lanes:
@@ -34,8 +34,7 @@ def code_pair_asm(bits: int, shift: int) -> str:
     mask = ((1 << bits) - 1) << shift
     masks = f"{mask | mask << 16:#x}"
     if shift:
-        step, base = (int(np.array([v], np.float16).view(np.uint16)[0]) for v in (2.0**-shift, -1024 * 2.0**-shift))
-        back = f"mov.b32 a, {step | step << 16:#x}; mov.b32 b, {base | base << 16:#x}; "
+        back = f"mov.b32 a, {f16_pair(-shift)}; mov.b32 b, {f16_pair(10 - shift, True)}; "
         back += "fma.rn.f16x2 $0, t0, a, b; fma.rn.f16x2 $1, t1, a, b; "
     else:
         back = "sub.f16x2 $0, t0, c; sub.f16x2 $1, t1, c; "
@@ -46,37 +45,14 @@ def code_pair_asm(bits: int, shift: int) -> str:
     )
 
 
-# Every (bits, plane shift) a format reads: int2 planes at bits 0, 2, 4, 6 of a byte, int4 at 0, 4, int8 at 0.
-_CODE_2_0 = tl.constexpr(code_pair_asm(2, 0))
-_CODE_2_2 = tl.constexpr(code_pair_asm(2, 2))
-_CODE_2_4 = tl.constexpr(code_pair_asm(2, 4))
-_CODE_2_6 = tl.constexpr(code_pair_asm(2, 6))
-_CODE_4_0 = tl.constexpr(code_pair_asm(4, 0))
-_CODE_4_4 = tl.constexpr(code_pair_asm(4, 4))
-_CODE_8_0 = tl.constexpr(code_pair_asm(8, 0))
-
-
 @triton.jit
 def code_values(tile, BITS: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr):
     """fp16 codes of the plane at bit ``SHIFT`` of each uint8 of ``tile`` (exact). ``ASM``: as PTX (compiled code for
     NVIDIA GPUs); else the same arithmetic in Triton (the interpreter; unary and elementwise too)."""
     if ASM:
-        if BITS == 8:
-            A: tl.constexpr = _CODE_8_0
-        elif BITS == 4:
-            if SHIFT == 0:
-                A: tl.constexpr = _CODE_4_0
-            else:
-                A: tl.constexpr = _CODE_4_4
-        elif SHIFT == 0:
-            A: tl.constexpr = _CODE_2_0
-        elif SHIFT == 2:
-            A: tl.constexpr = _CODE_2_2
-        elif SHIFT == 4:
-            A: tl.constexpr = _CODE_2_4
-        else:
-            A: tl.constexpr = _CODE_2_6
-        x = tl.inline_asm_elementwise(A, "=r,=r,r", [tile], dtype=tl.float16, is_pure=True, pack=4)
+        x = tl.inline_asm_elementwise(
+            code_pair_asm(BITS, SHIFT), "=r,=r,r", [tile], dtype=tl.float16, is_pure=True, pack=4
+        )
     else:
         MASK: tl.constexpr = ((1 << BITS) - 1) << SHIFT
         x = ((tile.to(tl.int16) & MASK) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
@@ -86,27 +62,9 @@ def code_values(tile, BITS: tl.constexpr, SHIFT: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
-def _field_meta(pool_ptr, base, P_BYTES: tl.constexpr, ALIGN: tl.constexpr):
-    # the field's scale/zero halves start P_BYTES in: as 64-bit words (four halves each) where they start on 8 bytes
-    QUADS: tl.constexpr = ALIGN >= 8 and P_BYTES % 8 == 0
-    if QUADS:
-        half = pool_ptr.to(tl.pointer_type(tl.int64))
-        meta = (base + P_BYTES) // 8
-    else:
-        half = pool_ptr.to(tl.pointer_type(tl.float16))
-        meta = (base + P_BYTES) // 2
-    return half, meta
-
-
-@triton.jit
 def _dequantized(tile, half, meta, live, BITS, G, g, SHIFT, QUADS, ASM):
     # [N, C] fp16 code * scale + zero of the plane at SHIFT of tile, group g's scale and zero per slot (one rounding)
-    if QUADS:
-        scale = half_at(half, meta, live, g, True)
-        zero = half_at(half, meta, live, G + g, True)
-    else:
-        scale = tl.load(half + meta + g, mask=live, other=0.0)
-        zero = tl.load(half + meta + G + g, mask=live, other=0.0)
+    scale, zero = scale_zero(half, meta, live, G, g, QUADS, True)
     return code_values(tile, BITS, SHIFT, ASM) * scale[:, None] + zero[:, None]
 
 
@@ -204,16 +162,11 @@ def code_products(
     G: tl.constexpr = D // GROUP
     QUADS: tl.constexpr = ALIGN >= 8 and P_BYTES % 8 == 0
     base = tl.multiple_of(rec + OFF, ALIGN)
-    half, meta = _field_meta(pool_ptr, base, P_BYTES, ALIGN)
+    half, meta = field_meta(pool_ptr, base, P_BYTES, ALIGN)
     o = _chunks(x, pool_ptr, base, half, meta, live, BITS, GROUP, G, C, H, 0, H, QUADS, ASM, ALIGN, KEYS)
     if not KEYS:
         o = tl.reshape(o, [x.shape[0], D])
     return o
-
-
-@triton.constexpr_function
-def log2(n: int) -> int:
-    return int(n).bit_length() - 1
 
 
 @triton.jit

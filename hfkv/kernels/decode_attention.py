@@ -989,7 +989,8 @@ def plan_attention(
     if window_write and not (parts and isinstance(parts[0], DenseSlots) and n_splits[0]):
         raise ValueError("paged_attention: window_write needs the first part to be a dense ring")
     page_bytes = pool.shape[1] if paged else 0
-    code = int(code_dots) if int_pieces and dot_t != tl.float32 else 0  # products from codes: 16-bit products only
+    # products from codes: integer fields read in pieces (a power-of-two head size), 16-bit products
+    code = int(code_dots) if int_pieces and dim == block_d and dot_t != tl.float32 else 0
     p_args, p_fmts, s_args, s_fmts, p_meta, s_meta = [], [], [], [], [], []
     col0 = split0 = block0 = 0
     block_s = int(score_block)

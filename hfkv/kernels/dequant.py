@@ -9,7 +9,6 @@ with an fp32 scale); the torch twin of every function here is ``QuantFormat.deco
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -182,6 +181,21 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPREAD: 
     return (pl * H + h) * C + 4 * (f // NSUB) + k
 
 
+@triton.constexpr_function
+def log2(n: int) -> int:
+    """``log2`` of a power of two, at compile time (a constexpr inside a kernel)."""
+    return int(n).bit_length() - 1
+
+
+@triton.constexpr_function
+def f16_pair(exponent: int, negative: bool = False) -> str:
+    """The 32-bit word holding ``+-2**exponent`` in both fp16 lanes (a normal fp16: -14 <= exponent <= 15), as PTX
+    hex: the constants of the codes' exact rescaling."""
+    bits = int(negative) << 15 | (15 + exponent) << 10
+    return f"{bits | bits << 16:#x}"
+
+
+@triton.constexpr_function
 def half_pair_asm(bits: int, shift: int = 0) -> str:
     """The fp16 form's arithmetic for a pair of 16-bit lanes in one register, as PTX (``ASM_DEQUANT``): the ``bits``
     of each lane from bit ``shift`` up ORed into fp16 1024.0 (one ``lop3`` for both lanes: ``1024 + code * 2**shift``,
@@ -189,47 +203,23 @@ def half_pair_asm(bits: int, shift: int = 0) -> str:
     ``* 2**-shift - 1024 * 2**-shift``), then ``code * scale + zero`` with one rounding. A code plane is read where it
     lies, without a shift of its word. Lane by lane, so whichever elements the compiler pairs in a register, each
     output is its own input's. Written out where Triton 3.6 left half the pairs' operations on one lane and repacked
-    the rest (``PRMT``), for a third of the quantized loop's instructions (docs/kernels.md)."""
+    the rest (``PRMT``), for a third of the quantized loop's instructions (docs/kernels.md). A constexpr function:
+    kernels build the text for their constant ``(bits, shift)``."""
     if bits + shift > 8:
         raise ValueError(f"half_pair_asm: bits={bits} from shift={shift} reach past a byte")
     mask = ((1 << bits) - 1) << shift
     lop = f"lop3.b32 t, $1, {mask | mask << 16:#x}, 0x64006400, 0xea; "  # 0xea: (a & b) | c
     if shift:
-        step, base = (int(np.array([v], np.float16).view(np.uint16)[0]) for v in (2.0**-shift, -1024 * 2.0**-shift))
-        back = f"mov.b32 a, {step | step << 16:#x}; mov.b32 c, {base | base << 16:#x}; fma.rn.f16x2 t, t, a, c; "
+        back = f"mov.b32 a, {f16_pair(-shift)}; mov.b32 c, {f16_pair(10 - shift, True)}; fma.rn.f16x2 t, t, a, c; "
     else:
         back = "mov.b32 c, 0x64006400; sub.f16x2 t, t, c; "
     return "{ .reg .b32 t, a, c; " + lop + back + "fma.rn.f16x2 $0, t, $2, $3; }"
 
 
-# Every (bits, plane shift) a format reads: int2 planes at bits 0, 2, 4, 6 of a byte, int4 at 0, 4, int8 at 0.
-_ASM_2_0 = tl.constexpr(half_pair_asm(2, 0))
-_ASM_2_2 = tl.constexpr(half_pair_asm(2, 2))
-_ASM_2_4 = tl.constexpr(half_pair_asm(2, 4))
-_ASM_2_6 = tl.constexpr(half_pair_asm(2, 6))
-_ASM_4_0 = tl.constexpr(half_pair_asm(4, 0))
-_ASM_4_4 = tl.constexpr(half_pair_asm(4, 4))
-_ASM_8_0 = tl.constexpr(half_pair_asm(8, 0))
-
-
 @triton.jit
 def _half_pairs_asm(lanes, scale, zero, MASK: tl.constexpr, SHIFT: tl.constexpr):
     # fp16 ``code * scale + zero`` of each uint16 lane's code (MASK) at bit SHIFT, two lanes a register (half_pair_asm)
-    if MASK == 255:
-        ASM: tl.constexpr = _ASM_8_0
-    elif MASK == 15:
-        if SHIFT == 0:
-            ASM: tl.constexpr = _ASM_4_0
-        else:
-            ASM: tl.constexpr = _ASM_4_4
-    elif SHIFT == 0:
-        ASM: tl.constexpr = _ASM_2_0
-    elif SHIFT == 2:
-        ASM: tl.constexpr = _ASM_2_2
-    elif SHIFT == 4:
-        ASM: tl.constexpr = _ASM_2_4
-    else:
-        ASM: tl.constexpr = _ASM_2_6
+    ASM: tl.constexpr = half_pair_asm(log2(MASK + 1), SHIFT)
     return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [lanes, scale, zero], dtype=tl.float16, is_pure=True, pack=2)
 
 
@@ -284,6 +274,34 @@ def half_at(quads, q0, live, IDX: tl.constexpr, HALF: tl.constexpr = False):
 
 
 @triton.jit
+def field_meta(pool_ptr, base, P_BYTES: tl.constexpr, ALIGN: tl.constexpr):
+    """``(pointer, index)`` of an integer field's scale/zero halves, which follow its ``P_BYTES`` code bytes: as 64-bit
+    words (``QUADS``, four halves each: one load per four) where they start on 8 bytes, else as halves. On sm_90 one
+    16-bit load per half was two thirds of the sectors the quantized loop asked of L1 (ncu, H100). A field's halves
+    are ``2 D / GROUP``; a last word reaching past them reads the record's next bytes (another field, or the tag and
+    score that end it)."""
+    if ALIGN >= 8 and P_BYTES % 8 == 0:
+        return pool_ptr.to(tl.pointer_type(tl.int64)), (base + P_BYTES) // 8
+    else:
+        return pool_ptr.to(tl.pointer_type(tl.float16)), (base + P_BYTES) // 2
+
+
+@triton.jit
+def scale_zero(half, meta, live, G: tl.constexpr, g: tl.constexpr, QUADS: tl.constexpr, HALF: tl.constexpr = False):
+    """Group ``g``'s scale and zero of each record (``field_meta``'s pointer and index; ``G`` groups a field), fp32,
+    or fp16 as stored with ``HALF``; 0 where not ``live``."""
+    if QUADS:
+        scale = half_at(half, meta, live, g, HALF)
+        zero = half_at(half, meta, live, G + g, HALF)
+    else:
+        scale = tl.load(half + meta + g, mask=live, other=0.0)
+        zero = tl.load(half + meta + G + g, mask=live, other=0.0)
+        if not HALF:
+            scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
 def _piece_planes(
     word,
     half,
@@ -302,15 +320,7 @@ def _piece_planes(
 ):
     # planes LO .. LO + COUNT - 1 of the bytes at h * C: piece j = plane * H + h, with its group's scale and zero
     if COUNT == 1:
-        g: tl.constexpr = (LO * H + h) * C // GROUP
-        if QUADS:  # `half` points at 64-bit words, `meta` is the first one's index: one load per four halves
-            scale = half_at(half, meta, live, g, HALF)
-            zero = half_at(half, meta, live, D // GROUP + g, HALF)
-        else:
-            scale = tl.load(half + meta + g, mask=live, other=0.0)
-            zero = tl.load(half + meta + D // GROUP + g, mask=live, other=0.0)
-            if not HALF:
-                scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+        scale, zero = scale_zero(half, meta, live, D // GROUP, (LO * H + h) * C // GROUP, QUADS, HALF)
         return _piece_bytes(word, scale, zero, LO * BITS, (1 << BITS) - 1, 0, 4, HALF)
     else:
         a = _piece_planes(word, half, meta, live, BITS, GROUP, D, C, H, h, LO, COUNT // 2, QUADS, HALF)
@@ -390,17 +400,8 @@ def load_int_pieces(
     base = tl.multiple_of(rec + OFF, ALIGN)
     words = pool_ptr.to(tl.pointer_type(tl.int32))
     w0 = tl.multiple_of(base // 4, ALIGN // 4)
-    # The scale/zero halves follow the D / PER code bytes. Where they start on 8 bytes they are read four
-    # at a time (64-bit words): on sm_90 one 16-bit load per half was two thirds of the sectors the
-    # quantized loop asked of L1 (ncu, H100). A field's halves are 2 * D / GROUP; a last word reaching
-    # past them reads the record's next bytes (another field, or the tag and score that end it).
     QUADS: tl.constexpr = ALIGN >= 8 and (D // PER) % 8 == 0
-    if QUADS:
-        half = pool_ptr.to(tl.pointer_type(tl.int64))
-        meta = (base + D // PER) // 8
-    else:
-        half = pool_ptr.to(tl.pointer_type(tl.float16))
-        meta = (base + D // PER) // 2
+    half, meta = field_meta(pool_ptr, base, D // PER, ALIGN)
     x = _piece_words(words, w0, half, meta, live, BITS, GROUP, D, C, 0, H, QUADS, HALF)
     # [N, word, i, j, tree...]: bytes i + 2 j of each word, the planes' and pieces' joins behind them. j goes last, so
     # the fp16 form's pairs (j = 0, 1: one register) are neighbouring columns, which the tile's trip to shared memory
