@@ -298,3 +298,7 @@ def test_decode_path_failures_name_the_decode_kernel_and_dequant_tests_only():
     assert gpu_check.decode_path_failures(result(other)) == []
     assert gpu_check.decode_path_failures(result(decode, other, dequant)) == [decode, dequant]
     assert gpu_check.decode_path_failures({"parts": {"e2e": {}}}) == []
+    # an option off by default (products from codes) failing says nothing of the default launch's PTX
+    opt_in = "tests/test_kernel_decode_attention.py::test_decode_kernel_matches_torch_twin[int4-triton-code-dots]"
+    named = "tests/test_kernel_decode_attention.py::test_code_dots_at_length_are_as_close_to_the_twin[int4-int2-32]"
+    assert gpu_check.decode_path_failures(result(opt_in, named, decode)) == [decode]
