@@ -83,14 +83,10 @@ def shared_bytes(loop: list[str]) -> dict[str, int]:
     for text in loop:
         if text.startswith("@!PT"):
             continue
-        op = _opcode(text)
-        fam, mods = op.split(".")[0], op.split(".")[1:]
+        fam, *mods = _opcode(text).split(".")
         width = next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4)
-        matrices = next((int(m[1:]) if m.startswith("x") else int(m) for m in mods[-1:] if m.lstrip("x").isdigit()), 1)
-        if fam == "LDSM":
-            out["loaded"] += 128 * matrices
-        elif fam == "STSM":
-            out["stored"] += 128 * matrices
+        if fam in ("LDSM", "STSM"):  # LDSM.16.M88.4: four 8x8 matrices of 16-bit elements
+            out["loaded" if fam == "LDSM" else "stored"] += 128 * int(mods[-1])
         elif fam == "LDS":
             out["loaded"] += 32 * width
         elif fam in ("STS", "LDGSTS"):

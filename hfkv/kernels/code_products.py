@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hfkv.kernels.dequant import f16_pair, field_meta, log2, scale_zero
+from hfkv.kernels.dequant import bit_reverse, f16_pair, field_meta, log2, scale_zero
 
 
 @triton.constexpr_function
@@ -170,14 +170,6 @@ def code_products(
 
 
 @triton.jit
-def _bit_reverse(x, BITS: tl.constexpr):
-    y = x * 0
-    for b in tl.static_range(BITS):
-        y = y * 2 + ((x >> b) & 1)
-    return y
-
-
-@triton.jit
 def code_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
     """``[D]``: the element each column of ``code_products``' values product holds. Column ``c * NP + t`` is element
     ``c`` of the piece at join-tree position ``t``: the planes' joins (inner) and the chunks' (outer) each put their
@@ -189,6 +181,6 @@ def code_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr):
     HB: tl.constexpr = log2(H)
     f = tl.arange(0, D)
     t = f % NP
-    pl = _bit_reverse(t // H, PB)
-    h = _bit_reverse(t % H, HB)
+    pl = bit_reverse(t // H, PB)
+    h = bit_reverse(t % H, HB)
     return (pl * H + h) * C + f // NP

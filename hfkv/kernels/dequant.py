@@ -170,15 +170,21 @@ def piece_columns(BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, SPREAD: 
     # tree put at i, j, t
     q = f % NSUB
     r = q // (NSUB // 2) * (NSUB // 2) + q % 2 * (NSUB // 4) + q % (NSUB // 2) // 2
-    s = r * 0
-    for bit in tl.static_range(8):  # the join tree puts sub-tile s at column w * NSUB + bitreverse(s)
-        if (NSUB >> (bit + 1)) > 0:
-            s = s * 2 + (r & 1)
-            r = r >> 1
+    s = bit_reverse(r, log2(NSUB))  # the join tree puts sub-tile s at column w * NSUB + bitreverse(s)
     k = s % 4
     pl = s // 4 % PER
     h = s // (4 * PER)
     return (pl * H + h) * C + 4 * (f // NSUB) + k
+
+
+@triton.jit
+def bit_reverse(x, BITS: tl.constexpr):
+    """``x``'s low ``BITS`` bits in reverse order: where a tree of ``tl.join`` puts its leaves (each join's new
+    dimension goes last, so the first split lands on the lowest column bit)."""
+    y = x * 0
+    for b in tl.static_range(BITS):
+        y = y * 2 + ((x >> b) & 1)
+    return y
 
 
 @triton.constexpr_function
