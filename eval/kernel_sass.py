@@ -85,8 +85,8 @@ def shared_bytes(loop: list[str]) -> dict[str, int]:
             continue
         fam, *mods = _opcode(text).split(".")
         width = next((_WIDTHS[m] for m in mods if m in _WIDTHS), 4)
-        if fam in ("LDSM", "STSM"):  # LDSM.16.M88.4: four 8x8 matrices of 16-bit elements
-            out["loaded" if fam == "LDSM" else "stored"] += 128 * int(mods[-1])
+        if fam in ("LDSM", "STSM"):  # LDSM.16.M88.4: four 8x8 matrices of 16-bit elements; LDSM.16.MT88: one
+            out["loaded" if fam == "LDSM" else "stored"] += 128 * (int(mods[-1]) if mods[-1].isdigit() else 1)
         elif fam == "LDS":
             out["loaded"] += 32 * width
         elif fam in ("STS", "LDGSTS"):
