@@ -259,7 +259,9 @@ def build_layer(
 
     shape = get_shape(shape_name)
     model = build_random_like(shape_name, layers=1, device="meta")  # the cache reads the config only
-    overrides = {"backend": "torch"} | ({"budget": budget} if budget is not None else {})
+    # run_ahead off: a run is timed whole, where its step runs it (with it, the step before a run launches the run's
+    # first part after its attention: the same host work, which would land in a timed step here)
+    overrides = {"backend": "torch", "run_ahead": False} | ({"budget": budget} if budget is not None else {})
     cache = TriStateCache(model, preset, **overrides)
     g = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16

@@ -48,6 +48,8 @@ EXTRA_SECTIONS = (
     ("tiers", "gather_decoded", "gather_decoded"),
     ("tiers", "gather_decoded_into", "gather_decoded"),
 )
+# policy_profile's SECTIONS include the run's first part, which the step before the run launches (``run_ahead``):
+# that step is counted too, its own work (the forward, its attention) left out as the run's step's is.
 READS = ("tolist", "item", "__bool__")  # host reads of a CPU tensor that do not all reach the dispatcher
 SYNC_OPS = HOST_SYNCS | {"nonzero_numpy", "is_nonzero", "item"}
 
@@ -160,7 +162,7 @@ def measure(
     with counting(counts):
         while done < warmup_runs + runs:
             # only the step that runs the policy, and only the run (its attention and the model's ops aside)
-            counted = done >= warmup_runs and layer.steps_since_policy == layer.cfg.interval - 1
+            counted = done >= warmup_runs and layer.steps_since_policy >= layer.cfg.interval - 2
             before = layer.tiers.counts.clone()
             counts.on = counted
             tok = decode_step(model, cache, tok, pos)

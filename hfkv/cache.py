@@ -154,6 +154,9 @@ class TriStateLayer(CacheLayerMixin):
         self._step_dev: torch.Tensor | None = None
         self._step_next: tuple[int, int] | None = None
         self.step_fills = 0  # how many times the device step was set from the host (hfkv.graphs checks it)
+        # The next step's policy run up to its host read, queued after this step's attention (_prepare_run_ahead):
+        # (key, new, valid, sizes, launched, numbers), or None.
+        self._ahead: tuple | None = None
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -429,17 +432,21 @@ class TriStateLayer(CacheLayerMixin):
         self._step_next = (pos, slot)
         self.step_fills += 1
 
-    def _mean_over(self) -> tuple[int, int] | None:
-        """What a score sum is averaged over (``score_mode="mean"``): the queries since ``score_start``."""
-        return None if self.cfg.score_mode == "sum" else (self.length, self.score_start)
+    def _mean_over(self, length: int | None = None) -> tuple[int, int] | None:
+        """What a score sum is averaged over (``score_mode="mean"``): the queries since ``score_start`` (up to
+        ``length``, the layer's by default)."""
+        return None if self.cfg.score_mode == "sum" else (self.length if length is None else length, self.score_start)
 
     def _mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return score_means(sums, pos, self._mean_over())
 
-    def _classify(self, scores, state, pos, window_count: int, rho, over: bool = False) -> torch.Tensor:
+    def _classify(
+        self, scores, state, pos, window_count: int, rho, over: bool = False, length: int | None = None
+    ) -> torch.Tensor:
         """New states of the run's candidates (``over``: some row is known not to fit as it is, so the Triton
-        allocation need not read back whether everything fits)."""
+        allocation need not read back whether everything fits; ``length``: the layer's by default)."""
         bsz, heads = scores.shape[:2]
+        length = self.length if length is None else length
         sink = Sinks(pos, self.sink_end)  # held slots below the row's sink end (the kernels compare them as they read)
         cfg = self.cfg
         if self.memory_budget:
@@ -457,7 +464,7 @@ class TriStateLayer(CacheLayerMixin):
                 scores,
                 state,
                 sink,
-                self.length,  # every row's (one timeline): a launch argument, not a filled tensor
+                length,  # every row's (one timeline): a launch argument, not a filled tensor
                 self.alpha_h,
                 self.alpha_l,
                 room,
@@ -471,7 +478,7 @@ class TriStateLayer(CacheLayerMixin):
             scores,
             state,
             sink,
-            torch.full((bsz,), self.length, dtype=torch.int64, device=self.device),
+            torch.full((bsz,), length, dtype=torch.int64, device=self.device),
             torch.full((bsz,), window_count, dtype=torch.int64, device=self.device),
             self.alpha_h,
             self.alpha_l,
@@ -489,15 +496,65 @@ class TriStateLayer(CacheLayerMixin):
         classified together with the tiers, as candidates for the original tier (padding: evicted),
         then written where they belong.
         """
+        ahead, self._ahead = self._ahead, None
+        key = self._ahead_key(self.length, self.window.start, self.window.count, self.steps_since_policy)
         self.steps_since_policy = 0
         if exits is not None:
             self._run_policy(exits)
             return
         # the exits as views of the ring, their slots emptied once the run has read them
         try:
-            self._run_policy(self.window.pop_oldest_views(max(0, self.window.count - self.cfg.window)))
+            exits = self.window.pop_oldest_views(max(0, self.window.count - self.cfg.window))
+            if ahead is not None and ahead[0] == key:  # its first part ran after the last step's attention
+                self._finish_run_ahead(ahead, exits)
+            else:
+                self._run_policy(exits)
         finally:
             self.window.clear_popped()
+
+    def _ahead_key(self, length: int, start: int, count: int, steps: int) -> tuple:
+        """What a run prepared ahead was prepared for: the layer's length, ring and steps since the last run as the
+        step that runs it finds them, and the storage's tensors (a changed pool or table is another storage)."""
+        tiers = self.tiers
+        return length, start, count, steps, id(tiers.pool.data), tuple(map(id, tiers.tables))
+
+    def _prepare_run_ahead(self) -> None:
+        """Queue the next step's policy run up to its one host read, after this step's attention: the candidates,
+        their classification and the move plan on the device, the plan's numbers copied to the host behind them
+        (:class:`hfkv.kernels.host_read.HostRead`). Nothing of the layer changes until that step's update(), so the
+        run sees what it would see then, and its read finds numbers that have long arrived instead of draining the
+        GPU's queue to wait for them (docs/kernels.md, "A policy run's read, a step ahead"). Only for a run known
+        to take the planned moves with that one read: the next step's update() pushes its token into a free
+        slot and runs the policy on the ring's oldest tokens as views, and no read is needed to know that
+        something competes for the room (``_nothing_competes``)."""
+        self._ahead = None
+        if not self.cfg.run_ahead:
+            return
+        win = self.window
+        steps, count, length = self.steps_since_policy + 1, win.count + 1, self.length + 1  # as update() leaves them
+        if count > win.capacity or not self._policy_due(steps, count, length):
+            return
+        n, s0 = count - self.cfg.window, win.start
+        if n <= 0 or s0 + n > win.capacity or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        _, _, pos, score = win.raw()
+        epos, escore = pos[s0 : s0 + n], score[:, :, s0 : s0 + n]
+        if self.memory_budget and not self._has_floor and not self._over_room(epos):
+            return  # _nothing_competes would read whether everything fits
+        from hfkv.kernels.host_read import HostRead
+        from hfkv.kernels.moves import launch_plan_moves
+
+        new, valid, sizes = self._decide(epos, escore, length, count - n)  # the window after the pop
+        launched = launch_plan_moves(new, valid, sizes, *self._plan_inputs())
+        self._ahead = (self._ahead_key(length, s0, count, steps), new, valid, sizes, launched, HostRead(launched[0]))
+
+    def _finish_run_ahead(self, ahead: tuple, exits: tuple[torch.Tensor, ...]) -> None:
+        """The rest of a run :meth:`_prepare_run_ahead` queued: its numbers read, its moves made (``_run_policy``'s)."""
+        from hfkv.kernels.moves import finish_plan_moves
+
+        _, new, valid, sizes, launched, numbers = ahead
+        plan = finish_plan_moves(new, valid, sizes, launched, numbers.tolist())
+        self._tier_peak = self._apply_planned(new, valid, sizes, exits, plan)
 
     def _run_policy(self, exits: tuple[torch.Tensor, ...]) -> None:
         ek, ev, epos, escore = exits
@@ -512,9 +569,7 @@ class TriStateLayer(CacheLayerMixin):
                 self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
             self._refresh_tier_peak()
             return
-        pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over())
-        rho = self.cache.rho(self.layer_idx)
-        new = self._classify(scores, state, pos, self.window.count, rho, self._over_room(epos))
+        new, valid, sizes = self._decide(epos, escore, self.length, self.window.count)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
             self._tier_peak = self._apply_planned(new, valid, sizes, (ek, ev, epos, escore))
             return
@@ -523,6 +578,16 @@ class TriStateLayer(CacheLayerMixin):
         valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
         self._apply(news, valids, changes, (ek, ev, epos, escore, new_exits) if m else None)
         self._refresh_tier_peak()
+
+    def _decide(
+        self, epos: torch.Tensor, escore: torch.Tensor, length: int, window_count: int
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """A run's candidates (every tier's slots, then the exits ``epos, escore``) classified: ``(new, valid,
+        sizes)``, for a layer ``length`` long holding ``window_count`` tokens in the window."""
+        pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over(length))
+        rho = self.cache.rho(self.layer_idx)
+        new = self._classify(scores, state, pos, window_count, rho, self._over_room(epos), length=length)
+        return new, valid, sizes
 
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
         """ARKV's OQ ratio as a cap on exact tokens: the layer's share of the exact tokens that would fit in
@@ -649,23 +714,28 @@ class TriStateLayer(CacheLayerMixin):
                 self.tiers.append_tokens(tier, *(x[start:end] for x in fields), **known)
             start += n
 
+    def _plan_inputs(self) -> tuple:
+        """What ``plan_moves`` takes beside the candidates' states: the tiers' counts and records per page, and each
+        tier's cost and the heads that share a room (for the tier peak after the run)."""
+        tiers = self.tiers
+        cost = [c or 0 for c in self.cost] if self.memory_budget else [1] * tiers.num_tiers
+        return tiers.counts, tiers.tpp, (cost, tiers.counts.shape[1] if self.cfg.head_adaptive else 1)
+
     def _apply_planned(
-        self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], exits: tuple
+        self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int], exits: tuple, plan: tuple | None = None
     ) -> int:
         """:meth:`_apply` from a move plan made on the device (``hfkv.kernels.moves.plan_moves``, from the run's
         candidates ``new, valid``): the movers read and decoded into one buffer (a launch per source), the sources
         compacted, then one append per destination of its slice of the buffer. The storage it leaves is
         :meth:`_apply`'s, byte for byte, and the pages each removal frees and each append takes come with the plan's
         one read instead of one read each, as does the tier peak after the run (returned: what
-        :meth:`_refresh_tier_peak` would read)."""
+        :meth:`_refresh_tier_peak` would read). ``plan``: that plan, made already (a run prepared ahead)."""
         from hfkv.kernels.moves import gather_exits, plan_moves
 
         tiers = self.tiers
-        cost = [c or 0 for c in self.cost] if self.memory_budget else [1] * tiers.num_tiers
-        held = (cost, tiers.counts.shape[1] if self.cfg.head_adaptive else 1)
-        changes, entering, pages, peak, b, h, src, idx, heads = plan_moves(
-            new, valid, sizes, tiers.counts, tiers.tpp, held
-        )
+        if plan is None:
+            plan = plan_moves(new, valid, sizes, *self._plan_inputs())
+        changes, entering, pages, peak, b, h, src, idx, heads = plan
         total = b.numel()
         if total:
             dim = exits[0].shape[-1]
@@ -876,6 +946,7 @@ class TriStateLayer(CacheLayerMixin):
             )  # fmt: skip
         if write is not None:
             win.pending = None  # the kernel wrote it
+            self._prepare_run_ahead()
         if exits is not None:
             self.run_policy(exits)
         return out
@@ -902,6 +973,7 @@ class TriStateLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         index = index.to(self.device)
+        self._ahead = None
         self.window.select_rows(index)
         self.tiers.select_rows(index)
         self._refresh_tier_peak()
@@ -927,7 +999,7 @@ class TriStateLayer(CacheLayerMixin):
             self.tiers.reset()
             bsz, heads, _, dim = self.window.shape
             self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
-        self._tier_peak, self._plan, self._plan_sig, self._plan_parts = 0, None, None, None
+        self._tier_peak, self._plan, self._plan_sig, self._plan_parts, self._ahead = 0, None, None, None, None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
         self._padded = True

@@ -100,7 +100,7 @@ class TierFormat:
 _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
 # Config fields added after results keyed by a config were stored, with the value that behaves as before they
 # existed (TriStateConfig.key_dict).
-_LATER_FIELDS = {"stagger": False}
+_LATER_FIELDS = {"stagger": False, "run_ahead": True}
 # Fields added before that rule, which key_dict writes at every value: rows stored before them ran at this value.
 _PREDATED_FIELDS = {"carry": 0.0}
 _DEFAULT_TIERS = {
@@ -234,6 +234,11 @@ class TriStateConfig:
     # 32 layers' policy costs ~13 ms of host (eval/host_overhead.py); spread, ~4 layers' runs a step can hide under
     # the device's work.
     stagger: bool = False
+    # A Triton decode step whose next step runs the policy launches that run's classification and move plan after
+    # its attention, and the run reads their numbers a step later, when they have long arrived: on a GPU the run's
+    # one host read no longer drains the device's queue, and half its launches leave its step. The same decisions
+    # and storage either way (tests/test_policy_run_ahead.py); False runs each policy run whole, at its step.
+    run_ahead: bool = True
     original: TierFormat = _DEFAULT_TIERS["original"]
     # A second quantized format between original and quantized (DiffKV's high-precision K8V4), used by
     # memory budgets only: refining a K4V2 token to K8V4 buys 5x more fidelity per byte than an exact copy
@@ -262,7 +267,7 @@ class TriStateConfig:
         w = "TriStateConfig"
         if not isinstance(self.name, str) or not self.name:
             raise _fail(f"{w}.name", self.name, "a non-empty string")
-        for f in ("compress", "oq_ratios", "head_adaptive", "stagger"):
+        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead"):
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
         for f, lo in (
@@ -606,6 +611,8 @@ class TriStateConfig:
             parts.append("head_adaptive")
         if self.stagger:
             parts.append("stagger")
+        if not self.run_ahead:
+            parts.append("runs whole")
         return " ".join(parts)
 
 

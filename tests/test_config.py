@@ -218,6 +218,7 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(budget=None, oq_ratios=False, head_adaptive=True), "head_adaptive", "True"),
     (dict(interval=0), "interval", "0"),
     (dict(stagger=1), "stagger", "1"),
+    (dict(run_ahead="yes"), "run_ahead", "yes"),
     (dict(original={"key": "int3"}), "original.key", "int3"),
     (dict(quantized={"value": "nf4"}), "quantized.value", "nf4"),
     (dict(quantized={"group_size": 48}), "quantized.group_size", "48"),
@@ -444,6 +445,7 @@ def valid_configs(draw: st.DrawFn) -> TriStateConfig:
         head_adaptive=budget is not None and draw(st.booleans()),
         interval=interval,
         stagger=draw(st.booleans()),
+        run_ahead=draw(st.booleans()),
         original=draw(_tier),
         quantized=draw(_tier),
         mid=mid,
@@ -498,6 +500,7 @@ def test_stored_result_keys_survive_fields_added_after_them():
         cfg = TriStateConfig.from_dict({**json.loads(row["config"]), "name": "stored"})
         assert key(cfg) == row["config"]
         assert key(dataclasses.replace(cfg, stagger=True)) != row["config"]
+        assert key(dataclasses.replace(cfg, run_ahead=False)) != row["config"]
 
 
 def test_committed_sweep_rows_stay_done_after_a_field_is_added():

@@ -20,7 +20,9 @@ def test_policy_run_launches_are_counted_by_section(tmp_path):
     assert r["moves_planned_on_device"] and r["runs_counted"] == 1 and r["tier_count_changes_per_run"][0] > 0
     # the run's parts, each launching what it should; the step's attention and the model are not counted
     assert sec["candidates"]["triton_kernels"] == {"_candidates_kernel": 1.0} and sec["candidates"]["torch"] == 0
-    assert {"_changes_kernel", "_plan_kernel"} <= set(sec["apply"]["triton_kernels"])  # the moves planned
+    # the moves planned: counted and paged after the step before's attention (a run ahead), placed at the run's step
+    assert {"_changes_kernel", "_pages_kernel"} <= set(sec["run_ahead"]["triton_kernels"])
+    assert "_plan_kernel" in sec["run_policy"]["triton_kernels"] and sec["run_policy"]["host_reads"] == 1
     assert "attend" not in sec and "model" not in sec
     assert not any(k in s["triton_kernels"] for s in sec.values() for k in pl.DECODE_KERNELS)
     # planned moves: no nonzero or sort outside the allocation, and the run's reads add up

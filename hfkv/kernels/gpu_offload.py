@@ -6,11 +6,12 @@ machine without a GPU they run the kernels in Triton's interpreter. To run the s
 kernels, with the same comparisons, this plugin wraps the Triton entry points (``paged_attention`` and the cache's
 ``run_plan``, ``encode_write``, ``move_records``, ``clear_tags``, ``compact``, ``release_pages``,
 ``read_meta_triton``, ``read_candidates_triton``, ``allocate_triton``, ``count_appends``, ``reserve_slots``,
-``tier_changes``, ``plan_moves``, ``gather_exits``, ``gather_decode``, ``observation_scores``, ``oq_score_triton``): a
-call copies the storage behind every tensor argument to the device once (views of one storage stay views of one copy,
-so parts that share a pool share it there too), runs the wrapper there, and copies each storage back, so in-place
-writes (pool bytes, score sums) land in the tests' tensors as if the kernel had run on them. Returned tensors come
-back to the CPU. The cache's backend check lets ``backend="triton"`` run on CPU tensors for the same reason.
+``tier_changes``, ``plan_moves`` and its halves, ``gather_exits``, ``gather_decode``, ``observation_scores``,
+``oq_score_triton``): a call copies the storage behind every tensor argument to the device once (views of one storage
+stay views of one copy, so parts that share a pool share it there too), runs the wrapper there, and copies each
+storage back, so in-place writes (pool bytes, score sums) land in the tests' tensors as if the kernel had run on them.
+Returned tensors come back to the CPU. The cache's backend check lets ``backend="triton"`` run on CPU tensors for the
+same reason.
 
     HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
 
@@ -53,6 +54,8 @@ WRAPPED = (
     ("hfkv.kernels.reserve", "reserve_slots"),
     ("hfkv.kernels.changes", "tier_changes"),
     ("hfkv.kernels.moves", "plan_moves"),
+    ("hfkv.kernels.moves", "launch_plan_moves"),
+    ("hfkv.kernels.moves", "place_moves"),
     ("hfkv.kernels.moves", "gather_exits"),
     ("hfkv.kernels.gather", "gather_decode"),
     ("hfkv.kernels.observation", "observation_scores"),

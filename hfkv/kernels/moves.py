@@ -27,7 +27,10 @@ from hfkv.kernels.changes import launch_changes
 from hfkv.kernels.grid import cdiv
 from hfkv.states import EVICTED
 
-__all__ = ["EXIT", "gather_exits", "place_moves", "plan_moves", "plan_moves_reference"]
+__all__ = [
+    "EXIT", "finish_plan_moves", "gather_exits", "launch_plan_moves", "place_moves", "plan_moves",
+    "plan_moves_reference",
+]
 
 EXIT = 3  # a plan's source code of a window exit (tiers are 0..2)
 _EVICTED = tl.constexpr(EVICTED)
@@ -149,7 +152,23 @@ def plan_moves(
     the removal and the tokens entering it, per tier (``[tiers, B * H]`` each: what the appends start from, so they
     need not count); with ``held = (cost per tier, group)`` too, ``peak`` is the largest ``sum(cost[t] * tokens of
     tier t)`` over the tiers and ``group`` consecutive heads after the run (the cache's tier peak, without a read of
-    its own). Two or three launches and one host read."""
+    its own). Two or three launches and one host read: :func:`launch_plan_moves`, the read of its numbers, then
+    :func:`finish_plan_moves` (a caller that can wait for the numbers later calls the two itself)."""
+    launched = launch_plan_moves(new, valid, sizes, counts, tpp, held)
+    return finish_plan_moves(new, valid, sizes, launched, launched[0].tolist())  # the run's one wait
+
+
+def launch_plan_moves(
+    new: torch.Tensor,
+    valid: torch.Tensor,
+    sizes: Sequence[int],
+    counts: torch.Tensor | None = None,
+    tpp: Sequence[int] | None = None,
+    held: tuple[Sequence[int], int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`plan_moves`' launches before its host read: ``(numbers, per_head, kept)``, ``numbers`` the int32
+    device buffer the host reads (:func:`finish_plan_moves` takes it read), the other two what the appends start
+    from (``kept`` None without the counts). One or two launches, no wait."""
     bsz, heads, _ = new.shape
     nt, rows = len(sizes), bsz * heads
     with_pages = counts is not None
@@ -158,10 +177,7 @@ def plan_moves(
         raise ValueError(f"plan_moves: held={held} must be (one cost per tier ({nt}), a group dividing {rows} rows)")
     extra = 4 * nt + 2 * with_peak if with_pages else 0
     out, per_head = launch_changes(new, valid, sizes, entering=True, extra=extra)
-    heads_after = None
-    if with_pages:
-        kept = torch.empty(nt, rows, dtype=torch.int64, device=new.device)
-        heads_after = (kept, per_head[:nt])
+    kept = torch.empty(nt, rows, dtype=torch.int64, device=new.device) if with_pages else None
     if with_pages and rows:
         tpps = [*tpp, *([1] * (3 - nt))]
         costs = [*(held[0] if with_peak else ()), *([0] * (3 - nt * with_peak))]
@@ -169,11 +185,30 @@ def plan_moves(
             counts, counts.shape[-1], per_head, rows, *tpps, *costs, out[3 * nt :], kept, NT=nt, PEAK=with_peak,
             GROUP=held[1] if with_peak else 1, BLOCK=_ROWS,
         )  # fmt: skip
-    flat = out.tolist()  # the run's one wait
+    return out, per_head, kept
+
+
+def finish_plan_moves(
+    new: torch.Tensor,
+    valid: torch.Tensor,
+    sizes: Sequence[int],
+    launched: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    flat: Sequence[int],
+) -> Plan:
+    """:func:`plan_moves` from its launches (``launched``, :func:`launch_plan_moves`' for the same ``new, valid,
+    sizes``) and their numbers read back (``flat``, the first of them as a list): the movers placed (one launch)."""
+    nt = len(sizes)
+    _, per_head, kept = launched
+    with_pages = kept is not None
+    extra = len(flat) - 3 * nt
+    if extra not in ((0, 4 * nt, 4 * nt + 2) if with_pages else (0,)):
+        raise ValueError(f"finish_plan_moves: {len(flat)} numbers read for {nt} tiers (with pages: {with_pages})")
+    with_peak = extra == 4 * nt + 2
     changes = [(flat[2 * t], flat[2 * t + 1]) for t in range(nt)]
-    entering = flat[2 * nt : 3 * nt]
+    entering = list(flat[2 * nt : 3 * nt])
     pages = [tuple(flat[3 * nt + 4 * t : 3 * nt + 4 * t + 4]) for t in range(nt)] if with_pages else None
     peak = flat[7 * nt] + (flat[7 * nt + 1] << 31) if with_peak else None
+    heads_after = (kept, per_head[:nt]) if with_pages else None
     return changes, entering, pages, peak, *place_moves(new, valid, sizes, per_head, entering), heads_after
 
 

@@ -1,0 +1,128 @@
+"""A policy run prepared a step ahead (``TriStateLayer._prepare_run_ahead``) decides and stores what a run made whole
+at its own step does: the same tokens, the same tiers, the same statistics, and a prepared run whose step never
+comes (a new turn, rows reordered) is dropped, not used.
+
+The reference is the same cache with ``TriStateConfig.run_ahead`` off (the whole run at its step, as the torch
+backend's equality tests check it); on a CPU the Triton kernels run in the interpreter, so the models are tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfkv import TriStateCache
+from hfkv.cache import TriStateLayer
+from tests.models import left_padded_batch, tiny_model
+
+# budgets small enough that runs demote and evict, windows short enough that they run every interval
+PRESETS = {
+    "arkv": {"budget": 20, "window": 4, "interval": 4},
+    "hfkv": {"budget": 16, "window": 4, "interval": 4},
+    "diffkv": {"window": 4, "obs_window": 8, "interval": 4},
+}
+
+
+class Runs:
+    """Counts a layer's policy runs by how they were made: whole, or finished from a prepared plan."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.whole = self.ahead = self.planned_at_run = 0
+        whole, finish = TriStateLayer._run_policy, TriStateLayer._finish_run_ahead
+        runs = self
+
+        def counted_whole(layer, exits):
+            runs.whole += 1
+            return whole(layer, exits)
+
+        def counted_finish(layer, ahead, exits):
+            runs.ahead += 1
+            return finish(layer, ahead, exits)
+
+        monkeypatch.setattr(TriStateLayer, "_run_policy", counted_whole)
+        monkeypatch.setattr(TriStateLayer, "_finish_run_ahead", counted_finish)
+
+
+def _state(cache: TriStateCache):
+    st = cache.stats()
+    layers = [layer for layer in cache.layers if isinstance(layer, TriStateLayer)]
+    return (
+        st.kv_bytes,
+        [(ls.window, ls.original, ls.quantized, ls.evicted) for ls in st.layers],
+        [layer.token_states() for layer in layers],
+        [layer._tier_peak for layer in layers],
+    )
+
+
+def _generate(model, ids, mask, preset, ahead: bool, new_tokens: int = 10):
+    cache = TriStateCache(model, preset, backend="triton", run_ahead=ahead, **PRESETS[preset])
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    return out, cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "padded"), [("arkv", True), ("hfkv", False), ("hfkv", True), ("diffkv", False)])
+def test_runs_prepared_ahead_decide_and_store_as_whole_runs(preset, padded, monkeypatch):
+    model = tiny_model("llama", num_hidden_layers=1)
+    if padded:
+        ids, mask = left_padded_batch(lengths=(28, 19))
+    else:
+        ids = torch.randint(3, 128, (2, 26), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+    runs = Runs(monkeypatch)
+    ref, ref_cache = _generate(model, ids, mask, preset, False)
+    assert runs.ahead == 0 and runs.whole > 0
+    whole_runs, runs.whole = runs.whole, 0
+    got, got_cache = _generate(model, ids, mask, preset, True)
+    assert torch.equal(got, ref)
+    a, b = _state(got_cache), _state(ref_cache)
+    assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
+    assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
+    assert runs.ahead + runs.whole == whole_runs  # the same runs, at the same steps
+    if preset != "hfkv" or not padded:  # a padded byte budget asks whether everything fits: no run ahead there
+        assert runs.ahead > 0
+    totals = [ls.totals() for ls in got_cache.stats().layers]
+    assert sum(t["mid"] + t["quantized"] + t["evicted"] for t in totals) > 0  # the runs moved tokens
+
+
+def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
+    logits = model(token, past_key_values=cache, use_cache=True).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+def _prepared(cache: TriStateCache) -> bool:
+    return any(getattr(layer, "_ahead", None) is not None for layer in cache.layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["new_turn", "reordered_rows"])
+def test_a_prepared_run_whose_step_never_comes_is_dropped(then):
+    """Decode until some layer holds a prepared run, then do what its step would not: a multi-token turn, or the
+    rows reordered (beam search). Both caches, with and without runs ahead, must go on alike."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = torch.randint(3, 128, (2, 26), generator=torch.Generator().manual_seed(7))
+    results = []
+    for ahead in (True, False):
+        cache = TriStateCache(model, "arkv", backend="triton", run_ahead=ahead, **PRESETS["arkv"])
+        token = _step(model, cache, ids)
+        steps = 0
+        # the step before a run: with runs ahead some layer has one prepared (the same step count without)
+        while not (_prepared(cache) if ahead else steps == results[0][0]):
+            token = _step(model, cache, token)
+            steps += 1
+            assert steps < 64
+        if then == "new_turn":
+            turn = torch.cat([token, torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))], 1)
+            token = _step(model, cache, turn)
+        else:
+            cache.reorder_cache(torch.tensor([1, 0]))
+            token = token.flip(0)
+            assert not _prepared(cache)
+        tokens = [token]
+        for _ in range(6):
+            tokens.append(_step(model, cache, tokens[-1]))
+        results.append((steps, torch.cat(tokens, 1), _state(cache)))
+    (_, got, got_state), (_, ref, ref_state) = results
+    assert torch.equal(got, ref)
+    assert got_state[:2] == ref_state[:2] and got_state[3] == ref_state[3]
+    assert all(torch.equal(x, y) for x, y in zip(got_state[2], ref_state[2], strict=True))
