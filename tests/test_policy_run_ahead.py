@@ -18,8 +18,10 @@ from tests.models import left_padded_batch, tiny_model
 # budgets small enough that runs demote and evict, windows short enough that they run every interval
 PRESETS = {
     "arkv": {"budget": 20, "window": 4, "interval": 4},
-    "hfkv": {"budget": 16, "window": 4, "interval": 4},
+    "hfkv": {"budget": 16, "window": 4, "interval": 4},  # padded: runs whole (below)
     "diffkv": {"window": 4, "obs_window": 8, "interval": 4},
+    # unpadded, each layer's runs at its own steps: a step prepares one layer's run and finishes another's
+    "hfkv-stagger": {"budget": 16, "window": 4, "interval": 4, "stagger": True},
 }
 
 
@@ -55,15 +57,18 @@ def _state(cache: TriStateCache):
 
 
 def _generate(model, ids, mask, preset, ahead: bool, new_tokens: int = 10):
-    cache = TriStateCache(model, preset, backend="triton", run_ahead=ahead, **PRESETS[preset])
+    cache = TriStateCache(model, preset.split("-")[0], backend="triton", run_ahead=ahead, **PRESETS[preset])
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
     return out, cache
 
 
+CASES = [("arkv", True), ("hfkv", True), ("diffkv", False), ("hfkv-stagger", False)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("preset", "padded"), [("arkv", True), ("hfkv", False), ("hfkv", True), ("diffkv", False)])
+@pytest.mark.parametrize(("preset", "padded"), CASES)
 def test_runs_prepared_ahead_decide_and_store_as_whole_runs(preset, padded, monkeypatch):
-    model = tiny_model("llama", num_hidden_layers=1)
+    model = tiny_model("llama", num_hidden_layers=2 if "stagger" in preset else 1)
     if padded:
         ids, mask = left_padded_batch(lengths=(28, 19))
     else:
@@ -79,7 +84,7 @@ def test_runs_prepared_ahead_decide_and_store_as_whole_runs(preset, padded, monk
     assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
     assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
     assert runs.ahead + runs.whole == whole_runs  # the same runs, at the same steps
-    if preset != "hfkv" or not padded:  # a padded byte budget asks whether everything fits: no run ahead there
+    if not preset.startswith("hfkv") or not padded:  # a padded byte budget asks whether everything fits: whole runs
         assert runs.ahead > 0
     totals = [ls.totals() for ls in got_cache.stats().layers]
     assert sum(t["mid"] + t["quantized"] + t["evicted"] for t in totals) > 0  # the runs moved tokens
