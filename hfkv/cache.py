@@ -132,6 +132,7 @@ class TriStateLayer(CacheLayerMixin):
         # prefill on a CPU, assumed on a GPU): without padding every token leaving the window is real, which a
         # policy run's admission can take as it is (_admit_exits), and _nothing_competes can decide on the host.
         self._padded = True
+        self._pad_max: int | None = None  # the largest row's leading padding, read when first needed (_exits_padded)
         self._exit_heads: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.sink_end: torch.Tensor | None = None  # [B] positions below this are sinks
         self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
@@ -312,6 +313,20 @@ class TriStateLayer(CacheLayerMixin):
         """``unpadded``: the caller knows no row is padded (a prompt without a mask; rows selected from an unpadded
         batch), which needs no read of ``pad_end``; else it is read on a CPU and assumed on a GPU."""
         self._padded = not unpadded and (self.device.type != "cpu" or bool(self.pad_end.any()))
+        self._pad_max = None
+
+    def _exits_padded(self, first: int | None) -> bool:
+        """Whether some of a run's exits may be left padding, the oldest at logical position ``first`` (None: not
+        known on the host, a chunk's). Past the longest row's padding (read once a prompt, when first asked: on a
+        GPU one wait, where every run of a padded batch would wait to ask whether everything fits) none is, and a
+        run takes the unpadded paths: the exits admitted as they are, the room decided on the host."""
+        if not self._padded:
+            return False
+        if first is None:
+            return True
+        if self._pad_max is None:
+            self._pad_max = int(self.pad_end.max()) if self.pad_end.numel() else 0
+        return first < self._pad_max
 
     def _admit_exits(self, k, v, pos: torch.Tensor, score: torch.Tensor) -> None:
         """Every exit exact, where no row is padded (a policy run in which nothing competes for the budget): the
@@ -503,12 +518,13 @@ class TriStateLayer(CacheLayerMixin):
             self._run_policy(exits)
             return
         # the exits as views of the ring, their slots emptied once the run has read them
+        first = self.length - self.window.count  # the ring holds the newest positions: the oldest exit's
         try:
             exits = self.window.pop_oldest_views(max(0, self.window.count - self.cfg.window))
             if ahead is not None and ahead[0] == key:  # its first part ran after the last step's attention
                 self._finish_run_ahead(ahead, exits)
             else:
-                self._run_policy(exits)
+                self._run_policy(exits, first)
         finally:
             self.window.clear_popped()
 
@@ -539,12 +555,13 @@ class TriStateLayer(CacheLayerMixin):
             return
         _, _, pos, score = win.raw()
         epos, escore = pos[s0 : s0 + n], score[:, :, s0 : s0 + n]
-        if self.memory_budget and not self._has_floor and not self._over_room(epos):
+        padded = self._exits_padded(self.length - win.count)
+        if self.memory_budget and not self._has_floor and not self._over_room(n, padded):
             return  # _nothing_competes would read whether everything fits
         from hfkv.kernels.host_read import HostRead
         from hfkv.kernels.moves import launch_plan_moves
 
-        new, valid, sizes = self._decide(epos, escore, length, count - n)  # the window after the pop
+        new, valid, sizes = self._decide(epos, escore, length, count - n, padded)  # the window after the pop
         launched = launch_plan_moves(new, valid, sizes, *self._plan_inputs())
         self._ahead = (self._ahead_key(length, s0, count, steps), new, valid, sizes, launched, HostRead(launched[0]))
 
@@ -556,20 +573,22 @@ class TriStateLayer(CacheLayerMixin):
         plan = finish_plan_moves(new, valid, sizes, launched, numbers.tolist())
         self._tier_peak = self._apply_planned(new, valid, sizes, exits, plan)
 
-    def _run_policy(self, exits: tuple[torch.Tensor, ...]) -> None:
+    def _run_policy(self, exits: tuple[torch.Tensor, ...], first: int | None = None) -> None:
+        """A policy run on ``exits`` (the oldest at logical position ``first``, where the host knows it)."""
         ek, ev, epos, escore = exits
         bsz, heads, m = escore.shape
-        if self._nothing_competes(epos):
+        padded = self._exits_padded(first)
+        if self._nothing_competes(epos, padded):
             # allocate() would keep every held token where it is and admit every exit exact (its own fast
             # path): only the admission has work to do.
-            if m and not self._padded:
+            if m and not padded:
                 self._admit_exits(ek, ev, epos, escore)
             elif m:
                 new_exits = torch.where(self._not_padding(epos), ORIGINAL, EVICTED).to(torch.int8)
                 self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
             self._refresh_tier_peak()
             return
-        new, valid, sizes = self._decide(epos, escore, self.length, self.window.count)
+        new, valid, sizes = self._decide(epos, escore, self.length, self.window.count, padded)
         if self.backend == "triton":  # the moves planned on the device: no nonzero, sort or count read back
             self._tier_peak = self._apply_planned(new, valid, sizes, (ek, ev, epos, escore))
             return
@@ -580,13 +599,15 @@ class TriStateLayer(CacheLayerMixin):
         self._refresh_tier_peak()
 
     def _decide(
-        self, epos: torch.Tensor, escore: torch.Tensor, length: int, window_count: int
+        self, epos: torch.Tensor, escore: torch.Tensor, length: int, window_count: int, padded: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """A run's candidates (every tier's slots, then the exits ``epos, escore``) classified: ``(new, valid,
-        sizes)``, for a layer ``length`` long holding ``window_count`` tokens in the window."""
+        sizes)``, for a layer ``length`` long holding ``window_count`` tokens in the window (``padded``: some exit
+        may be padding)."""
         pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over(length))
         rho = self.cache.rho(self.layer_idx)
-        new = self._classify(scores, state, pos, window_count, rho, self._over_room(epos), length=length)
+        over = self._over_room(epos.numel(), padded)
+        new = self._classify(scores, state, pos, window_count, rho, over, length=length)
         return new, valid, sizes
 
     def _exact_cap(self, rho: torch.Tensor, heads: int) -> torch.Tensor:
@@ -602,19 +623,20 @@ class TriStateLayer(CacheLayerMixin):
         self._cap_memo = (base, key, cap)  # contiguous: the allocation takes it as it is, no copy a run
         return cap
 
-    def _nothing_competes(self, exit_pos: torch.Tensor) -> bool:
+    def _nothing_competes(self, exit_pos: torch.Tensor, padded: bool = True) -> bool:
         """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
         exit (at full precision) fits, no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
         room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
         and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and reading every tier's
-        metadata to ask it would be the run's whole cost: at short contexts most runs are these."""
-        if not self.memory_budget or self._has_floor or self._over_room(exit_pos):
+        metadata to ask it would be the run's whole cost: at short contexts most runs are these (``padded``: some
+        exit may be padding)."""
+        if not self.memory_budget or self._has_floor or self._over_room(exit_pos.numel(), padded):
             return False
         heads = self.tiers.counts.shape[1]
         per = heads if self.cfg.head_adaptive else 1
         counts = self.tiers.counts
         # [B, H] exits that would be held exact (all of them without padding)
-        entering = self._not_padding(exit_pos).sum(-1) if self._padded else exit_pos.numel()
+        entering = self._not_padding(exit_pos).sum(-1) if padded else exit_pos.numel()
         held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)  # [B, H] bytes
         held = held + entering * self.cost[ORIGINAL]
         exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
@@ -626,15 +648,15 @@ class TriStateLayer(CacheLayerMixin):
             fits = fits & (exact <= self._exact_cap(rho, heads)).all()
         return bool(fits)
 
-    def _over_room(self, exit_pos: torch.Tensor) -> bool:
+    def _over_room(self, exits: int, padded: bool = True) -> bool:
         """Whether the fullest row (its held bytes are ``_tier_peak``, known since the tiers last changed) cannot take
-        the exits exact, under a byte budget without floors or padding: then it holds more than its room as it is, so
-        neither this run's host check nor the allocation's "does everything fit?" can say yes. Decided on the host,
-        no tensor operation or wait (a long context's every run)."""
-        if not self.memory_budget or self._has_floor or self._padded:
+        its ``exits`` exact, under a byte budget without floors, where no exit is padding (``padded`` False): then it
+        holds more than its room as it is, so neither this run's host check nor the allocation's "does everything
+        fit?" can say yes. Decided on the host, no tensor operation or wait (a long context's every run)."""
+        if not self.memory_budget or self._has_floor or padded:
             return False
         per = self.tiers.counts.shape[1] if self.cfg.head_adaptive else 1
-        return self._tier_peak + per * exit_pos.numel() * self.cost[ORIGINAL] > per * self.room
+        return self._tier_peak + per * exits * self.cost[ORIGINAL] > per * self.room
 
     def _tier_changes(self, new: torch.Tensor, valid: torch.Tensor, sizes: list[int]) -> list[tuple[int, int]]:
         """Per tier: tokens demoted into a tier they stay in, and tokens leaving (one launch and one wait on the
@@ -1002,7 +1024,7 @@ class TriStateLayer(CacheLayerMixin):
         self._tier_peak, self._plan, self._plan_sig, self._plan_parts, self._ahead = 0, None, None, None, None
         self.length, self.steps_since_policy, self.score_start = 0, 0, 0
         self.pad_end = self.sink_end = self.oq = None
-        self._padded = True
+        self._padded, self._pad_max = True, None
         self.cache.invalidate_rho()
 
     # ------------------------------------------------------------- memory

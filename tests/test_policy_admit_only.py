@@ -9,6 +9,7 @@ import torch
 
 from hfkv import TriStateCache
 from hfkv.cache import TriStateLayer
+from hfkv.states import EVICTED
 from tests.models import left_padded_batch, tiny_model
 
 
@@ -25,8 +26,8 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
     original, admit_exits = TriStateLayer._nothing_competes, TriStateLayer._admit_exits
     answers: list[bool] = []
 
-    def spy(self, exit_pos):
-        answers.append(False if slow else original(self, exit_pos))
+    def spy(self, exit_pos, padded=True):
+        answers.append(False if slow else original(self, exit_pos, padded))
         return answers[-1]
 
     def spy_exits(self, *args):
@@ -57,12 +58,13 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
 )
 @pytest.mark.parametrize("lengths", [(12, 7), (12, 12)], ids=["padded", "unpadded"])
 def test_admit_only_runs_end_where_full_runs_end(overrides, lengths, monkeypatch):
-    """Unpadded, an admit-only run takes the exits as they are (_admit_exits), padded through a state map."""
+    """An admit-only run takes the exits as they are (_admit_exits) where none is padding: every decode-time run here
+    (the longest padding, 5 tokens, is older than the window's oldest token after the prompt)."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=lengths)
     fast_out, fast_state, answers = _generate(model, ids, mask, overrides, False, monkeypatch)
     fast_answers = [a for a in answers if a != "exits"]
-    assert ("exits" in answers) == (lengths == (12, 12) and any(fast_answers))
+    assert ("exits" in answers) == any(fast_answers)
     slow_out, slow_state, _ = _generate(model, ids, mask, overrides, True, monkeypatch)
     assert torch.equal(fast_out, slow_out)
     for (fc, fm, fs), (sc, sm, ss) in zip(fast_state, slow_state, strict=True):
@@ -92,16 +94,12 @@ def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
     original = TriStateLayer._nothing_competes
     seen = []
 
-    def spy(self, exit_pos):
+    def spy(self, exit_pos, padded=True):
         Count.ops = 0
         with Count():
-            fast = original(self, exit_pos)
+            fast = original(self, exit_pos, padded)
         ops = Count.ops
-        padded, self._padded = self._padded, True  # the tensors' answer
-        try:
-            slow = original(self, exit_pos)
-        finally:
-            self._padded = padded
+        slow = original(self, exit_pos, True)  # the tensors' answer
         seen.append((padded, fast, slow, ops))
         return fast
 
@@ -114,3 +112,39 @@ def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
     assert not any(padded for padded, *_ in seen)  # a prompt without a mask: unpadded, known without a read
     assert any(fast for _, fast, _, _ in seen)  # admit-only runs first ...
     assert any(not fast and ops == 0 for _, fast, _, ops in seen)  # ... then the host says no, with no operation
+
+
+def test_runs_past_the_longest_padding_take_the_unpadded_paths(monkeypatch):
+    """A padded batch's runs treat their exits as possibly padding only while the oldest exit lies inside some row's
+    padding (known on the host from the ring's positions and the longest padding, read once): the same tokens and
+    storage as runs that always treat them so, and both kinds of run happen here (a window of 16 tokens holds 10 of
+    the short row's 22 padding tokens after the prompt)."""
+    original = TriStateLayer._exits_padded
+    seen: list[tuple[int | None, bool]] = []
+
+    def spy(self, first):
+        seen.append((first, original(self, first)))
+        return seen[-1][1]
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(28, 6))
+    results = []
+    for always in (False, True):
+        if always:  # every run as if some exit may be padding: the paths before the host knew better
+            monkeypatch.setattr(TriStateLayer, "_exits_padded", lambda self, first: self._padded)
+        else:
+            monkeypatch.setattr(TriStateLayer, "_exits_padded", spy)
+        cache = TriStateCache(model, "hfkv", budget=40, window=16)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        results.append((out, _state(cache)))
+        monkeypatch.undo()
+    firsts = [first for first, _ in seen]
+    assert {padded for _, padded in seen} == {False, True}  # runs inside the padding, then past it
+    assert all(padded == (first < 22) for first, padded in seen) and min(firsts) == 12
+    (out, state), (ref, ref_state) = results
+    assert torch.equal(out, ref)
+    for (fc, fm, fs), (sc, sm, ss) in zip(state, ref_state, strict=True):
+        assert torch.equal(fc, sc) and torch.equal(fs, ss)
+        for a, b in zip(fm, sm, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert (fs[1, :, :22] == EVICTED).all()  # the padding was never kept
