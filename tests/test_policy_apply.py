@@ -83,9 +83,9 @@ def test_relocation_leaves_the_storage_of_tier_by_tier_appends(overrides, monkey
 
 
 
-def _apply_unplanned(self, new, valid, sizes, exits):
+def _apply_unplanned(self, new, valid, sizes, exits, plan=None):
     """The Triton backend's relocation before its moves were planned on the device: :meth:`TriStateLayer._apply`
-    with what changed asked per tier."""
+    with what changed asked per tier (a plan made a step ahead left unused)."""
     m = exits[2].numel()
     news = torch.split(new, [*sizes, m], dim=-1)[: len(sizes)]
     valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
@@ -103,15 +103,16 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(12, 7))
     planned = []
-    plan_moves = hfkv.kernels.moves.plan_moves
+    finish_plan_moves = hfkv.kernels.moves.finish_plan_moves
 
-    def spy(*args):
-        plan = plan_moves(*args)
-        planned.append((sum(d for d, _ in plan[0]), plan[4].numel(), plan[2]))
+    def spy(*args):  # every plan, made whole at its run or finished from one prepared a step ahead (run_ahead)
+        plan = finish_plan_moves(*args)
+        if not results:  # the planned generation's (the unplanned one's runs ahead make plans they do not use)
+            planned.append((sum(d for d, _ in plan[0]), plan[4].numel(), plan[2]))
         return plan
 
-    monkeypatch.setattr(hfkv.kernels.moves, "plan_moves", spy)
     results = []
+    monkeypatch.setattr(hfkv.kernels.moves, "finish_plan_moves", spy)
     for unplanned in (False, True):
         if unplanned:
             monkeypatch.setattr(TriStateLayer, "_apply_planned", _apply_unplanned)
