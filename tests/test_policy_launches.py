@@ -23,6 +23,7 @@ def test_policy_run_launches_are_counted_by_section(tmp_path):
     # the moves planned: counted and paged after the step before's attention (a run ahead), placed at the run's step
     assert {"_changes_kernel", "_pages_kernel"} <= set(sec["run_ahead"]["triton_kernels"])
     assert "_plan_kernel" in sec["run_policy"]["triton_kernels"] and sec["run_policy"]["host_reads"] == 1
+    assert sec["run_ahead"]["host_reads"] == 0 and r["host_reads_per_run"] == 1  # the run's one read, a step late
     assert "attend" not in sec and "model" not in sec
     assert not any(k in s["triton_kernels"] for s in sec.values() for k in pl.DECODE_KERNELS)
     # planned moves: no nonzero or sort outside the allocation, and the run's reads add up

@@ -11,8 +11,9 @@ parts, each with a deadline inside ``--budget-s``:
    every Triton launch on the GPU (compiled) with the tests' own comparisons. Then on-device checks
    with the model itself on the GPU: ``generate`` with ``backend="triton"`` gives the tokens and
    statistics of ``backend="torch"`` (Llama and Qwen3 tiny random models as the tests build them, a
-   left-padded batch of 2, every preset), and decode steps between policy runs make no host sync
-   (``torch.cuda.set_sync_debug_mode("error")``).
+   left-padded batch of 2, every preset), decode steps between policy runs make no host sync
+   (``torch.cuda.set_sync_debug_mode("error")``), nor does the step that runs a policy run prepared a step ahead
+   (``TriStateConfig.run_ahead``).
 2. **bandwidth**: ``eval/kernel_bench.py``'s functions: bytes the decode kernel must read over its
    time against the measured copy bandwidth and flash SDPA over a dense cache, for ``full``,
    ``quant`` and ``hfkv`` storage at 4k/16k/32k tokens x batch 1/8 (one layer of Llama-3.1-8B).
@@ -240,6 +241,52 @@ def _generate_check(tb, models, family: str, preset: str, device: str, new_token
     return True, f"{got.shape[1] - ids.shape[1]} tokens equal, backend {backend}"
 
 
+def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
+    """The step that runs a policy run prepared a step ahead (``TriStateConfig.run_ahead``) waits for nothing: its
+    plan's numbers were copied to pinned memory behind the step before, so the run's ``update()`` runs under
+    ``set_sync_debug_mode("error")`` (CUDA only; tests/test_policy_launches.py counts the same read on a CPU)."""
+    import torch
+
+    from hfkv import TriStateCache
+    from hfkv.attention.interface import set_pending
+
+    model = models.tiny_model("llama", num_hidden_layers=1).to(device)
+    cache = TriStateCache(model, "arkv", backend="triton", budget=20, window=4, interval=4)
+    model(torch.randint(3, 128, (1, 30)).to(device), past_key_values=cache)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(1)
+    shapes = ((1, 2, 1, 32), (1, 2, 1, 32), (1, 4, 1, 32))
+
+    def inputs():
+        return [torch.randn(*s, generator=g).to(device) for s in shapes]
+
+    for _ in range(16):  # decode until a step has prepared the next one's run
+        k, v, q = inputs()
+        layer.update(k, v)
+        set_pending(None)
+        layer.attend(None, q, k, v, None, 32**-0.5)
+        if layer._ahead is not None:
+            break
+    else:
+        return False, "no policy run was prepared ahead in 16 decode steps"
+    finished = []
+    finish = layer._finish_run_ahead
+    layer._finish_run_ahead = lambda *args: finished.append(finish(*args))
+    k, v, q = inputs()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer.update(k, v)  # runs the policy: the prepared run's read and its moves
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        del layer._finish_run_ahead
+    set_pending(None)
+    layer.attend(None, q, k, v, None, 32**-0.5)
+    if not finished:
+        return False, "the step did not finish the prepared run"
+    return True, "the run's step: no host sync (set_sync_debug_mode('error'))"
+
+
 def _no_sync_check(models, device: str) -> tuple[bool, str]:
     """Decode steps between policy runs read no device value on the host (test_backend_triton's test, on ``device``).
 
@@ -400,11 +447,14 @@ def run_tests(
             plan.append((name, lambda f=family, p=preset: _generate_check(tb, models, f, p, device, new_tokens)))
     plan.append((f"decode step makes no host sync on {device}", lambda: _no_sync_check(models, device)))
     if device.startswith("cuda"):
+        plan.append((f"a policy run prepared a step ahead makes no host sync on {device}",
+                     lambda: _run_ahead_no_sync_check(models, device)))  # fmt: skip
         for mode in _graph_modes():
             plan.append((f"CUDA graph replay of decode steps ({mode}) == eager on {device}",
                          lambda m=mode: isolated(_graph_check_in, str(repo), device, m)))  # fmt: skip
     else:
         budget.skip("tests", "CUDA graph replay check", "CUDA graphs need a CUDA device")
+        budget.skip("tests", "run-ahead sync check", "the copy it checks (pinned memory, an event) is CUDA's")
     est = 5.0
     for name, check in plan:
         if not budget.allows("tests", name, est):

@@ -33,6 +33,6 @@ class HostRead:
         return self._event is None or self._event.query()
 
     def tolist(self) -> list:
-        if self._event is not None:
+        if self._event is not None and not self._event.query():  # landed already: no synchronising call at all
             self._event.synchronize()
         return self._host.tolist()
