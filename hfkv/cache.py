@@ -155,6 +155,7 @@ class TriStateLayer(CacheLayerMixin):
         self._step_dev: torch.Tensor | None = None
         self._step_next: tuple[int, int] | None = None
         self.step_fills = 0  # how many times the device step was set from the host (hfkv.graphs checks it)
+        self.runs_ahead = 0  # policy runs finished from a plan prepared a step ahead (_finish_run_ahead)
         # The next step's policy run up to its host read, queued after this step's attention (_prepare_run_ahead):
         # (key, new, valid, sizes, launched, numbers), or None.
         self._ahead: tuple | None = None
@@ -418,6 +419,7 @@ class TriStateLayer(CacheLayerMixin):
         self.length += 1
         self.steps_since_policy += 1
         self._step_next = (pos + 1, (slot + 1) % self.window.capacity)
+        self._prepare_run_ahead()  # as attend() does: the next step's run, where it is due, from what the graph left
 
     def launch_signature(self) -> tuple:
         """What this layer's decode launches depend on: the launch plan (compare it by identity) and the storage
@@ -572,6 +574,7 @@ class TriStateLayer(CacheLayerMixin):
         _, new, valid, sizes, launched, numbers = ahead
         plan = finish_plan_moves(new, valid, sizes, launched, numbers.tolist())
         self._tier_peak = self._apply_planned(new, valid, sizes, exits, plan)
+        self.runs_ahead += 1
 
     def _run_policy(self, exits: tuple[torch.Tensor, ...], first: int | None = None) -> None:
         """A policy run on ``exits`` (the oldest at logical position ``first``, where the host knows it)."""

@@ -319,10 +319,12 @@ def test_step_graphs_on_recorded_steps_equal_eager_decoding():
     c = decoder.counts
     assert runs >= 3 and c["eager"] == 1 + runs and c["captured"] == len(storages)
     assert c["reused"] == runs - (len(storages) - 1) >= 1 and c["eager"] + c["captured"] + c["replayed"] == n - 1
+    # the eager policy steps finish runs prepared after the replayed step before them (run_ahead)
+    assert sum(layer.runs_ahead for layer in decoder.layers) > 0
 
 
 @pytest.mark.parametrize(
-    "family, overrides, n", [("llama", {}, 14), ("qwen3", {}, 14), ("llama", {"stagger": True}, 13)]
+    "family, overrides, n", [("llama", {}, 14), ("qwen3", {}, 14), ("llama", {"stagger": True, "budget": 38}, 13)]
 )
 def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides, n):
     """GraphedDecoder's default mode: one capture of the step in pieces between the cache's calls, then every
@@ -330,12 +332,15 @@ def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides, 
     grown pools and tables included), with a recording standing in for CUDA graphs (a host read inside a piece
     fails it): the tokens and every layer's token states, ring, pool bytes, counts and tables are eager
     decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections; staggered
-    policy runs too (the layers' runs in different steps)."""
+    policy runs too (the layers' runs in different steps), under a budget the decoding outgrows (runs prepared a step
+    ahead by the eager attend() calls)."""
     model = tiny_model(family, num_hidden_layers=2)
     decoder, storages, runs = _graphed_against_eager(model, n, "layers", **overrides)
     assert runs >= 2 and len(storages) > 1  # policy runs, and storage that grew under the graphs
     assert decoder.counts == {"eager": 0, "captured": 1, "replayed": n - 2, "reused": 0}
     assert len(decoder._pieces) == len(decoder._calls) + 1 == 3
+    if "budget" in overrides:  # a budget the decoding outgrows: runs rank, prepared by the eager attend() calls
+        assert sum(layer.runs_ahead for layer in decoder.layers) > 0
 
 
 def test_graphed_decoder_refuses_what_it_cannot_replay():
