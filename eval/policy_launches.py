@@ -48,8 +48,6 @@ EXTRA_SECTIONS = (
     ("tiers", "gather_decoded", "gather_decoded"),
     ("tiers", "gather_decoded_into", "gather_decoded"),
 )
-# policy_profile's SECTIONS include the run's first part, which the step before the run launches (``run_ahead``):
-# that step is counted too, its own work (the forward, its attention) left out as the run's step's is.
 READS = ("tolist", "item", "__bool__")  # host reads of a CPU tensor that do not all reach the dispatcher
 SYNC_OPS = HOST_SYNCS | {"nonzero_numpy", "is_nonzero", "item"}
 
@@ -161,7 +159,8 @@ def measure(
     apply_planned = getattr(type(layer), "_apply_planned", None)
     with counting(counts):
         while done < warmup_runs + runs:
-            # only the step that runs the policy, and only the run (its attention and the model's ops aside)
+            # only the step that runs the policy and the one before it, which launches the run's first part (section
+            # run_ahead), and only the run's work (the steps' attention and the model's ops aside)
             counted = done >= warmup_runs and layer.steps_since_policy >= layer.cfg.interval - 2
             before = layer.tiers.counts.clone()
             counts.on = counted
