@@ -514,7 +514,8 @@ class TriStateLayer(CacheLayerMixin):
         then written where they belong.
         """
         ahead, self._ahead = self._ahead, None
-        key = self._ahead_key(self.length, self.window.start, self.window.count, self.steps_since_policy)
+        if ahead is not None and exits is None:  # what a prepared run must have been prepared for
+            ahead = ahead if ahead[0] == self._ahead_key(*self._ring_now()) else None
         self.steps_since_policy = 0
         if exits is not None:
             self._run_policy(exits)
@@ -523,12 +524,16 @@ class TriStateLayer(CacheLayerMixin):
         first = self.length - self.window.count  # the ring holds the newest positions: the oldest exit's
         try:
             exits = self.window.pop_oldest_views(max(0, self.window.count - self.cfg.window))
-            if ahead is not None and ahead[0] == key:  # its first part ran after the last step's attention
+            if ahead is not None:  # its first part ran after the last step's attention
                 self._finish_run_ahead(ahead, exits)
             else:
                 self._run_policy(exits, first)
         finally:
             self.window.clear_popped()
+
+    def _ring_now(self) -> tuple[int, int, int, int]:
+        """The layer's length, the ring's start and count, and the steps since the last run, as they are now."""
+        return self.length, self.window.start, self.window.count, self.steps_since_policy
 
     def _ahead_key(self, length: int, start: int, count: int, steps: int) -> tuple:
         """What a run prepared ahead was prepared for: the layer's length, ring and steps since the last run as the
@@ -549,7 +554,7 @@ class TriStateLayer(CacheLayerMixin):
         if not self.cfg.run_ahead:
             return
         win = self.window
-        steps, count, length = self.steps_since_policy + 1, win.count + 1, self.length + 1  # as update() leaves them
+        length, _, count, steps = (x + 1 for x in self._ring_now())  # as the next step's update() leaves them
         if count > win.capacity or not self._policy_due(steps, count, length):
             return
         n, s0 = count - self.cfg.window, win.start
@@ -602,7 +607,7 @@ class TriStateLayer(CacheLayerMixin):
         self._refresh_tier_peak()
 
     def _decide(
-        self, epos: torch.Tensor, escore: torch.Tensor, length: int, window_count: int, padded: bool = True
+        self, epos: torch.Tensor, escore: torch.Tensor, length: int, window_count: int, padded: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """A run's candidates (every tier's slots, then the exits ``epos, escore``) classified: ``(new, valid,
         sizes)``, for a layer ``length`` long holding ``window_count`` tokens in the window (``padded``: some exit
@@ -626,7 +631,7 @@ class TriStateLayer(CacheLayerMixin):
         self._cap_memo = (base, key, cap)  # contiguous: the allocation takes it as it is, no copy a run
         return cap
 
-    def _nothing_competes(self, exit_pos: torch.Tensor, padded: bool = True) -> bool:
+    def _nothing_competes(self, exit_pos: torch.Tensor, padded: bool) -> bool:
         """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
         exit (at full precision) fits, no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
         room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
@@ -651,7 +656,7 @@ class TriStateLayer(CacheLayerMixin):
             fits = fits & (exact <= self._exact_cap(rho, heads)).all()
         return bool(fits)
 
-    def _over_room(self, exits: int, padded: bool = True) -> bool:
+    def _over_room(self, exits: int, padded: bool) -> bool:
         """Whether the fullest row (its held bytes are ``_tier_peak``, known since the tiers last changed) cannot take
         its ``exits`` exact, under a byte budget without floors, where no exit is padding (``padded`` False): then it
         holds more than its room as it is, so neither this run's host check nor the allocation's "does everything

@@ -25,24 +25,22 @@ PRESETS = {
 }
 
 
-class Runs:
-    """Counts a layer's policy runs by how they were made: whole, or finished from a prepared plan."""
+class WholeRuns:
+    """Counts policy runs made whole at their step (those finished from a prepared plan: ``layer.runs_ahead``)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.whole = self.ahead = 0
-        whole, finish = TriStateLayer._run_policy, TriStateLayer._finish_run_ahead
-        runs = self
+        self.n = 0
+        whole = TriStateLayer._run_policy
 
-        def counted_whole(layer, *args):
-            runs.whole += 1
+        def counted(layer, *args):
+            self.n += 1
             return whole(layer, *args)
 
-        def counted_finish(layer, ahead, exits):
-            runs.ahead += 1
-            return finish(layer, ahead, exits)
+        monkeypatch.setattr(TriStateLayer, "_run_policy", counted)
 
-        monkeypatch.setattr(TriStateLayer, "_run_policy", counted_whole)
-        monkeypatch.setattr(TriStateLayer, "_finish_run_ahead", counted_finish)
+
+def _runs_ahead(cache: TriStateCache) -> int:
+    return sum(layer.runs_ahead for layer in cache.layers if isinstance(layer, TriStateLayer))
 
 
 def _state(cache: TriStateCache):
@@ -74,17 +72,17 @@ def test_runs_prepared_ahead_decide_and_store_as_whole_runs(preset, padded, monk
     else:
         ids = torch.randint(3, 128, (2, 26), generator=torch.Generator().manual_seed(4))
         mask = torch.ones_like(ids)
-    runs = Runs(monkeypatch)
+    whole = WholeRuns(monkeypatch)
     ref, ref_cache = _generate(model, ids, mask, preset, False)
-    assert runs.ahead == 0 and runs.whole > 0
-    whole_runs, runs.whole = runs.whole, 0
+    assert _runs_ahead(ref_cache) == 0 and whole.n > 0
+    whole_runs, whole.n = whole.n, 0
     got, got_cache = _generate(model, ids, mask, preset, True)
     assert torch.equal(got, ref)
     a, b = _state(got_cache), _state(ref_cache)
     assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
     assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
-    assert runs.ahead + runs.whole == whole_runs  # the same runs, at the same steps
-    assert runs.ahead > 0  # padded too: the decode-time exits lie past the longest padding
+    assert _runs_ahead(got_cache) + whole.n == whole_runs  # the same runs, at the same steps
+    assert _runs_ahead(got_cache) > 0  # padded too: the decode-time exits lie past the longest padding
     totals = [ls.totals() for ls in got_cache.stats().layers]
     assert sum(t["mid"] + t["quantized"] + t["evicted"] for t in totals) > 0  # the runs moved tokens
 

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,15 @@ def _generate_check(tb, models, family: str, preset: str, device: str, new_token
     return True, f"{got.shape[1] - ids.shape[1]} tokens equal, backend {backend}"
 
 
+def _decode_step(layer, k, v, q) -> None:
+    """One layer's decode step as the model makes it: ``update()``, then the hfkv attention function's ``attend()``."""
+    from hfkv.attention.interface import set_pending
+
+    layer.update(k, v)
+    set_pending(None)  # what the hfkv attention function does before calling attend()
+    layer.attend(None, q, k, v, None, 32**-0.5)
+
+
 def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
     """The step that runs a policy run prepared a step ahead (``TriStateConfig.run_ahead``) waits for nothing: its
     plan's numbers were copied to pinned memory behind the step before, so the run's ``update()`` runs under
@@ -250,7 +260,7 @@ def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
     from hfkv import TriStateCache
     from hfkv.attention.interface import set_pending
 
-    model = models.tiny_model("llama", num_hidden_layers=1).to(device)
+    model = models.tiny_model("llama", num_hidden_layers=1).to(device)  # the steps below use layer 0 alone
     cache = TriStateCache(model, "arkv", backend="triton", budget=20, window=4, interval=4)
     model(torch.randint(3, 128, (1, 30)).to(device), past_key_values=cache)
     layer = cache.layers[0]
@@ -261,17 +271,12 @@ def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
         return [torch.randn(*s, generator=g).to(device) for s in shapes]
 
     for _ in range(16):  # decode until a step has prepared the next one's run
-        k, v, q = inputs()
-        layer.update(k, v)
-        set_pending(None)
-        layer.attend(None, q, k, v, None, 32**-0.5)
+        _decode_step(layer, *inputs())
         if layer._ahead is not None:
             break
     else:
         return False, "no policy run was prepared ahead in 16 decode steps"
-    finished = []
-    finish = layer._finish_run_ahead
-    layer._finish_run_ahead = lambda *args: finished.append(finish(*args))
+    finished = layer.runs_ahead
     k, v, q = inputs()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -279,10 +284,9 @@ def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
         layer.update(k, v)  # runs the policy: the prepared run's read and its moves
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        del layer._finish_run_ahead
     set_pending(None)
     layer.attend(None, q, k, v, None, 32**-0.5)
-    if not finished:
+    if layer.runs_ahead == finished:
         return False, "the step did not finish the prepared run"
     return True, "the run's step: no host sync (set_sync_debug_mode('error'))"
 
@@ -298,7 +302,6 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     import torch
 
     from hfkv import TriStateCache
-    from hfkv.attention.interface import set_pending
 
     model = models.tiny_model("llama", num_hidden_layers=1).to(device)  # the steps below use layer 0 alone
     cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
@@ -311,11 +314,7 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     steps = [[torch.randn(*s, generator=g).to(device) for s in shapes] for _ in range(4)]
     cuda = torch.device(device).type == "cuda"
 
-    def step(k, v, q) -> None:
-        layer.update(k, v)
-        set_pending(None)  # what the hfkv attention function does before calling attend()
-        layer.attend(None, q, k, v, None, 32**-0.5)
-
+    step = partial(_decode_step, layer)
     step(*steps.pop(0))  # builds the launch plan (one asynchronous copy of the parts' sizes); the rest reuse it
     with contextlib.ExitStack() as stack:
         if cuda:

@@ -28,10 +28,6 @@ class HostRead:
         else:
             self._host = tensor
 
-    def ready(self) -> bool:
-        """Whether :meth:`tolist` would return without waiting."""
-        return self._event is None or self._event.query()
-
     def tolist(self) -> list:
         if self._event is not None and not self._event.query():  # landed already: no synchronising call at all
             self._event.synchronize()
