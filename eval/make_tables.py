@@ -824,7 +824,8 @@ def gpu_runs_block(
         "forward could use. Runs before 13 left the choice to torch, which on the H200 picks cuDNN attention for "
         "a decode step: cuDNN plans every new key length on the host (~1.3 ms a layer, `interleave_probe_h200_*`), "
         "so DynamicCache's step cost 23-75 ms by whether an earlier cache had stepped through the same lengths, "
-        "and their end-to-end ratios are not comparisons with a well-run DynamicCache.",
+        "and their end-to-end ratios are not comparisons with a well-run DynamicCache. A run whose DynamicCache row "
+        "did not fit its time gives the cache's own median / mean step in ms instead of ratios.",
         "",
     ]
     rows = []
@@ -838,8 +839,11 @@ def gpu_runs_block(
         big = [r for r in e2e.get("rows", []) if (r["context"], r["batch"]) == (32768, 8) and r["kind"] == "tristate"]
         speed = [
             f"{re.sub(r':backend=triton(?=$| )', '', r['method'].replace(',backend=triton', ''))} "
-            f"{fmt(r.get('decode_speedup_median'), '.2f', 'x')} / "
-            f"{fmt(r.get('decode_speedup_mean'), '.2f', 'x')}"
+            + (
+                f"{fmt(r.get('decode_speedup_median'), '.2f', 'x')} / {fmt(r.get('decode_speedup_mean'), '.2f', 'x')}"
+                if r.get("decode_speedup_median") is not None
+                else f"{r['decode_ms_median']:.2f} / {r['decode_ms_mean']:.2f} ms"
+            )
             + (
                 f" (in turns {fmt(r['decode_speedup_median_interleaved'], '.2f', 'x')} / "
                 f"{fmt(r['decode_speedup_mean_interleaved'], '.2f', 'x')})"
@@ -925,7 +929,7 @@ def _cap_text(row: dict[str, Any]) -> str:
     """A sweep row's register cap: rows before 652526e hold none or a number (the key absent: the compiler's
     choice); since then 0 is the compiler's choice and None the library's (128 where integer fields are read)."""
     if "max_registers" not in row or row["max_registers"] == 0:
-        return "-"
+        return "none"
     return "by storage" if row["max_registers"] is None else str(row["max_registers"])
 
 

@@ -155,6 +155,7 @@ class TriStateLayer(CacheLayerMixin):
         self._step_dev: torch.Tensor | None = None
         self._step_next: tuple[int, int] | None = None
         self.step_fills = 0  # how many times the device step was set from the host (hfkv.graphs checks it)
+        self.policy_runs = 0  # every run_policy() call: what a benchmark compares runs_ahead with
         self.runs_ahead = 0  # policy runs finished from a plan prepared a step ahead (_finish_run_ahead)
         # The next step's policy run up to its host read, queued after this step's attention (_prepare_run_ahead):
         # (key, new, valid, sizes, launched, numbers), or None.
@@ -513,6 +514,7 @@ class TriStateLayer(CacheLayerMixin):
         classified together with the tiers, as candidates for the original tier (padding: evicted),
         then written where they belong.
         """
+        self.policy_runs += 1
         ahead, self._ahead = self._ahead, None
         if ahead is not None and exits is None:  # what a prepared run must have been prepared for
             ahead = ahead if ahead[0] == self._ahead_key(*self._ring_now()) else None

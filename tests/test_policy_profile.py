@@ -57,3 +57,35 @@ def test_section_kernels_follow_their_launch_not_the_device_clock():
     assert table["classify"]["device_ms_per_policy_run"] == 0.045
     assert table["append_tokens"]["kernels_ms_per_policy_run"] == {"encode": 0.025}
     assert table["apply"]["device_ms_per_policy_run"] == 0.03  # its own 10 us and append_tokens' 50, per run
+
+
+def test_timed_launches_time_each_kernel_by_name_and_put_the_launch_back():
+    """Every launch through the timed class is counted under its kernel's name, a failing launch too, and the class's
+    own ``run`` is back afterwards (a stand-in for Triton's JITFunction, whose launches need a GPU)."""
+    from types import SimpleNamespace as NS
+
+    mod = _policy_profile()
+
+    class Kernel:
+        def __init__(self, name):
+            self.fn = NS(__name__=name)
+
+        def run(self, *args, grid=None, **kwargs):
+            if args and args[0] == "bad":
+                raise ValueError(args[0])
+            return grid
+
+    own, plan, scan = Kernel.run, Kernel("_plan_kernel"), Kernel("_scan_kernel")
+    totals: dict[str, list[float]] = {}
+    with mod.timed_launches(totals, owner=Kernel):
+        assert plan.run(1, grid=(3,)) == (3,) and scan.run(grid=(1,)) == (1,) and plan.run(grid=(2,)) == (2,)
+        try:
+            scan.run("bad")
+        except ValueError:
+            pass
+    assert Kernel.run is own
+    assert {k: len(v) for k, v in totals.items()} == {"_plan_kernel": 2, "_scan_kernel": 2}
+    table = mod.launch_table({"a": [1e-6, 3e-6, 2e-6], "b": [1e-3], "c": []})
+    assert list(table) == ["b", "a"]  # the costliest first, nothing for a kernel never launched
+    assert table["a"]["launches"] == 3 and abs(table["a"]["us_median"] - 2.0) < 1e-9
+    assert abs(table["a"]["us_mean"] - 2.0) < 1e-9 and abs(table["b"]["ms_total"] - 1.0) < 1e-9

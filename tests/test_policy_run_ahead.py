@@ -82,6 +82,8 @@ def test_runs_prepared_ahead_decide_and_store_as_whole_runs(preset, padded, monk
     assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
     assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
     assert _runs_ahead(got_cache) + whole.n == whole_runs  # the same runs, at the same steps
+    # every run counted once in policy_runs (what benchmarks report beside runs_ahead), made whole or finished ahead
+    assert [sum(layer.policy_runs for layer in c.layers) for c in (ref_cache, got_cache)] == [whole_runs] * 2
     assert _runs_ahead(got_cache) > 0  # padded too: the decode-time exits lie past the longest padding
     totals = [ls.totals() for ls in got_cache.stats().layers]
     assert sum(t["mid"] + t["quantized"] + t["evicted"] for t in totals) > 0  # the runs moved tokens

@@ -149,11 +149,12 @@ CODE_DOTS = 0
 # (FULL_REGISTERS; 0: the compiler's) take 103 registers at 8 warps with their table read one ahead (two programs an
 # SM; 80 fits three with 16 bytes of stack, eval/results/kernel_sass_full_registers_triton36.json). The H200 sweep
 # that capped them (eval/results/gpu/kernel_variants_h200_run8.json: 0.496 / 0.479 ms uncapped, 0.440 at 80) read
-# their table two ahead, a slower launch (112 registers, no cp.async); the library's own launch took 0.393 ms
-# uncapped the same day (gpu_check run 19), and the cap there is untimed: the next lease times it.
+# their table two ahead, a slower launch (112 registers, no cp.async). At the library's own launch (table one ahead)
+# the cap wins too: 0.353-0.365 ms at 80 against 0.386-0.395 uncapped, in four pairs of turns over both page
+# layouts (eval/results/gpu/kernel_variants_h200_run9_full_registers.json, code c860655).
 MAX_REGISTERS = None
 INT_REGISTERS = 128
-FULL_REGISTERS = 0
+FULL_REGISTERS = 80
 _REGISTER_CAPS = (0, 64, 72, 80, 96, 128, 168, 255)
 # Programs the partial pass launches over all (row, head) pairs when it sizes its own splits: one wave, the device's
 # SMs times the programs an SM holds. Uncapped, the partial pass takes 97-128 registers a thread: 16 warps an SM,

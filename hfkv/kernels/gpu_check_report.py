@@ -161,6 +161,8 @@ def _e2e_lines(body: dict[str, Any]) -> list[str]:
             turns = f"{r['interleaved']['decode_ms_median']:.2f} / {r['interleaved']['decode_ms_mean']:.2f} ms"
         if r.get("steps_that_compiled"):
             turns += f"  ({r['steps_that_compiled']} timed step(s) compiled a kernel: the mean is not steady)"
+        if r.get("policy_runs"):
+            turns += f"  (layers' runs {r['policy_runs']}, {r['runs_ahead']} prepared ahead)"
         lines.append(
             f"{head} {r['prefill_s']:9.2f} {r['decode_ms_median']:10.2f} / {r['decode_ms_mean']:<8.2f}"
             f" {r['peak_bytes'] / GIB:9.2f} {r['kv_bytes'] / GIB:7.2f} {r['compression'] or 0:5.1f}x {sp:>8}"
