@@ -48,6 +48,9 @@ GPU_RUNS = "eval/results/gpu/gpu_check_*.json"
 GPU_VARIANTS = "eval/results/gpu/kernel_variants_*.json"
 GPU_POLICY = "eval/results/gpu/policy_profile_*.json"
 GPU_START, GPU_END = "<!-- results:gpu-runs:start -->", "<!-- results:gpu-runs:end -->"
+LAUNCH_BINDING = "eval/results/launch_binding_triton36.json"
+BINDING_START, BINDING_END = "<!-- results:launch-binding:start -->", "<!-- results:launch-binding:end -->"
+HOST_OVERHEAD = "eval/results/host_overhead.json"
 SCALING_START, SCALING_END = "<!-- results:cpu-kernel-scaling:start -->", "<!-- results:cpu-kernel-scaling:end -->"
 PLOTS = "eval/results/plots"
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
@@ -1315,6 +1318,36 @@ def replace_block(text: str, block: str, start: str = DEMO_START, end: str = DEM
     return text[: i + len(start)] + "\n" + block + "\n" + text[j:]
 
 
+def launch_binding_block(res: dict[str, Any] | None, host: dict[str, Any] | None) -> str:
+    """eval/launch_binding.py's file: Triton's binding per kernel, per layer's step and per policy run, beside
+    eval/host_overhead.py's figures (hfkv's own host time, launches recorded)."""
+    if not res:
+        return "(no `eval/results/launch_binding_triton36.json` yet: `python eval/launch_binding.py --wait-quiet 600`)"
+    q = res.get("quiet") or {}
+    lines = [
+        f"`{LAUNCH_BINDING}` (code {res.get('git_commit', '?')[:7]}, Triton {res['triton']}, {res['target']}; "
+        f"{res['context']:,} x {res['batch']}, budget {res['budget']}; load {q.get('load_before')} before and "
+        f"{q.get('load_after')} after, 1 thread; {'BUSY, ' if res.get('busy') else ''}"
+        f"`{res['command']}`):",
+        "",
+        "| step | kernel | arguments | launches | us per launch |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for k in res["kernels"]:
+        step = "policy run's step" if k["phase"] == "policy_step" else "step"
+        lines.append(f"| {step} | `{k['kernel']}` | {k['arguments']} | {k['launches']} | {k['us_per_launch']:.1f} |")
+    lines.append("")
+    own = f"{host['host_us_per_layer']:.0f}" if host else "?"
+    run = f"{host['policy_run']['host_us_per_layer']:.0f}" if host else "?"
+    lines.append(
+        f"A layer's step between policy runs: **{res['us_per_layer_step']:.1f} us** of binding for its "
+        f"{res['launches_per_layer_step']:g} launches, beside {own} us of hfkv's own host work "
+        f"(`{HOST_OVERHEAD}`); a policy run: **{res['us_per_policy_run']:.1f} us** for its "
+        f"{res['launches_per_policy_run']} Triton launches, beside {run} us."
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=REPO, help="repository root holding eval/results (default: this one)")
@@ -1335,7 +1368,16 @@ def main(argv: list[str] | None = None) -> int:
             return [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in natural(root.glob(pattern))]
 
         gpu = gpu_runs_block(load(GPU_RUNS), load(GPU_VARIANTS), load(GPU_POLICY))
-        targets[kernels] = replace_block(text, gpu, GPU_START, GPU_END)
+        text = replace_block(text, gpu, GPU_START, GPU_END)
+
+        def read(name: str) -> dict[str, Any] | None:
+            path = root / name
+            return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+        if BINDING_START in text:
+            block = launch_binding_block(read(LAUNCH_BINDING), read(HOST_OVERHEAD))
+            text = replace_block(text, block, BINDING_START, BINDING_END)
+        targets[kernels] = text
     calib = root / CALIB_DOC
     if calib.exists() and CALIB_START in calib.read_text(encoding="utf-8"):
         hold = root / CALIB_LONG / "holdout.json"

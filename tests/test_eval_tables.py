@@ -327,3 +327,25 @@ def test_step_sections_from_a_busy_machine_are_not_shown():
     sec = "\n".join(mt.step_sections_section([("a.json", _sections_file(quiet_after=False))]))
     assert "`a.json`" not in sec
     assert "No step-section file with a DynamicCache row and the multiply-add floor yet." in sec
+
+
+def test_launch_binding_block_lists_each_kernel_and_puts_the_totals_beside_hfkvs_own():
+    res = {
+        "git_commit": "abc1234def", "triton": "3.6.0", "target": "cuda sm_90", "context": 4096, "batch": 8,
+        "budget": 1024, "quiet": {"load_before": 0.3, "load_after": 0.4}, "busy": False, "command": "python x",
+        "kernels": [
+            {"phase": "policy_step", "kernel": "_plan_kernel", "arguments": 18, "launches": 1, "us_per_launch": 6.0},
+            {"phase": "step", "kernel": "_partial_kernel", "arguments": 48, "launches": 7, "us_per_launch": 22.0},
+        ],
+        "us_per_layer_step": 35.5, "launches_per_layer_step": 3.0, "us_per_policy_run": 101.0,
+        "launches_per_policy_run": 13,
+    }  # fmt: skip
+    host = {"host_us_per_layer": 19.2, "policy_run": {"host_us_per_layer": 416.4}}
+    block = mt.launch_binding_block(res, host)
+    assert "| policy run's step | `_plan_kernel` | 18 | 1 | 6.0 |" in block
+    assert "| step | `_partial_kernel` | 48 | 7 | 22.0 |" in block
+    assert "**35.5 us** of binding for its 3 launches, beside 19 us" in block
+    assert "**101.0 us** for its 13 Triton launches, beside 416 us" in block
+    assert "code abc1234" in block and "BUSY" not in block
+    assert "BUSY" in mt.launch_binding_block(res | {"busy": True}, host)
+    assert "no `eval/results/launch_binding_triton36.json` yet" in mt.launch_binding_block(None, host)

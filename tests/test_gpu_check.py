@@ -303,3 +303,25 @@ def test_decode_path_failures_name_the_decode_kernel_and_dequant_tests_only():
     opt_in = "tests/test_kernel_decode_attention.py::test_decode_kernel_matches_torch_twin[int4-triton-code-dots]"
     named = "tests/test_kernel_decode_attention.py::test_code_dots_at_length_are_as_close_to_the_twin[int4-int2-32]"
     assert gpu_check.decode_path_failures(result(opt_in, named, decode)) == [decode]
+
+
+def test_dynamic_cache_keeps_its_time_until_it_was_tried():
+    """Every other cache's row must leave DynamicCache's (the ratios' reference, run last) its time until it was
+    tried at that context and batch; DynamicCache itself, and every row after it, reserve nothing."""
+    from types import SimpleNamespace as NS
+
+    from hfkv.kernels.gpu_check_e2e import _kept_last, reference_reserve
+
+    dyn, hfkv, quanto = NS(kind="dynamic", label="dynamic"), NS(kind="tristate", label="hfkv@1024"), NS(
+        kind="quantized", label="quanto-int4")  # fmt: skip
+    methods = [dyn, hfkv, quanto]
+    need = {"dynamic": 30.0, "hfkv@1024": 20.0, "quanto-int4": 25.0}
+    assert [m.label for m in _kept_last(methods, 24)][-1] == "dynamic"  # why it must be reserved for
+
+    def reserve(m, tried):
+        return reference_reserve(m, methods, tried, lambda x: need[x.label])
+
+    assert reserve(hfkv, set()) == 30.0 and reserve(quanto, {"hfkv@1024"}) == 30.0
+    assert reserve(dyn, {"hfkv@1024", "quanto-int4"}) == 0.0
+    assert reserve(hfkv, {"dynamic"}) == 0.0  # tried already (a later graphed row, another cache)
+    assert reference_reserve(hfkv, [hfkv, quanto], set(), lambda x: need[x.label]) == 0.0  # no DynamicCache

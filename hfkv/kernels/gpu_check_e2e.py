@@ -409,7 +409,13 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
     for context in args.e2e_contexts:
         for batch in args.e2e_batches:
             ids = random_prompt(model.config.vocab_size, batch, context).to(device)
-            group, lives = [], {}
+            group, lives, tried = [], {}, set()
+
+            def need_s(m, context=context, batch=batch) -> float:  # its rate so far, else the slowest, else a guess
+                rate = rates.get(m.label) or min(rates.values(), default=8000.0 if cuda else 300.0)
+                step = steps_s.get(m.label, 0.15 if cuda else 1.0)
+                return 5 + 1.5 * context * batch / rate + n_steps * step * 1.5
+
             for m in _kept_last(methods, args.e2e_interleave):
                 # an hfkv cache that ran is run again with its steps replayed from CUDA graphs
                 graphs = args.e2e_graphs and cuda and m.kind == "tristate"
@@ -417,13 +423,11 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
                 for graphed in [None, *(args.e2e_graph_modes if graphs else ())]:
                     if graphed and not ran:
                         continue
-                    # this cache's rate so far, else the slowest so far, else a guess
-                    rate = rates.get(m.label) or min(rates.values(), default=8000.0 if cuda else 300.0)
-                    step = steps_s.get(m.label, 0.15 if cuda else 1.0)
-                    need = 5 + 1.5 * context * batch / rate + n_steps * step * 1.5
                     label = graphed_label(m.label, graphed)
-                    if not budget.allows("e2e", f"{label} context {context} batch {batch}", need):
+                    reserve = reference_reserve(m, methods, tried, need_s)
+                    if not budget.allows("e2e", f"{label} context {context} batch {batch}", need_s(m) + reserve):
                         continue
+                    tried.add(m.label)
                     keep = not graphed and args.e2e_interleave > 0 and m.kind in INTERLEAVED_KINDS
                     row, live = run_cache(
                         model, m, ids, args.e2e_steps, args.e2e_warmup, args.e2e_chunk, keep, args.e2e_interleave,
@@ -493,6 +497,17 @@ def warm_up(model, methods, context: int, chunk: int, budget, out: dict[str, Any
         t = time.perf_counter()
         run_cache(model, m, ids, 1, 0, chunk)  # nothing kept
         out["warmup"]["seconds"][m.label] = round(time.perf_counter() - t, 2)
+
+
+def reference_reserve(method, methods: list, tried: set[str], need_s: Callable[[Any], float]) -> float:
+    """Seconds a row other than DynamicCache's must leave for DynamicCache's (``need_s`` of it), while that row has not
+    been tried at this context and batch (``tried``: labels): it is every ratio's reference and runs last
+    (:func:`_kept_last`), so a part that runs short skips the other caches' rows, not the one they are read against
+    (the fourteenth lease lost its ratios to that). 0 for DynamicCache itself, once it was tried, or without it."""
+    dynamic = next((m for m in methods if m.kind == "dynamic"), None)
+    if dynamic is None or method is dynamic or dynamic.label in tried:
+        return 0.0
+    return need_s(dynamic)
 
 
 def _kept_last(methods: list, interleave: int) -> list:

@@ -1,0 +1,198 @@
+"""Host time of Triton's own launch path for hfkv's kernels: what eval/host_overhead.py leaves out, on a CPU.
+
+eval/host_overhead.py records Triton launches instead of making them, so its figures hold hfkv's Python and torch's
+dispatch but not Triton's launch path: ``JITFunction.run`` binds the call's arguments, specializes each one (a
+pointer's alignment, an integer's divisibility by 16 or equality to 1), builds the compiled kernel's cache key and
+looks it up, before the driver's launcher runs. That path is Python and needs no GPU up to the lookup, so it is timed
+here with the Triton the GPU machine runs (3.6, installed for the ahead-of-time checks in ``.aot-triton``) and a CUDA
+sm_90 target, on the arguments hfkv really passes:
+
+1. **record** (this checkout's Triton, interpreter): eval/host_overhead.py's one-layer cache of Llama-3.1-8B's
+   attention shape at ``--context`` x ``--batch``, decoded for one policy interval; every Triton launch is recorded
+   (kernel, arguments) and run, except the decode step's three, whose outputs the host never reads (they would take
+   minutes in the interpreter), and each launch is marked with the kind of step it fell in.
+2. **time** (a second process with ``PYTHONPATH=.aot-triton``): per recorded launch, the kernel's binder for sm_90
+   and ``compute_cache_key``, called ``--repeats`` times: microseconds per launch. Not in it: the driver's launcher
+   (it converts each argument in C, then ``cuLaunchKernelEx``) and ``launch_metadata``, which need a device.
+
+    python eval/launch_binding.py --wait-quiet 600        # writes eval/results/launch_binding_triton36.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are decorated, so before any import
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+AOT_TRITON = REPO / ".aot-triton"
+DEFAULT_OUT = REPO / "eval" / "results" / "launch_binding_triton36.json"
+
+
+def record(path: Path, context: int, batch: int, budget: int) -> None:
+    """Step 1: every Triton launch of one policy interval of a one-layer cache, saved to ``path`` (torch.save)."""
+    sys.path.insert(0, str(REPO / "eval"))
+    import host_overhead as ho
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hfkv.attention.interface import hfkv_attention
+
+    launches: list[dict[str, Any]] = []
+    phase = ["step"]
+    run = InterpretedFunction.run
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        keep = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # as launched, before any write
+        launches.append({"phase": phase[0], "module": fn.__module__, "name": fn.__name__, "args": keep,
+                         "kwargs": dict(kwargs)})  # fmt: skip
+        if fn.__name__ in ho.DECODE_KERNELS:
+            return None
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    cache, layer, info = ho.build_layer(context, batch, "llama-3.1-8b", "hfkv", budget)
+    scaling = info["head_dim"] ** -0.5
+    InterpretedFunction.run = recorded
+    try:
+        for k, v, q in ho.decode_inputs(batch, info, layer.cfg.interval):
+            due = layer._policy_due(layer.steps_since_policy + 1, layer.window.count + 1, layer.length + 1)
+            phase[0] = "policy_step" if due else "step"
+            cache.update(k, v, 0)
+            hfkv_attention(None, q, k, v, None, scaling=scaling)
+    finally:
+        InterpretedFunction.run = run
+    if not any(x["phase"] == "policy_step" for x in launches):
+        raise RuntimeError("launch_binding: no policy run in the recorded interval")
+    torch.save({"launches": launches, "interval": layer.cfg.interval}, path)
+
+
+def time_binding(path: Path, repeats: int) -> dict[str, Any]:
+    """Step 2 (Triton 3.6 on the path): microseconds of binder + cache key per recorded launch, by kernel and step."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    saved = torch.load(path, weights_only=False)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binders: dict[tuple[str, str], Any] = {}
+    per: dict[tuple[str, str], list[float]] = {}
+    args_of: dict[str, int] = {}
+    for x in saved["launches"]:
+        key = (x["module"], x["name"])
+        if key not in binders:
+            fn = getattr(importlib.import_module(x["module"]), x["name"])
+            jit = JITFunction(getattr(fn, "fn", fn))
+            binders[key] = create_function_from_signature(jit.signature, jit.params, backend)
+        binder = binders[key]
+        # launch options are not kernel arguments; the two options JITFunction.run adds before binding
+        kwargs = {k: v for k, v in x["kwargs"].items() if k not in ("num_warps", "num_stages", "maxnreg")}
+        kwargs |= {"debug": False, "instrumentation_mode": ""}
+        memo: dict = {}
+        bound, spec, options = binder(*x["args"], **kwargs)
+        compute_cache_key(memo, spec, options)  # the key's memo is warm on every launch after a kernel's first
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            bound, spec, options = binder(*x["args"], **kwargs)
+            compute_cache_key(memo, spec, options)
+            list(bound.values())  # what JITFunction.run hands the launcher
+        per.setdefault((x["phase"], x["name"]), []).append(1e6 * (time.perf_counter() - t0) / repeats)
+        args_of[x["name"]] = len(x["args"]) + len(x["kwargs"])
+    interval = saved["interval"]
+    kernels = [
+        {"phase": phase, "kernel": name, "arguments": args_of[name], "launches": len(us),
+         "us_per_launch": statistics.median(us)}  # fmt: skip
+        for (phase, name), us in sorted(per.items(), key=lambda kv: (kv[0][0], -statistics.median(kv[1])))
+    ]
+    steps = interval - 1  # the interval's plain steps, then the step that runs the policy
+    plain = sum(k["us_per_launch"] * k["launches"] for k in kernels if k["phase"] == "step") / steps
+    policy = sum(k["us_per_launch"] * k["launches"] for k in kernels if k["phase"] == "policy_step")
+    decode = {k["kernel"] for k in kernels if k["phase"] == "step"}
+    run_only = sum(k["us_per_launch"] * k["launches"] for k in kernels if k["phase"] == "policy_step"
+                   and k["kernel"] not in decode)  # fmt: skip
+    return {
+        "triton": triton.__version__,
+        "target": "cuda sm_90 (binder and cache key only: no device)",
+        "repeats": repeats,
+        "kernels": kernels,
+        "us_per_layer_step": plain,
+        "launches_per_layer_step": sum(k["launches"] for k in kernels if k["phase"] == "step") / steps,
+        "us_per_policy_run": run_only,
+        "launches_per_policy_run": sum(
+            k["launches"] for k in kernels if k["phase"] == "policy_step" and k["kernel"] not in decode
+        ),
+        "us_policy_step": policy,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hfkv import cli_args as ca
+    from hfkv.evaluation import quiet
+
+    ap = ca.ArgumentParser(prog="eval/launch_binding.py", description=__doc__.splitlines()[0], epilog=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--context", type=ca.integer(64), default=4096, help="prompt tokens held (default 4096)")
+    ap.add_argument("--batch", type=ca.integer(1), default=8, help="rows (default 8)")
+    ap.add_argument("--budget", type=ca.integer(1), default=1024, help="hfkv budget, fp_tokens per KV head (1024)")
+    ap.add_argument("--repeats", type=ca.integer(1), default=400, help="timed bindings per launch (default 400)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
+    ap.add_argument("--triton-path", type=Path, default=AOT_TRITON, help="the Triton to time (default .aot-triton)")
+    ap.add_argument("--time-only", type=Path, help=argparse.SUPPRESS)  # step 2, in the second process
+    quiet.add_arguments(ap, default_threads="1")
+    args = ap.parse_args(argv)
+    if args.time_only:
+        print(json.dumps(time_binding(args.time_only, args.repeats)))
+        return 0
+    if not (args.triton_path / "triton").is_dir():
+        print(f"{ap.prog}: error: --triton-path={args.triton_path} holds no triton package (make aot-triton)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Path(tmp) / "launches.pt"
+        record(rec, args.context, args.batch, args.budget)
+        try:
+            status = quiet.start(args.threads, args.max_load, args.wait_quiet, args.force_busy)
+        except ca.UsageError as exc:
+            print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+            return 2
+        path = os.pathsep.join([str(args.triton_path), str(REPO)])
+        env = dict(os.environ) | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--time-only", str(rec), "--repeats", str(args.repeats)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        quiet.finish(status)
+    from hfkv.evaluation.results import machine_name, provenance, script_command, write_result_json
+
+    result = json.loads(out.strip().splitlines()[-1]) | {
+        "what": "host microseconds of Triton's launch path (binder and cache key) for hfkv's kernels, by kernel, "
+        "on the arguments a one-layer Llama-3.1-8B-shaped cache passes (eval/launch_binding.py docstring)",
+        "context": args.context, "batch": args.batch, "budget": args.budget,
+        "quiet": status, "busy": status["busy"], "command": script_command("eval/launch_binding.py", argv),
+        **provenance(machine=machine_name()),
+    }  # fmt: skip
+    write_result_json(args.out, result)
+    print(
+        f"Triton {result['triton']}: {result['us_per_layer_step']:.1f} us a layer's step "
+        f"({result['launches_per_layer_step']:g} launches), {result['us_per_policy_run']:.1f} us a policy run "
+        f"({result['launches_per_policy_run']} launches); {quiet.describe(status)}{' BUSY' if status['busy'] else ''}"
+        f"\nwrote {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
