@@ -407,7 +407,25 @@ def main(argv: list[str] | None = None) -> int:
             pos += 1
         return tok, pos
 
-    # One policy run of each layer alone, where the step would have run it.
+    # The step that runs the policy profiled, and the one before it: that one's attention queues the run's first
+    # part (TriStateLayer._prepare_run_ahead, section "run_ahead"), the run's step the rest. Profiled before the runs
+    # made alone below: a run called off its step pops fewer exits, and the ring's next runs would then wrap, which
+    # no run prepares ahead (the twelfth H200 profile's interval was such a one).
+    profiled = min(2, interval)
+    tok, pos = to_policy_eve(tok, pos, before=profiled)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with labelled_sections(), torch.profiler.profile(activities=activities) as prof:
+        for _ in range(profiled):
+            tok = decode_step(model, cache, tok, pos)
+            pos += 1
+        _sync(device)
+    events = prof.events()
+    result["sections"] = section_table(events, policy_runs=args.layers)
+    result["sections_note"] = "per policy run of one layer: the profiled interval ran one per layer"
+    result["top_ops"] = top_ops(prof)
+    result["launches_in_interval"] = sum(e.name in LAUNCH_EVENTS for e in events)
+    result["syncs_in_interval"] = sum(e.name in SYNC_EVENTS for e in events)
+    # One policy run of each layer alone, where the step would have run it (last: it moves the ring's phase).
     tok, pos = to_policy_eve(tok, pos)
     per_layer = []
     with torch.inference_mode():
@@ -421,22 +439,6 @@ def main(argv: list[str] | None = None) -> int:
             per_layer.append(1e3 * (time.perf_counter() - t))
     result["run_policy_ms_per_layer"] = per_layer
 
-    # The step that runs the policy profiled, and the one before it: that one's attention queues the run's first
-    # part (TriStateLayer._prepare_run_ahead, section "run_ahead"), the run's step the rest.
-    tok, pos = to_policy_eve(tok, pos, before=min(2, interval))
-    interval = min(2, interval)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with labelled_sections(), torch.profiler.profile(activities=activities) as prof:
-        for _ in range(interval):
-            tok = decode_step(model, cache, tok, pos)
-            pos += 1
-        _sync(device)
-    events = prof.events()
-    result["sections"] = section_table(events, policy_runs=args.layers)
-    result["sections_note"] = "per policy run of one layer: the profiled interval ran one per layer"
-    result["top_ops"] = top_ops(prof)
-    result["launches_in_interval"] = sum(e.name in LAUNCH_EVENTS for e in events)
-    result["syncs_in_interval"] = sum(e.name in SYNC_EVENTS for e in events)
     if not args.no_prefill:
         del cache
         result["prefill"] = prefill_profile(model, method, ids, device, cuda)
