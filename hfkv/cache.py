@@ -550,8 +550,8 @@ class TriStateLayer(CacheLayerMixin):
         run sees what it would see then, and its read finds numbers that have long arrived instead of draining the
         GPU's queue to wait for them (docs/kernels.md, "A policy run's read, a step ahead"). Only for a run known
         to take the planned moves with that one read: the next step's update() pushes its token into a free
-        slot and runs the policy on the ring's oldest tokens as views, and no read is needed to know that
-        something competes for the room (``_nothing_competes``)."""
+        slot and runs the policy on the ring's oldest tokens (views, or a gather where they wrap around the ring's
+        end), and no read is needed to know that something competes for the room (``_nothing_competes``)."""
         self._ahead = None
         if not self.cfg.run_ahead:
             return
@@ -560,10 +560,16 @@ class TriStateLayer(CacheLayerMixin):
         if count > win.capacity or not self._policy_due(steps, count, length):
             return
         n, s0 = count - self.cfg.window, win.start
-        if n <= 0 or s0 + n > win.capacity or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if n <= 0 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         _, _, pos, score = win.raw()
-        epos, escore = pos[s0 : s0 + n], score[:, :, s0 : s0 + n]
+        if s0 + n <= win.capacity:
+            epos, escore = pos[s0 : s0 + n], score[:, :, s0 : s0 + n]
+        else:  # the exits wrap around the ring's end (its phase shifted by a run off the interval): both pieces in
+            # order, as the run's pop_oldest gathers them
+            rest = s0 + n - win.capacity
+            epos = torch.cat([pos[s0:], pos[:rest]])
+            escore = torch.cat([score[:, :, s0:], score[:, :, :rest]], dim=2)
         padded = self._exits_padded(self.length - win.count)
         if self.memory_budget and not self._has_floor and not self._over_room(n, padded):
             return  # _nothing_competes would read whether everything fits
