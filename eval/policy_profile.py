@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # The step that runs the policy profiled, and the one before it: that one's attention queues the run's first
     # part (TriStateLayer._prepare_run_ahead, section "run_ahead"), the run's step the rest. Profiled before the runs
-    # made alone below: a run called off its step pops fewer exits, and the ring's next runs would then wrap, which
-    # no run prepares ahead (the twelfth H200 profile's interval was such a one).
+    # made alone below, which are called off their step and shift the ring's phase (the twelfth H200 profile's
+    # interval followed them, and before 497ac5e a run whose exits then wrapped was not prepared ahead).
     profiled = min(2, interval)
     tok, pos = to_policy_eve(tok, pos, before=profiled)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
