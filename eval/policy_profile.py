@@ -49,6 +49,7 @@ from hfkv.evaluation.methods import parse_method  # noqa: E402
 from hfkv.evaluation.results import provenance, script_command  # noqa: E402
 from hfkv.evaluation.shapes import build_random_like  # noqa: E402
 from hfkv.kernels.compiles import compiled_kernels  # noqa: E402
+from hfkv.kernels.gpu_check_e2e import policy_run_counts  # noqa: E402
 
 # Methods of TriStateLayer / PagedTiers labelled in the profile: (owner, attribute, section name).
 SECTIONS = (
@@ -365,24 +366,20 @@ def main(argv: list[str] | None = None) -> int:
         pos += 1
         runs += layer0.steps_since_policy == 0
 
-    def runs_so_far() -> tuple[int, int]:  # the layers' policy runs, and those finished from a prepared plan
-        layers = [layer for layer in cache.layers if hasattr(layer, "runs_ahead")]
-        return sum(layer.policy_runs for layer in layers), sum(layer.runs_ahead for layer in layers)
-
     # Triton's launch path timed on the host over the timed steps (not on the CPU dry run: its interpreter's launches
     # take another path).
     launches: dict[str, list[float]] = {}
     steps = []
     with timed_launches(launches) if cuda else nullcontext():
         for _ in range(args.steps):
-            before, runs_before = compiled_kernels(), runs_so_far()
+            before, runs_before = compiled_kernels(), policy_run_counts(cache)
             _sync(device)
             t = time.perf_counter()
             tok = decode_step(model, cache, tok, pos)
             _sync(device)
             ms = 1e3 * (time.perf_counter() - t)
             compiled = compiled_kernels() - before  # a step that compiled a kernel instance: no step's cost
-            runs, ahead = (b - a for a, b in zip(runs_before, runs_so_far(), strict=True))
+            runs, ahead = (b - a for a, b in zip(runs_before, policy_run_counts(cache), strict=True))
             steps.append({"ms": ms, "policy": layer0.steps_since_policy == 0, "compiled": compiled, "runs": runs,
                           "runs_ahead": ahead})  # fmt: skip
             pos += 1

@@ -562,14 +562,7 @@ class TriStateLayer(CacheLayerMixin):
         n, s0 = count - self.cfg.window, win.start
         if n <= 0 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        _, _, pos, score = win.raw()
-        if s0 + n <= win.capacity:
-            epos, escore = pos[s0 : s0 + n], score[:, :, s0 : s0 + n]
-        else:  # the exits wrap around the ring's end (its phase shifted by a run off the interval): both pieces in
-            # order, as the run's pop_oldest gathers them
-            rest = s0 + n - win.capacity
-            epos = torch.cat([pos[s0:], pos[:rest]])
-            escore = torch.cat([score[:, :, s0:], score[:, :, :rest]], dim=2)
+        epos, escore = win.peek_oldest(n)  # the next step's push fills a free slot: the oldest stay where they are
         padded = self._exits_padded(self.length - win.count)
         if self.memory_budget and not self._has_floor and not self._over_room(n, padded):
             return  # _nothing_competes would read whether everything fits

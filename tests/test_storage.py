@@ -455,7 +455,8 @@ def test_window_ring_pop_keeps_a_pending_token_unless_it_is_popped():
 def test_window_ring_pops_as_views_what_pop_oldest_returns_and_leaves_the_same_ring():
     """A policy run takes its exits as views (``pop_oldest_views``) and empties their slots afterwards
     (``clear_popped``): what it reads and the ring it leaves are ``pop_oldest``'s, whether or not the popped slots
-    wrap around the ring's end (then it gathers, as ``pop_oldest``); a change of the ring before the clear runs it."""
+    wrap around the ring's end (then it gathers, as ``pop_oldest``); a change of the ring before the clear runs it.
+    ``peek_oldest`` gives the same positions and scores beforehand, leaving the ring as it is."""
     g = torch.Generator().manual_seed(3)
     for extra in (0, 2, 3):
         a = WindowRing(2, 2, 4, 3, torch.float32, "cpu", extra=extra)
@@ -468,8 +469,10 @@ def test_window_ring_pops_as_views_what_pop_oldest_returns_and_leaves_the_same_r
                 ring.add_scores(torch.full((2, 2, ring.capacity), float(p)))
             n = int(torch.randint(0, a.count + 1, (1,), generator=g))
             wrap = a.start + n > a.capacity
+            peeked = [x.clone() for x in b.peek_oldest(n)]  # what a run prepared a step ahead classifies
             got = b.pop_oldest_views(n)
             want = a.pop_oldest(n)
+            assert torch.equal(peeked[0], want[2]) and torch.equal(peeked[1], want[3])
             viewed += (not wrap) and n > 0 and got[0]._base is b._k
             wrapped += wrap
             for x, y in zip(got, want, strict=True):

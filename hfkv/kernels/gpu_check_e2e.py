@@ -49,7 +49,7 @@ INTERLEAVED_KINDS = ("dynamic", "tristate")  # kept alive for the interleaved st
 GRAPHED = " graphed"  # the label suffix of an hfkv cache's rows whose steps replay CUDA graphs (hfkv.graphs)
 
 
-def _policy_runs(cache) -> tuple[int, int]:
+def policy_run_counts(cache) -> tuple[int, int]:
     """A TriStateCache's policy runs so far, over its layers, and how many were finished from a plan prepared a step
     ahead (``TriStateLayer.runs_ahead``): the two tell whether a row's runs took the read-ahead path. (0, 0) for other
     caches."""
@@ -180,7 +180,7 @@ def run_cache(
             policy_seen = policy_seen or layer0.steps_since_policy == 0
             i += 1
         row["warmup_steps"] = i
-        runs_before = _policy_runs(cache)
+        runs_before = policy_run_counts(cache)
         clock, times, compiled = Clock(ids.device, synced=True), [], 0
         for j in range(i, i + steps):
             before = compiled_kernels()
@@ -192,7 +192,7 @@ def run_cache(
                 held.append(cache_bytes(cache))
         clock.resolve()
         row["steps_that_compiled"] = compiled  # a kernel instance compiled inside them (seconds on a GPU, once)
-        runs = [b - a for a, b in zip(runs_before, _policy_runs(cache), strict=True)]
+        runs = [b - a for a, b in zip(runs_before, policy_run_counts(cache), strict=True)]
         if runs[0]:  # a TriStateCache's layers' runs in the timed steps, and those finished from a prepared plan
             row["policy_runs"], row["runs_ahead"] = runs
         if decoder is not None:

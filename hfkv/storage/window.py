@@ -136,6 +136,17 @@ class WindowRing:
         self.count -= n
         return out
 
+    def peek_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[n]`` and scores ``[B, H, n]`` of the ``n`` oldest tokens, in order, left in the ring: what the
+        next :meth:`pop_oldest_views` hands a policy run (a run prepared a step ahead classifies them). Views where
+        their slots do not wrap around the ring's end, else the two pieces joined (two small copies)."""
+        s0, cap = self.start, self.capacity
+        if s0 + n <= cap:
+            return self._pos[s0 : s0 + n], self._score[:, :, s0 : s0 + n]
+        rest = s0 + n - cap
+        pos = torch.cat([self._pos[s0:], self._pos[:rest]])
+        return pos, torch.cat([self._score[:, :, s0:], self._score[:, :, :rest]], dim=2)
+
     def pop_oldest_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`pop_oldest`, the tokens returned as views of the ring where their slots do not wrap around its end
         (a policy run's exits, nearly always): no gather. Their slots are emptied by :meth:`clear_popped`, which the
