@@ -54,12 +54,16 @@ def record(path: Path, context: int, batch: int, budget: int) -> None:
     launches: list[dict[str, Any]] = []
     phase = ["step"]
     run = InterpretedFunction.run
+    last: dict[str, tuple] = {}  # each kernel's previous arguments, uncloned: which are the same objects again
 
     def recorded(self, *args, grid, warmup, **kwargs):
         fn = self.fn
         keep = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # as launched, before any write
+        prev = last.get(fn.__name__, ())
+        same = [i < len(prev) and a is prev[i] for i, a in enumerate(args)]
+        last[fn.__name__] = args
         launches.append({"phase": phase[0], "module": fn.__module__, "name": fn.__name__, "args": keep,
-                         "kwargs": dict(kwargs)})  # fmt: skip
+                         "kwargs": dict(kwargs), "grid": tuple(grid), "same": same})  # fmt: skip
         if fn.__name__ in ho.DECODE_KERNELS:
             return None
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
@@ -114,6 +118,7 @@ def time_binding(path: Path, repeats: int) -> dict[str, Any]:
         per.setdefault((x["phase"], x["name"]), []).append(1e6 * (time.perf_counter() - t0) / repeats)
         args_of[x["name"]] = len(x["args"]) + len(x["kwargs"])
     interval = saved["interval"]
+    bound = time_bound_sites(saved["launches"], backend, repeats)
     kernels = [
         {"phase": phase, "kernel": name, "arguments": args_of[name], "launches": len(us),
          "us_per_launch": statistics.median(us)}  # fmt: skip
@@ -137,7 +142,111 @@ def time_binding(path: Path, repeats: int) -> dict[str, Any]:
             k["launches"] for k in kernels if k["phase"] == "policy_step" and k["kernel"] not in decode
         ),
         "us_policy_step": policy,
+        "bound": bound,
     }
+
+
+def time_bound_sites(launches: list[dict[str, Any]], backend: Any, repeats: int) -> dict[str, Any]:
+    """Microseconds per launch of the plain steps' decode launches through hfkv's bound sites
+    (hfkv.kernels.launch.KernelLaunch), on the same arguments: what replaces the binder and key above.
+
+    A stand-in driver gives the CUDA target, device and stream, and a stand-in compiled kernel's launcher does
+    nothing (the driver's launcher, which converts each argument in C, runs on both paths and is timed by neither).
+    Each site is bound on its first launch; the timed calls cycle through the recorded launches with the arguments
+    that were the same objects at every step (the plan's storage) shared and the others (query, new key and value,
+    output) distinct, so each call checks those as it would in a step.
+    """
+    from triton.runtime.driver import driver
+
+    import hfkv.kernels.launch as kl
+
+    class Kernel:
+        function, packed_metadata = 0, ()
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            return None
+
+    class Driver:
+        def get_current_target(self):
+            return backend.target
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    saved = kl.interpreter_on, driver._active
+    kl.interpreter_on = lambda: False  # this process imported the kernels' source under the interpreter flag
+    driver.set_active(Driver())
+    try:
+        return _time_sites(launches, repeats, Kernel, kl)
+    finally:
+        kl.interpreter_on = saved[0]
+        driver.set_active(saved[1])
+
+
+def _time_sites(launches: list[dict[str, Any]], repeats: int, kernel_type: type, kl: Any) -> dict[str, Any]:
+    from triton.runtime.jit import JITFunction
+
+    per: dict[str, float] = {}
+    calls: dict[str, list[tuple]] = {}
+    shared: dict[str, list[bool]] = {}
+    for x in launches:
+        if x["phase"] != "step":
+            continue
+        name = x["name"]
+        keep = shared.setdefault(name, _shared(launches, name))
+        base = calls.setdefault(name, [tuple(x["args"])])[0]
+        if x["args"] is not launches[_first(launches, name)]["args"]:
+            calls[name].append(tuple(b if k else a for a, b, k in zip(x["args"], base, keep, strict=True)))
+    sites = {}
+    for x in launches:
+        name = x["name"]
+        if x["phase"] != "step" or name in sites:
+            continue
+        fn = getattr(importlib.import_module(x["module"]), name)
+        jit = JITFunction(getattr(fn, "fn", fn))
+
+        def compile_(key, signature, device, constexprs, options, attrs, warmup, jit=jit):
+            jit.device_caches[device][0][key] = kernel = kernel_type()
+            return kernel
+
+        jit._do_compile = compile_
+        site = sites[name] = kl.KernelLaunch(jit, x["grid"], x["kwargs"])
+        args = calls[name]
+        for a in args:
+            site(*a)
+        if site.triton_launches != 1:
+            raise RuntimeError(f"launch_binding: the {name} site rebound ({site.triton_launches} Triton launches)")
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for a in args:
+                site(*a)
+        per[name] = 1e6 * (time.perf_counter() - t0) / (repeats * len(args))
+    steps = len(calls["_partial_kernel"])
+    kernels = [
+        {"kernel": k, "us_per_launch": us, "launches": len(calls[k]), "arguments": len(calls[k][0]),
+         "same_objects": sum(shared[k])}  # fmt: skip
+        for k, us in sorted(per.items(), key=lambda kv: -kv[1])
+    ]
+    return {
+        "kernels": kernels,
+        "us_per_layer_step": sum(k["us_per_launch"] * k["launches"] for k in kernels) / steps,
+    }
+
+
+def _first(launches: list[dict[str, Any]], name: str) -> int:
+    return next(i for i, x in enumerate(launches) if x["phase"] == "step" and x["name"] == name)
+
+
+def _shared(launches: list[dict[str, Any]], name: str) -> list[bool]:
+    """Per argument of ``name``'s plain-step launches: the same object at every one of them after the first."""
+    rows = [x["same"] for x in launches if x["phase"] == "step" and x["name"] == name][1:]
+    return [all(r[i] for r in rows) for i in range(len(rows[0]))] if rows else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1345,6 +1345,26 @@ def launch_binding_block(res: dict[str, Any] | None, host: dict[str, Any] | None
         f"(`{HOST_OVERHEAD}`); a policy run: **{res['us_per_policy_run']:.1f} us** for its "
         f"{res['launches_per_policy_run']} Triton launches, beside {run} us."
     )
+    bound = res.get("bound")
+    if bound:
+        lines += [
+            "",
+            "The same plain steps' launches through hfkv's bound sites (`hfkv.kernels.launch`; each site bound on its "
+            "first launch, the arguments that were the same objects at every step shared, the others new):",
+            "",
+            "| kernel | positional arguments | the same objects | launches | us per launch |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for k in bound["kernels"]:
+            lines.append(
+                f"| `{k['kernel']}` | {k['arguments']} | {k['same_objects']} | {k['launches']} | "
+                f"{k['us_per_launch']:.1f} |"
+            )
+        lines += [
+            "",
+            f"A layer's step: **{bound['us_per_layer_step']:.1f} us** through the bound sites against "
+            f"{res['us_per_layer_step']:.1f} us of Triton's binding.",
+        ]
     return "\n".join(lines)
 
 

@@ -349,3 +349,12 @@ def test_launch_binding_block_lists_each_kernel_and_puts_the_totals_beside_hfkvs
     assert "code abc1234" in block and "BUSY" not in block
     assert "BUSY" in mt.launch_binding_block(res | {"busy": True}, host)
     assert "no `eval/results/launch_binding_triton36.json` yet" in mt.launch_binding_block(None, host)
+    assert "bound sites" not in block  # a file from before the bound sites
+    bound = {
+        "kernels": [{"kernel": "_partial_kernel", "arguments": 25, "same_objects": 20, "launches": 7,
+                     "us_per_launch": 4.33}],
+        "us_per_layer_step": 9.34,
+    }  # fmt: skip
+    block = mt.launch_binding_block(res | {"bound": bound}, host)
+    assert "| `_partial_kernel` | 25 | 20 | 7 | 4.3 |" in block
+    assert "**9.3 us** through the bound sites against 35.5 us of Triton's binding" in block

@@ -39,6 +39,18 @@ def test_launches_are_recorded_by_step_and_their_binding_timed(tmp_path):
     assert res["us_per_layer_step"] == pytest.approx(
         sum(k["us_per_launch"] * k["launches"] for k in by_phase["step"].values()) / steps
     )
+    # the same plain steps through hfkv's bound sites: each kernel bound once, then its calls checked, not rebound
+    bound = {k["kernel"]: k for k in res["bound"]["kernels"]}
+    assert set(bound) == DECODE
+    for name, k in bound.items():
+        assert k["launches"] == by_phase["step"][name]["launches"] and k["us_per_launch"] > 0
+        assert 0 < k["same_objects"] <= k["arguments"] < by_phase["step"][name]["arguments"]  # positional ones
+    # the query and the new key and value, and the output, are new tensors at every step
+    assert bound["_partial_kernel"]["same_objects"] <= bound["_partial_kernel"]["arguments"] - 3
+    assert bound["_combine_kernel"]["same_objects"] < bound["_combine_kernel"]["arguments"]
+    assert res["bound"]["us_per_layer_step"] == pytest.approx(
+        sum(k["us_per_launch"] * k["launches"] for k in bound.values()) / steps
+    )
 
 
 def test_a_missing_triton_is_named(tmp_path, capsys):

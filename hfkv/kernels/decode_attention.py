@@ -55,6 +55,7 @@ from hfkv.kernels.dequant import (
     tl_dtype,
 )
 from hfkv.kernels.grid import cdiv
+from hfkv.kernels.launch import KernelLaunch
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
@@ -877,6 +878,9 @@ class DecodePlan:
     constants: dict[str, Any]
     score_constants: dict[str, Any]
     return_delta: bool
+    # the three launch sites, for a step without and with a device ``step`` (hfkv.kernels.launch): made with the
+    # plan, so a copy of it (the GPU test plugin's) launches through the same sites
+    launches: dict[bool, tuple[KernelLaunch, KernelLaunch, KernelLaunch]]
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
@@ -1051,10 +1055,12 @@ def plan_attention(
     score_constants = dict(
         FMTS=tuple(s_fmts), NP=len(s_args), WRITE_DELTA=return_delta, RED=REDUCTIONS[reduction], BLOCK_S=block_s
     )
+    grid = (bsz * heads, ns_total, nqb)
+    p_constants, score_constants = constants | shape | launch, score_constants | shape
     return DecodePlan(
         key=plan_key(query, parts, window_write),
         parts=tuple(parts),
-        grid=(bsz * heads, ns_total, nqb),
+        grid=grid,
         heads=heads,
         shape=shape,
         p_args=tuple(p_args),
@@ -1073,9 +1079,17 @@ def plan_attention(
         ring=parts[0] if window_write else None,
         out_shape=(bsz, qlen, hq, dim),
         dtype=query.dtype,
-        constants=constants | shape | launch,
-        score_constants=score_constants | shape,
+        constants=p_constants,
+        score_constants=score_constants,
         return_delta=return_delta,
+        launches={
+            dev: (
+                KernelLaunch(_partial_kernel, grid, p_constants | {"DEV_STEP": dev}),
+                KernelLaunch(_combine_kernel, (grid[0], grid[2]), dict(D=dim, BLOCK_D=block_d, **shape)),
+                KernelLaunch(_score_kernel, (grid[0], block0), score_constants | {"DEV_STEP": dev}),
+            )
+            for dev in (False, True)
+        },
     )
 
 
@@ -1135,14 +1149,13 @@ def run_plan(
     if out is None:
         out = torch.empty(bsz, qlen, hq, dim, dtype=query.dtype, device=device)
     delta = torch.empty(bsz, heads, plan.s_total, dtype=torch.float32, device=device) if plan.return_delta else None
-    _partial_kernel[plan.grid](
+    partial, combine, score = plan.launches[step is not None]
+    partial(
         query, pad_end, q_start, scaling, plan.pool, plan.page_bytes, plan.p_args, plan.p_meta, logits, plan.s_total,
-        m, l_, acc, plan.ns_total, heads, hq, *wargs, step, **plan.constants, DEV_STEP=step is not None,
+        m, l_, acc, plan.ns_total, heads, hq, *wargs, step,
     )  # fmt: skip
-    _combine_kernel[plan.grid[0], plan.grid[2]](
-        m, l_, acc, plan.ns_total, out, mf, lf, heads, hq, D=dim, BLOCK_D=plan.constants["BLOCK_D"], **plan.shape
-    )
-    _score_kernel[(plan.grid[0], plan.score_blocks)](
+    combine(m, l_, acc, plan.ns_total, out, mf, lf, heads, hq)
+    score(
         logits,
         plan.s_total,
         mf,
@@ -1155,8 +1168,6 @@ def run_plan(
         heads,
         step,
         plan.ring.slots if step is not None else 0,
-        **plan.score_constants,
-        DEV_STEP=step is not None,
     )
     return out, delta
 

@@ -343,6 +343,65 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     return True, f"3 decode steps, no host sync ({how})"
 
 
+def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str]:
+    """Decode steps whose three launches take hfkv's bound sites (hfkv.kernels.launch) give the outputs of steps
+    launched through Triton's own path (``HFKV_TRITON_BINDING=1`` when the plan is made), bit for bit, and the host
+    time of each kind of step (medians, steps interleaved, launches asynchronous) says what the binding costs with
+    the driver's real launcher. On a CPU the interpreter launches through Triton either way (nothing is bound)."""
+    import statistics
+
+    import torch
+
+    from hfkv import TriStateCache
+    from hfkv.attention.interface import set_pending
+    from hfkv.kernels import launch as kl
+
+    model = models.tiny_model("llama", num_hidden_layers=1).to(device)
+    prompt = torch.randint(3, 128, (1, 30)).to(device)
+    layers = []
+    for _ in range(2):  # launched through bound sites, and through Triton's own path
+        cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
+        model(prompt, past_key_values=cache)
+        layer = cache.layers[0]
+        layer.steps_since_policy = -(10**6)  # one plan for all the steps below
+        layers.append(layer)
+    g = torch.Generator().manual_seed(2)
+    shapes = ((1, 2, 1, 32), (1, 2, 1, 32), (1, 4, 1, 32))
+    cuda = torch.device(device).type == "cuda"
+    host: list[list[float]] = [[], []]
+    for i in range(steps if cuda else 2):
+        k, v, q = (torch.randn(*s, generator=g).to(device) for s in shapes)
+        outs = []
+        for opt_out, layer in enumerate(layers):
+            before = os.environ.get(kl.ENV_TRITON_BINDING)
+            if opt_out:
+                os.environ[kl.ENV_TRITON_BINDING] = "1"  # read when the step's plan makes its sites
+            try:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                layer.update(k, v)
+                set_pending(None)
+                outs.append(layer.attend(None, q, k, v, None, 32**-0.5))
+                if i:  # the first step of each builds its plan
+                    host[opt_out].append(1e6 * (time.perf_counter() - t0))
+            finally:
+                if opt_out and before is None:
+                    os.environ.pop(kl.ENV_TRITON_BINDING)
+        if not torch.equal(outs[0], outs[1]):
+            diff = (outs[0] - outs[1]).abs().max()
+            return False, f"step {i}: bound launches' output differs from Triton's (largest difference {diff})"
+    sites = [layer._plan.launches[True] for layer in layers]
+    bound = [s.bound_launches for s in sites[0]]
+    if sites[1][0].bound_launches or (cuda and min(bound) < steps - 1):
+        return False, f"bound launches per site: {bound} (opted out: {[s.bound_launches for s in sites[1]]})"
+    if not cuda:
+        return True, "interpreter: both launched through Triton, outputs equal"
+    ours, theirs = (statistics.median(h) for h in host)
+    return True, (f"{steps} steps equal; host per layer's step: bound {ours:.0f} us, Triton's path {theirs:.0f} us "
+                  f"(medians); bound launches per site {bound}")  # fmt: skip
+
+
 def _graph_modes() -> tuple[str, ...]:
     from hfkv.graphs import MODES  # above the kernels: imported where used
 
@@ -445,6 +504,7 @@ def run_tests(
             name = f"generate {family} {preset}: triton == torch on {device}"
             plan.append((name, lambda f=family, p=preset: _generate_check(tb, models, f, p, device, new_tokens)))
     plan.append((f"decode step makes no host sync on {device}", lambda: _no_sync_check(models, device)))
+    plan.append((f"bound launches == Triton's launches on {device}", lambda: _bound_launch_check(models, device)))
     if device.startswith("cuda"):
         plan.append((f"a policy run prepared a step ahead makes no host sync on {device}",
                      lambda: _run_ahead_no_sync_check(models, device)))  # fmt: skip
