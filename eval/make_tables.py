@@ -1360,10 +1360,12 @@ def launch_binding_block(res: dict[str, Any] | None, host: dict[str, Any] | None
                 f"| `{k['kernel']}` | {k['arguments']} | {k['same_objects']} | {k['launches']} | "
                 f"{k['us_per_launch']:.1f} |"
             )
+        total = f"{host['host_us_per_layer'] + bound['us_per_layer_step']:.0f}" if host else "?"
         lines += [
             "",
             f"A layer's step: **{bound['us_per_layer_step']:.1f} us** through the bound sites against "
-            f"{res['us_per_layer_step']:.1f} us of Triton's binding.",
+            f"{res['us_per_layer_step']:.1f} us of Triton's binding; with hfkv's own {own} us, **{total} us** of host "
+            "a compressed layer's step before the launcher's C work (target: at most 40).",
         ]
     return "\n".join(lines)
 

@@ -358,3 +358,4 @@ def test_launch_binding_block_lists_each_kernel_and_puts_the_totals_beside_hfkvs
     block = mt.launch_binding_block(res | {"bound": bound}, host)
     assert "| `_partial_kernel` | 25 | 20 | 7 | 4.3 |" in block
     assert "**9.3 us** through the bound sites against 35.5 us of Triton's binding" in block
+    assert "with hfkv's own 19 us, **29 us** of host" in block
