@@ -259,3 +259,28 @@ def test_a_cache_decode_step_launches_as_triton_would(fake, monkeypatch):
     sites = layer._plan.launches[True]
     assert len(checked_calls) == 12 and len(compiled) == 3
     assert [(s.triton_launches, s.bound_launches) for s in sites] == [(1, 3)] * 3
+
+
+def test_torch_compile_over_a_site_launches_as_eager(fake):
+    """dynamo (graph breaks allowed) over code that launches through a site: no error, and the launcher calls of
+    the compiled function are the eager ones (issue 21's ``torch.compile`` of a model with a TriStateCache, on a
+    GPU the decode plan's sites are in the traced attention)."""
+    jit, _, calls, _ = fake
+    y, parts = torch.zeros(32), (torch.zeros(8, dtype=torch.int64), 5)
+
+    def step(site, x):
+        site(x, y, 4096, 0.125, parts, True)
+        return x + 1
+
+    eager_site, compiled_site = KernelLaunch(jit, GRID, CONSTANTS), KernelLaunch(jit, GRID, CONSTANTS)
+    compiled = torch.compile(step, backend="eager")
+    try:
+        for _ in range(3):
+            x = torch.zeros(64, dtype=torch.bfloat16)
+            step(eager_site, x)
+            mine = calls[-1]
+            assert torch.equal(compiled(compiled_site, x), x + 1)
+            assert _same(calls[-1], mine)
+    finally:
+        torch._dynamo.reset()
+    assert compiled_site.triton_launches + compiled_site.bound_launches == 3
