@@ -16,9 +16,10 @@ instrumentation knobs changed, a pre-run hook — goes through Triton again, whi
 
 Only for compiled kernels (``JITFunction``) of the Triton versions whose launch protocol this follows (3.4 up to 4);
 the interpreter and other versions always launch through Triton. ``HFKV_TRITON_BINDING=1`` turns the shortcut off
-(read when a site is made). A tensor is recognised as the same object through a weak reference, so a site keeps no
-tensor alive; one whose storage is swapped in place (``Tensor.set_``) keeps its dtype but could change alignment, and
-hfkv does not do that to the tensors it launches with.
+(read when a site is made). A tensor argument is recognised as the same object through a weak reference, so a site
+keeps no step's query or output alive (tuple arguments, the plan's part pointers, are held as they are: the plan holds
+them anyway); a tensor whose storage is swapped in place (``Tensor.set_``) keeps its dtype but could change alignment,
+and hfkv does not do that to the tensors it launches with.
 """
 
 from __future__ import annotations
