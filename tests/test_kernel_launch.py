@@ -233,9 +233,10 @@ def test_a_cache_decode_step_launches_as_triton_would(fake, monkeypatch):
 
     _, _, calls, compiled = fake
     model = tiny_model("llama")
-    cache = TriStateCache(model, "hfkv", backend="triton", budget=16, window=4)
-    model(torch.randint(3, 128, (1, 30)), past_key_values=cache)  # the prompt, in the interpreter
+    cache = TriStateCache(model, "hfkv", backend="torch", budget=16, window=4)
+    model(torch.randint(3, 128, (1, 30)), past_key_values=cache)  # the prompt's writes by the torch backend
     layer = cache.layers[0]
+    layer.backend = layer.tiers.backend = "triton"  # decode steps take the Triton path from here (host_overhead's way)
     layer.steps_since_policy = -(10**6)  # no policy run in these steps
     for name in ("_partial_kernel", "_combine_kernel", "_score_kernel"):
         monkeypatch.setattr(da, name, _stand_in(getattr(da, name).fn, monkeypatch, calls, compiled))
