@@ -75,16 +75,31 @@ def test_timed_launches_time_each_kernel_by_name_and_put_the_launch_back():
                 raise ValueError(args[0])
             return grid
 
-    own, plan, scan = Kernel.run, Kernel("_plan_kernel"), Kernel("_scan_kernel")
+    class Site:  # a bound launch site: its first call goes through the kernel's run, the later ones bypass it
+        def __init__(self, fn):
+            self.fn, self.bound_launches = fn, 0
+
+        def __call__(self, *args):
+            if args == ("first",):
+                return self.fn.run(grid=(1,))
+            self.bound_launches += 1
+
+    own, own_call = Kernel.run, Site.__call__
+    plan, scan, partial = Kernel("_plan_kernel"), Kernel("_scan_kernel"), Site(Kernel("_partial_kernel"))
     totals: dict[str, list[float]] = {}
-    with mod.timed_launches(totals, owner=Kernel):
+    with mod.timed_launches(totals, owner=Kernel, sites=Site):
         assert plan.run(1, grid=(3,)) == (3,) and scan.run(grid=(1,)) == (1,) and plan.run(grid=(2,)) == (2,)
         try:
             scan.run("bad")
         except ValueError:
             pass
-    assert Kernel.run is own
-    assert {k: len(v) for k, v in totals.items()} == {"_plan_kernel": 2, "_scan_kernel": 2}
+        partial("first")  # through Triton: counted by run
+        partial(1)
+        partial(2)
+    assert Kernel.run is own and Site.__call__ is own_call
+    assert {k: len(v) for k, v in totals.items()} == {
+        "_plan_kernel": 2, "_scan_kernel": 2, "_partial_kernel": 1, "_partial_kernel (bound)": 2,
+    }  # fmt: skip
     table = mod.launch_table({"a": [1e-6, 3e-6, 2e-6], "b": [1e-3], "c": []})
     assert list(table) == ["b", "a"]  # the costliest first, nothing for a kernel never launched
     assert table["a"]["launches"] == 3 and abs(table["a"]["us_median"] - 2.0) < 1e-9
