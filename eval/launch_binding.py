@@ -14,6 +14,8 @@ sm_90 target, on the arguments hfkv really passes:
 2. **time** (a second process with ``PYTHONPATH=.aot-triton``): per recorded launch, the kernel's binder for sm_90
    and ``compute_cache_key``, called ``--repeats`` times: microseconds per launch. Not in it: the driver's launcher
    (it converts each argument in C, then ``cuLaunchKernelEx``) and ``launch_metadata``, which need a device.
+   Then the plain steps' decode launches through hfkv's bound sites (:func:`time_bound_sites`, JSON ``bound``):
+   what a decode step pays instead of that binding since the decode plan launches through them.
 
     python eval/launch_binding.py --wait-quiet 600        # writes eval/results/launch_binding_triton36.json
 """
