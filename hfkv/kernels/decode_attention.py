@@ -55,7 +55,7 @@ from hfkv.kernels.dequant import (
     tl_dtype,
 )
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import KernelLaunch
+from hfkv.kernels.launch import KernelLaunch, shortcut_supported
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
@@ -1057,6 +1057,7 @@ def plan_attention(
     )
     grid = (bsz * heads, ns_total, nqb)
     p_constants, score_constants = constants | shape | launch, score_constants | shape
+    bind = shortcut_supported()
     return DecodePlan(
         key=plan_key(query, parts, window_write),
         parts=tuple(parts),
@@ -1084,9 +1085,9 @@ def plan_attention(
         return_delta=return_delta,
         launches={
             dev: (
-                KernelLaunch(_partial_kernel, grid, p_constants | {"DEV_STEP": dev}),
-                KernelLaunch(_combine_kernel, (grid[0], grid[2]), dict(D=dim, BLOCK_D=block_d, **shape)),
-                KernelLaunch(_score_kernel, (grid[0], block0), score_constants | {"DEV_STEP": dev}),
+                KernelLaunch(_partial_kernel, grid, p_constants | {"DEV_STEP": dev}, bind),
+                KernelLaunch(_combine_kernel, (grid[0], grid[2]), dict(D=dim, BLOCK_D=block_d, **shape), bind),
+                KernelLaunch(_score_kernel, (grid[0], block0), score_constants | {"DEV_STEP": dev}, bind),
             )
             for dev in (False, True)
         },

@@ -24,6 +24,7 @@ and hfkv does not do that to the tensors it launches with.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Sequence
@@ -43,10 +44,20 @@ def shortcut_supported() -> bool:
     to 4: ``kernel.run(grid..., stream, function, packed_metadata, launch_metadata, hooks, *bound args)``)."""
     if interpreter_on() or os.environ.get(ENV_TRITON_BINDING, "0") == "1":
         return False
+    return _jit_class() is not None
+
+
+@functools.cache
+def _jit_class() -> type | None:
+    """Triton's ``JITFunction`` where its version is one :class:`KernelLaunch` follows, else None (looked up once: a
+    policy run makes a plan, and with it six sites, for every layer)."""
     try:
-        return (3, 4) <= triton_version() < (4, 0)
+        if not (3, 4) <= triton_version() < (4, 0):
+            return None
+        from triton.runtime.jit import JITFunction
     except ImportError:
-        return False
+        return None
+    return JITFunction
 
 
 def specialization(arg: Any, constexpr: bool = False) -> Any:
@@ -118,7 +129,11 @@ class KernelLaunch:
         "_tail", "_device", "_knobs", "_grid3", "_constexpr", "_tr",
     )  # fmt: skip
 
-    def __init__(self, fn: Any, grid: Sequence[int], constants: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, fn: Any, grid: Sequence[int], constants: dict[str, Any] | None = None, supported: bool | None = None
+    ) -> None:
+        """``supported``: :func:`shortcut_supported`, for a caller making several sites at once (reading the
+        environment costs microseconds); None: read here."""
         self.fn = fn
         self.grid = tuple(grid)
         self.constants = dict(constants or {})
@@ -127,10 +142,8 @@ class KernelLaunch:
         self._grid3 = (self.grid + (1, 1))[:3]
         self._kernel = None
         self._bindable = False
-        if shortcut_supported():
-            from triton.runtime.jit import JITFunction
-
-            self._bindable = isinstance(fn, JITFunction)
+        if shortcut_supported() if supported is None else supported:
+            self._bindable = isinstance(fn, _jit_class())
 
     def __call__(self, *args: Any) -> None:
         kernel = self._kernel
