@@ -14,6 +14,10 @@ current device's current stream, ``launch_metadata``, Triton's launch hooks, and
 signature's order. Anything else — an argument specialized differently, another current device, Triton's debug or
 instrumentation knobs changed, a pre-run hook — goes through Triton again, which rebinds the site.
 
+Not repeated: Triton's check, at each of its launches, that the module globals a kernel read when it was compiled
+still hold their values (hfkv's kernels read constants that never change; a site's first call, through Triton,
+makes the check).
+
 Only for compiled kernels (``JITFunction``) of the Triton versions whose launch protocol this follows (3.4 up to 4);
 the interpreter and other versions always launch through Triton. ``HFKV_TRITON_BINDING=1`` turns the shortcut off
 (read when a site is made). A tensor argument is recognised as the same object through a weak reference, so a site
