@@ -201,10 +201,11 @@ def _time_sites(launches: list[dict[str, Any]], repeats: int, kernel_type: type,
         if x["phase"] != "step":
             continue
         name = x["name"]
-        keep = shared.setdefault(name, _shared(launches, name))
-        base = calls.setdefault(name, [tuple(x["args"])])[0]
-        if x["args"] is not launches[_first(launches, name)]["args"]:
-            calls[name].append(tuple(b if k else a for a, b, k in zip(x["args"], base, keep, strict=True)))
+        if name not in calls:  # the first: its site is bound on it
+            shared[name], calls[name] = _shared(launches, name), [tuple(x["args"])]
+            continue
+        base = calls[name][0]
+        calls[name].append(tuple(b if k else a for a, b, k in zip(x["args"], base, shared[name], strict=True)))
     sites = {}
     for x in launches:
         name = x["name"]
@@ -239,10 +240,6 @@ def _time_sites(launches: list[dict[str, Any]], repeats: int, kernel_type: type,
         "kernels": kernels,
         "us_per_layer_step": sum(k["us_per_launch"] * k["launches"] for k in kernels) / steps,
     }
-
-
-def _first(launches: list[dict[str, Any]], name: str) -> int:
-    return next(i for i, x in enumerate(launches) if x["phase"] == "step" and x["name"] == name)
 
 
 def _shared(launches: list[dict[str, Any]], name: str) -> list[bool]:

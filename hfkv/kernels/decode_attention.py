@@ -856,9 +856,7 @@ class DecodePlan:
 
     key: tuple
     parts: tuple  # held, so the tensors the key names by identity stay alive
-    grid: tuple[int, int, int]
     heads: int
-    shape: dict[str, Any]
     p_args: tuple
     p_fmts: tuple
     s_args: tuple
@@ -870,17 +868,20 @@ class DecodePlan:
     page_bytes: int
     s_total: int
     ns_total: int
-    score_blocks: int
     scratch: tuple[torch.Tensor, ...]  # logits, m, l, acc, mf, lf
     ring: DenseSlots | None  # the part a window_write goes to (None: this plan takes no write)
     out_shape: tuple[int, int, int, int]
     dtype: torch.dtype
-    constants: dict[str, Any]
-    score_constants: dict[str, Any]
     return_delta: bool
-    # the three launch sites, for a step without and with a device ``step`` (hfkv.kernels.launch): made with the
-    # plan, so a copy of it (the GPU test plugin's) launches through the same sites
+    # the three launch sites (partial, combine, score), for a step without and with a device ``step``
+    # (hfkv.kernels.launch), which hold the grids and compile-time constants: made with the plan, so a copy of it
+    # (the GPU test plugin's) launches through the same sites
     launches: dict[bool, tuple[KernelLaunch, KernelLaunch, KernelLaunch]]
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """The partial pass's compile-time constants and launch options."""
+        return self.launches[False][0].constants
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
@@ -1057,13 +1058,11 @@ def plan_attention(
     )
     grid = (bsz * heads, ns_total, nqb)
     p_constants, score_constants = constants | shape | launch, score_constants | shape
-    bind = shortcut_supported()
+    bind = shortcut_supported()  # read once for the six sites
     return DecodePlan(
         key=plan_key(query, parts, window_write),
         parts=tuple(parts),
-        grid=grid,
         heads=heads,
-        shape=shape,
         p_args=tuple(p_args),
         p_fmts=tuple(p_fmts),
         s_args=tuple(s_args),
@@ -1075,13 +1074,10 @@ def plan_attention(
         page_bytes=page_bytes,
         s_total=s_total,
         ns_total=ns_total,
-        score_blocks=block0,
         scratch=scratch,
         ring=parts[0] if window_write else None,
         out_shape=(bsz, qlen, hq, dim),
         dtype=query.dtype,
-        constants=p_constants,
-        score_constants=score_constants,
         return_delta=return_delta,
         launches={
             dev: (

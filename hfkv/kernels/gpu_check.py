@@ -242,13 +242,14 @@ def _generate_check(tb, models, family: str, preset: str, device: str, new_token
     return True, f"{got.shape[1] - ids.shape[1]} tokens equal, backend {backend}"
 
 
-def _decode_step(layer, k, v, q) -> None:
-    """One layer's decode step as the model makes it: ``update()``, then the hfkv attention function's ``attend()``."""
+def _decode_step(layer, k, v, q):
+    """One layer's decode step as the model makes it: ``update()``, then the hfkv attention function's ``attend()``
+    (its output returned)."""
     from hfkv.attention.interface import set_pending
 
     layer.update(k, v)
     set_pending(None)  # what the hfkv attention function does before calling attend()
-    layer.attend(None, q, k, v, None, 32**-0.5)
+    return layer.attend(None, q, k, v, None, 32**-0.5)
 
 
 def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
@@ -353,7 +354,6 @@ def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str
     import torch
 
     from hfkv import TriStateCache
-    from hfkv.attention.interface import set_pending
     from hfkv.kernels import launch as kl
 
     model = models.tiny_model("llama", num_hidden_layers=1).to(device)
@@ -383,9 +383,7 @@ def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                layer.update(k, v)
-                set_pending(None)
-                outs.append(layer.attend(None, q, k, v, None, 32**-0.5))
+                outs.append(_decode_step(layer, k, v, q))
                 if i:  # the first step of each builds its plan
                     host[opt_out].append(1e6 * (time.perf_counter() - t0))
             finally:

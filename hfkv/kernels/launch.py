@@ -41,6 +41,7 @@ from hfkv.kernels.backend import interpreter_on, triton_version
 ENV_TRITON_BINDING = "HFKV_TRITON_BINDING"
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
+_REF = weakref.ref
 
 
 def shortcut_supported() -> bool:
@@ -111,13 +112,9 @@ class _Triton:
         )
 
 
-_TRITON: list[_Triton] = []
-
-
+@functools.cache
 def _triton() -> _Triton:
-    if not _TRITON:
-        _TRITON.append(_Triton())
-    return _TRITON[0]
+    return _Triton()
 
 
 class KernelLaunch:
@@ -208,5 +205,3 @@ class KernelLaunch:
         self._tr = tr
         self._kernel = kernel
 
-
-_REF = weakref.ref
