@@ -28,3 +28,74 @@ def frozen_heap():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+def _skip_repatching_inside_a_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` for a kernel's launch, and again at every call of a
+    ``@triton.jit`` helper inside it (``InterpretedFunction.__call__``: an ``inspect.getmembers`` of five modules,
+    ~1 ms, whose replacements are the ones already in place, and never restored). hfkv's kernels make tens of
+    thousands of helper calls in the suite, a sixth of its interpreter time. Inside a launch whose patch already covers
+    a helper's language modules, the helper's patch is skipped; anything else goes to Triton's own. Same semantics:
+    the interpreter runs the same replacements either way."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_class = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_class is None or getattr(original, "_hfkv_tests", False):
+        return
+    import inspect
+
+    launches: list[set[int]] = []  # the language modules each running launch has patched
+
+    langs_by_fn: dict = {}
+
+    def langs_of(fn) -> frozenset[int]:
+        try:
+            return langs_by_fn[fn]
+        except KeyError:
+            found = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+            return langs_by_fn.setdefault(fn, found)
+
+    def patch_lang(fn):
+        langs = langs_of(fn)
+        if launches and langs <= launches[-1]:
+            return scope_class()  # a helper inside a launch: already patched, nothing to restore
+        scope = original(fn)
+        if launches:  # a helper that reads a module the launch did not patch: Triton patched it, kept for the launch
+            launches[-1] |= langs
+            return scope
+        launches.append(set(langs))
+        restore = scope.restore
+
+        def restore_and_end() -> None:
+            try:
+                restore()
+            finally:
+                launches.pop()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._hfkv_tests = True
+    interpreter._patch_lang = patch_lang
+    # the numpy dtype of a Triton type, a dict of 19 entries built at each of ~10^6 calls: remembered per scalar type
+    np_dtype, known = interpreter._get_np_dtype, {}
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return known[scalar]
+        except KeyError:
+            known[scalar] = found = np_dtype(scalar)
+            return found
+        except TypeError:  # an unhashable type: Triton's own lookup
+            return np_dtype(tt_dtype)
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _skip_repatching_inside_a_launch()

@@ -1,8 +1,9 @@
 """The memory-budget allocator against a loop reference and a brute-force optimum.
 
 ``reference_allocate`` (tests/policy_reference.py) is the rule written token by token; the
-brute force enumerates every assignment of tiny heads and checks that the vectorised greedy is
-feasible and within one item of the best value the bytes allow.
+brute force finds the best value the bytes allow over every assignment of tiny heads (enumerated,
+or by dynamic programming over bytes where a row has too many slots to enumerate) and checks that
+the vectorised greedy is feasible and within one item of it.
 """
 
 from __future__ import annotations
@@ -98,10 +99,34 @@ def test_allocate_fits_the_room_never_promotes_and_keeps_sinks(case):
     assert (new[under] == EVICTED).all()
 
 
+def _best_by_enumeration(choices: list[list[tuple[int, float]]], room: int) -> float:
+    """The largest value of any assignment whose bytes fit ``room``: every combination of the slots' choices."""
+    best = -np.inf
+    for pick in itertools.product(*choices):
+        if sum(c for c, _ in pick) <= room:
+            best = max(best, sum(v for _, v in pick))
+    return best
+
+
+def _best_by_bytes(choices: list[list[tuple[int, float]]], room: int) -> float:
+    """The same optimum by dynamic programming over bytes used (exact: costs are integers): ``best[u]`` is the largest
+    value of the slots so far using exactly ``u`` bytes. Linear in the slots where enumeration is exponential."""
+    best = np.full(room + 1, -np.inf)
+    best[0] = 0.0
+    for options in choices:
+        nxt = np.full(room + 1, -np.inf)
+        for cost, value in options:
+            if cost <= room:
+                nxt[cost:] = np.maximum(nxt[cost:], best[: room + 1 - cost] + value)
+        best = nxt
+    return float(best.max())
+
+
 @settings(max_examples=150, deadline=None)
 @given(cases(max_n=4, with_floors=False, with_cap=False, with_prior=False))
 def test_allocate_is_within_one_item_of_the_brute_force_optimum(case):
-    """Every feasible assignment (no promotion, sinks fixed, bytes <= room) is enumerated per row."""
+    """Every feasible assignment (no promotion, sinks fixed, bytes <= room) is considered per row: enumerated where a
+    row has at most 6 free slots, else by dynamic programming over bytes (checked against the enumeration on those)."""
     scores, state, sink, ha = case["scores"], case["state"], case["sink"], case["head_adaptive"]
     byte = {t: c for t, c in enumerate(case["cost"]) if c is not None}
     worth = {t: f for t, f in enumerate(case["fidelity"]) if f is not None}
@@ -118,13 +143,13 @@ def test_allocate_is_within_one_item_of_the_brute_force_optimum(case):
         fixed_bytes = sum(byte.get(int(state[s]), 0) for s in fixed if sink[s])
         if fixed_bytes > room:
             continue
-        best = 0.0
-        for choice in itertools.product([*byte, EVICTED], repeat=len(free)):
-            if any(c < int(state[s]) for c, s in zip(choice, free, strict=True)):
-                continue
-            used = fixed_bytes + sum(byte.get(c, 0) for c in choice)
-            if used <= room:
-                best = max(best, sum(float(scores[s]) * worth.get(c, 0.0) for c, s in zip(choice, free, strict=True)))
+        choices = [  # each free slot: its tier (no promotion) or evicted, as (bytes, value)
+            [(byte.get(c, 0), float(scores[s]) * worth.get(c, 0.0)) for c in [*byte, EVICTED] if c >= int(state[s])]
+            for s in free
+        ]
+        best = _best_by_bytes(choices, room - fixed_bytes)
+        if len(free) <= 6:
+            assert best == pytest.approx(_best_by_enumeration(choices, room - fixed_bytes), abs=1e-9)
         got = sum(float(scores[s]) * worth.get(int(new[s]), 0.0) for s in free)
         one_item = max([float(scores[s]) for s in free], default=0.0)
         assert got <= best + 1e-5
