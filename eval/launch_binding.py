@@ -185,7 +185,7 @@ def time_bound_sites(launches: list[dict[str, Any]], backend: Any, repeats: int)
     kl.interpreter_on = lambda: False  # this process imported the kernels' source under the interpreter flag
     driver.set_active(Driver())
     try:
-        return _time_sites(launches, repeats, Kernel, kl) | {"policy_run": _time_shared(launches, repeats, Kernel, kl)}
+        return _time_sites(launches, repeats, Kernel, kl)
     finally:
         kl.interpreter_on = saved[0]
         driver.set_active(saved[1])
@@ -239,57 +239,6 @@ def _time_sites(launches: list[dict[str, Any]], repeats: int, kernel_type: type,
     return {
         "kernels": kernels,
         "us_per_layer_step": sum(k["us_per_launch"] * k["launches"] for k in kernels) / steps,
-    }
-
-
-def _stand_in_jit(x: dict[str, Any], kernel_type: type) -> Any:
-    """The recorded launch's kernel as a JITFunction (its decorator's ``do_not_specialize`` kept) whose compilation
-    makes a stand-in compiled kernel."""
-    from triton.runtime.jit import JITFunction
-
-    fn = getattr(importlib.import_module(x["module"]), x["name"])
-    options = {k: v for k, v in getattr(fn, "kwargs", {}).items() if k.startswith("do_not_specialize")}
-    jit = JITFunction(getattr(fn, "fn", fn), **options)
-    jit.hash = f"stand-in {x['name']}"  # its helpers were decorated for the interpreter: no dependency walk
-
-    def compile_(key, signature, device, constexprs, options, attrs, warmup):
-        jit.device_caches[device][0][key] = kernel = kernel_type()
-        return kernel
-
-    jit._do_compile = compile_
-    return jit
-
-
-def _time_shared(launches: list[dict[str, Any]], repeats: int, kernel_type: type, kl: Any) -> dict[str, Any]:
-    """A policy run's launches through shared sites (hfkv.kernels.launch.launch), each bound on its recorded call and
-    then timed on it with every argument compared by key (``forget_arguments``), as the next run's new tensors and
-    sizes are: microseconds per launch, and per run against Triton's binding of the same launches."""
-    decode = {x["name"] for x in launches if x["phase"] == "step"}
-    jits: dict[str, Any] = {}
-    per: dict[str, list[float]] = {}
-    for x in launches:
-        name = x["name"]
-        if x["phase"] != "policy_step" or name in decode:
-            continue
-        if name not in jits:
-            jits[name] = _stand_in_jit(x, kernel_type)
-        site, grid = kl.KernelLaunch(jits[name], None, x["kwargs"], hold_tuples=False), tuple(x["grid"])
-        site.at(grid, *x["args"])
-        site.forget_arguments()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            site.at(grid, *x["args"])
-        per.setdefault(name, []).append(1e6 * (time.perf_counter() - t0) / repeats)
-        if site.triton_launches != 1:
-            raise RuntimeError(f"launch_binding: the shared {name} site rebound ({site.triton_launches} launches)")
-    kernels = [
-        {"kernel": k, "us_per_launch": statistics.median(us), "launches": len(us)}
-        for k, us in sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))
-    ]
-    return {
-        "kernels": kernels,
-        "us_per_policy_run": sum(k["us_per_launch"] * k["launches"] for k in kernels),
-        "launches_per_policy_run": sum(k["launches"] for k in kernels),
     }
 
 

@@ -152,15 +152,15 @@ def timed_launches(totals: dict[str, list[float]], owner=None, sites=None):
     launch, no waiting) timed on the host meanwhile, its seconds appended to ``totals[kernel name]``. What
     eval/host_overhead.py cannot see on a CPU, where launches are recorded instead of made: on a GPU the launch path
     is most of a policy run's host time (run 12: a run of one layer 2.2-3.0 ms synchronised, 0.14 ms of it on the
-    device, against 0.4 ms of hfkv's own Python). Launches that take a bound site (hfkv.kernels.launch: a decode
-    plan's, and since the shared sites every other kernel's) skip ``JITFunction.run``; they are timed at the site,
-    under ``"<kernel> (bound)"`` (a site's call that went through Triton is counted by ``run`` alone). ``owner`` /
-    ``sites``: the classes whose ``run`` / ``_launch`` are timed (tests pass stand-ins)."""
+    device, against 0.4 ms of hfkv's own Python). A decode plan's launches that take a bound site
+    (hfkv.kernels.launch) skip ``JITFunction.run``; they are timed at the site, under ``"<kernel> (bound)"`` (a site's
+    call that went through Triton is counted by ``run`` alone). ``owner`` / ``sites``: the classes whose ``run`` /
+    ``__call__`` are timed (tests pass stand-ins)."""
     if owner is None:
         from triton.runtime.jit import JITFunction as owner
     if sites is None:
         from hfkv.kernels.launch import KernelLaunch as sites
-    run, call = owner.run, sites._launch
+    run, call = owner.run, sites.__call__
 
     def name_of(kernel) -> str:
         return getattr(getattr(kernel, "fn", None), "__name__", type(kernel).__name__)
@@ -172,19 +172,19 @@ def timed_launches(totals: dict[str, list[float]], owner=None, sites=None):
         finally:
             totals.setdefault(name_of(self), []).append(time.perf_counter() - t)
 
-    def timed_site(self, grid, grid3, args):
+    def timed_site(self, *args):
         before, t = self.bound_launches, time.perf_counter()
         try:
-            return call(self, grid, grid3, args)
+            return call(self, *args)
         finally:
             if self.bound_launches != before:
                 totals.setdefault(f"{name_of(self.fn)} (bound)", []).append(time.perf_counter() - t)
 
-    owner.run, sites._launch = timed, timed_site
+    owner.run, sites.__call__ = timed, timed_site
     try:
         yield
     finally:
-        owner.run, sites._launch = run, call
+        owner.run, sites.__call__ = run, call
 
 
 def launch_table(totals: dict[str, list[float]]) -> dict[str, dict[str, float]]:

@@ -70,10 +70,9 @@ def fake(monkeypatch):
         driver.set_active(previous)
 
 
-def _stand_in(fn, monkeypatch, calls: list, compiled: list, **options) -> JITFunction:
-    """``fn`` as compiled code whose compilation makes a :class:`_Kernel` recording into ``calls`` (``options``: the
-    decorator's, e.g. ``do_not_specialize``)."""
-    jit = JITFunction(fn, **options)
+def _stand_in(fn, monkeypatch, calls: list, compiled: list) -> JITFunction:
+    """``fn`` as compiled code whose compilation makes a :class:`_Kernel` recording into ``calls``."""
+    jit = JITFunction(fn)
 
     def compile_(key, signature, device, constexprs, options, attrs, warmup):
         compiled.append(key)
@@ -221,8 +220,6 @@ def test_specialization_never_joins_what_triton_separates():
                 for j, b in enumerate(values):
                     if specialization(a) == specialization(b):
                         assert triton_keys[i] == triton_keys[j], (a, b)
-                    if not specialize and specialization(a, specialize=False) == specialization(b, specialize=False):
-                        assert triton_keys[i] == triton_keys[j], (a, b)  # a do_not_specialize parameter
     assert specialization(3, constexpr=True) != specialization(4, constexpr=True)
 
 
@@ -288,156 +285,3 @@ def test_torch_compile_over_a_site_launches_as_eager(fake):
     finally:
         torch._dynamo.reset()
     assert compiled_site.triton_launches + compiled_site.bound_launches == 3
-
-
-# ------------------------------------------------------------------------------------- shared sites: launch()
-@pytest.fixture
-def shared():
-    kl.forget_sites()
-    yield
-    kl.forget_sites()
-
-
-def test_shared_sites_launch_as_triton_on_every_grid(fake, shared):
-    """``launch(fn, grid, ...)`` (a policy run's and a prompt's kernels): new tensors, tuples and grids at every call,
-    each launcher call equal to ``fn[grid](...)``'s, bound from the second call on."""
-    jit, _, calls, compiled = fake
-    for step, grid in enumerate([(6, 2), (3,), (1, 1, 4), (6, 2)]):
-        args = _args(n=4096 + 16 * step, parts=(torch.zeros(8, dtype=torch.int64), 5))
-        kl.launch(jit, grid, *args, **CONSTANTS)
-        ours = calls[-1]
-        jit[grid](*args, **CONSTANTS)
-        assert _same(ours, calls[-1]), step
-        assert ours[:3] == (grid + (1, 1))[:3]
-    (site,) = kl.shared_sites().values()
-    assert (site.triton_launches, site.bound_launches) == (1, 3) and len(compiled) == 1
-    kl.launch(jit, GRID, *_args(), BLOCK=32, num_warps=4)  # other constants: another site
-    assert len(kl.shared_sites()) == 2
-    kl.forget_sites()
-    kl.launch(jit, GRID, *_args(), **CONSTANTS)  # a new site: through Triton first
-    assert [s.triton_launches for s in kl.shared_sites().values()] == [1]
-
-
-@pytest.mark.parametrize("do_not_specialize", [False, True])
-def test_an_unspecialized_integer_keeps_a_site_bound(fake, monkeypatch, shared, do_not_specialize):
-    """An integer parameter in the kernel's ``do_not_specialize`` (a policy run's sizes) changes no key while its
-    width holds; a specialized one rebinds when it stops dividing by 16 or becomes 1, as Triton recompiles."""
-    _, _, calls, compiled = fake
-    options = {"do_not_specialize": ["n"]} if do_not_specialize else {}
-    jit = _stand_in(_toy, monkeypatch, calls, compiled, **options)
-    for n in (4096, 4097, 1, 4096, 2**31):
-        args = _args(n=n)
-        kl.launch(jit, GRID, *args, **CONSTANTS)
-        ours = calls[-1]
-        jit[GRID](*args, **CONSTANTS)
-        assert _same(ours, calls[-1]), n
-    (site,) = kl.shared_sites().values()
-    # unspecialized: one kernel for 32-bit n (bound after the first), another for 64-bit; specialized: 4096, 4097, 1
-    # and 2**31 each their own kernel, and a site holds one (back to 4096 rebinds through Triton's cache)
-    assert len(compiled) == (2 if do_not_specialize else 4)
-    assert (site.triton_launches, site.bound_launches) == ((2, 3) if do_not_specialize else (5, 0))
-
-
-def test_a_shared_site_keeps_no_argument_alive(fake, shared):
-    """A shared site lives as long as the process: neither a tensor nor a tuple holding one is kept."""
-    import weakref
-
-    jit, _, calls, _ = fake
-    x, member = torch.zeros(64, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int64)
-    gone = []
-    weakref.finalize(x, gone.append, "x")
-    weakref.finalize(member, gone.append, "tuple member")
-    kl.launch(jit, GRID, *_args(x=x, parts=(member, 5)), **CONSTANTS)
-    del x, member
-    calls.clear()
-    gc.collect()
-    assert sorted(gone) == ["tuple member", "x"]
-
-
-_POLICY_MODULES = ("allocate", "changes", "encode", "gather", "meta", "move", "moves", "observation", "reserve")
-
-
-def test_policy_runs_through_shared_sites_store_what_triton_launches_store(fake, monkeypatch, shared):
-    """A Triton-backend cache's prompt and decode steps through several policy runs, every hfkv kernel a stand-in
-    compiled kernel whose launcher runs the kernel in the interpreter: each launcher call equals the one Triton's own
-    launch makes for the same arguments, and tokens, token states and storage equal those of a twin cache launched
-    through Triton's interpreter alone; the policy runs' kernels launch through bound shared sites."""
-    import importlib
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    import hfkv.cache
-    import hfkv.kernels.decode_attention as da
-    from hfkv import TriStateCache
-    from hfkv.evaluation.bench import decode_step
-    from tests.models import tiny_model
-
-    _, _, calls, compiled = fake
-    run_kernel = [True]
-
-    class _Running(_Kernel):
-        def __init__(self, key, calls, interpreted):
-            super().__init__(key, calls)
-            self.interpreted = interpreted
-
-        def run(self, g0, g1, g2, *rest):
-            super().run(g0, g1, g2, *rest)
-            if run_kernel[0]:  # the launcher's arguments after the hooks: every parameter in order
-                self.interpreted[(g0, g1, g2)](*rest[6:])
-
-    def running(interp):
-        options = {k: v for k, v in interp.kwargs.items() if k.startswith("do_not_specialize")}
-        jit = JITFunction(interp.fn, **options)
-        jit.hash = f"stand-in {interp.fn.__name__}"  # its helpers are the interpreter's: no dependency walk
-
-        def compile_(key, signature, device, constexprs, options, attrs, warmup):
-            compiled.append(key)
-            kernel = jit.device_caches[device][0][key] = _Running(key, calls, interp)
-            return kernel
-
-        monkeypatch.setattr(jit, "_do_compile", compile_)
-        return jit
-
-    def decode(cache, model, ids, n):
-        tokens = [model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)]
-        for i in range(n):
-            tokens.append(decode_step(model, cache, tokens[-1], ids.shape[1] + i))
-        return torch.cat(tokens, 1)
-
-    model = tiny_model("llama", num_hidden_layers=1)
-    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(3))
-    cfg = dict(backend="triton", budget=16, window=4, interval=4)
-    with torch.inference_mode():
-        twin = TriStateCache(model, "hfkv", **cfg)
-        want = decode(twin, model, ids, 10)
-    for module in [importlib.import_module(f"hfkv.kernels.{m}") for m in _POLICY_MODULES] + [da]:
-        for name, value in vars(module).copy().items():
-            if name.endswith("_kernel") and isinstance(value, InterpretedFunction):
-                monkeypatch.setattr(module, name, running(value))
-    original, checked = KernelLaunch._launch, []
-
-    def launched_as_triton(self, grid, grid3, args):
-        original(self, grid, grid3, args)
-        ours = calls[-1]
-        run_kernel[0] = False
-        try:
-            self.fn[grid](*args, **self.constants)
-        finally:
-            run_kernel[0] = True
-        assert _same(ours, calls[-1]), self.fn
-        checked.append(self.fn.fn.__name__)
-
-    monkeypatch.setattr(KernelLaunch, "_launch", launched_as_triton)
-    # the kernels are compiled-code stand-ins now, which the backend check refuses on CPU tensors (as gpu_offload's)
-    monkeypatch.setattr(hfkv.cache, "resolve_backend", lambda requested, device: requested)
-    with torch.inference_mode():
-        cache = TriStateCache(model, "hfkv", **cfg)
-        got = decode(cache, model, ids, 10)
-    assert torch.equal(got, want)
-    a, b = cache.layers[0], twin.layers[0]
-    assert torch.equal(a.token_states(), b.token_states())
-    assert torch.equal(a.tiers.pool.data, b.tiers.pool.data) and torch.equal(a.tiers.counts, b.tiers.counts)
-    assert a.policy_runs >= 2
-    bound = {fn.fn.__name__: s.bound_launches for (fn, *_), s in kl.shared_sites().items()}
-    assert {"_items_kernel", "_fits_kernel", "_changes_kernel", "_candidates_kernel"} <= set(checked)
-    assert all(bound[k] >= 1 for k in ("_items_kernel", "_fits_kernel", "_candidates_kernel", "_changes_kernel")), bound

@@ -25,7 +25,6 @@ import triton.language as tl
 from torch import Tensor
 
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.policy.budget import Costs, _check_tiers, _item_tables
 from hfkv.policy.unified import Sinks, _check_shapes, head_row
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
@@ -262,7 +261,7 @@ def allocate_triton(
     len_scalar = isinstance(logical_len, int)
     lengths = state if len_scalar else logical_len.to(device=device, dtype=torch.int64).reshape(b)
     grid = (b * h, cdiv(n, _BLOCK))
-    launch(_items_kernel, grid,
+    _items_kernel[grid](
         scores.to(torch.float32).contiguous(), state, sink8, pos, end, lengths, logical_len if len_scalar else 0,
         alpha_l, alpha_h, float(prior), present_t, rate_t, state_cost, new, keys, sums[0], sums[1], sums[2], taken,
         n, H=h, K=k, ADAPTIVE=head_adaptive, EXACT_ROW=len(TIER_NAMES), BLOCK=_BLOCK, SINK_POS=sink_pos,
@@ -275,18 +274,18 @@ def allocate_triton(
     cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else left
     room_scalar = isinstance(room, int)
     room_t = left if room_scalar else room.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
-    launch(_fits_kernel, (1,),
+    _fits_kernel[(1,)](
         sums, room_t, room if room_scalar else 0, cap, left, flag, n_rows, HEADS=h if head_adaptive else 1,
         HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK, ROOM_SCALAR=room_scalar,
     )  # fmt: skip
     if fast_path and flag.item():  # the one host read: nothing moves
         return new
     sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
-    launch(_scan_kernel, (n_rows,),
+    _scan_kernel[(n_rows,)](
         sorted_keys, order, step_cost_t, target_t, left, cap, taken, keys.shape[1],
         K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
     )  # fmt: skip
     out = torch.empty_like(new)
-    launch(_decide_kernel, grid, new, sink8, pos, end, taken, target_t, out, n, H=h, ADAPTIVE=head_adaptive,
-           BLOCK=_BLOCK, SINK_POS=sink_pos)  # fmt: skip
+    _decide_kernel[grid](new, sink8, pos, end, taken, target_t, out, n, H=h, ADAPTIVE=head_adaptive, BLOCK=_BLOCK,
+                         SINK_POS=sink_pos)  # fmt: skip
     return out

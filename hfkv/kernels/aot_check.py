@@ -24,11 +24,8 @@ from hfkv.kernels.backend import interpreter_on
 
 @contextmanager
 def captured_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
-    """Within the block, ``kernel[grid](...)`` records ``(kernel, args, kwargs)`` instead of launching (the shared
-    launch sites are dropped on entry and exit, so none bound before skips the recorder or keeps what it returned)."""
+    """Within the block, ``kernel[grid](...)`` records ``(kernel, args, kwargs)`` instead of launching."""
     from triton.runtime.jit import JITFunction
-
-    from hfkv.kernels.launch import forget_sites
 
     calls: list[tuple[Any, tuple, dict]] = []
     original = JITFunction.run
@@ -36,13 +33,11 @@ def captured_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
     def record(self, *args, grid, warmup, **kwargs):
         calls.append((self, args, kwargs))
 
-    forget_sites()
     JITFunction.run = record
     try:
         yield calls
     finally:
         JITFunction.run = original
-        forget_sites()
 
 
 def _specialized(fn, backend, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, Any]:

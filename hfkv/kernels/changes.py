@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.states import EVICTED
 
 __all__ = ["tier_changes", "tier_changes_reference"]
@@ -80,7 +79,7 @@ def launch_changes(
     if n and rows:
         ends = [sum(sizes[: t + 1]) for t in range(nt)]
         ends += [ends[-1]] * (3 - len(ends))
-        launch(_changes_kernel, (rows, cdiv(n, _BLOCK)),
+        _changes_kernel[(rows, cdiv(n, _BLOCK))](
             new.contiguous(), valid.contiguous().view(torch.uint8), buf, buf if per_head is None else per_head, rows,
             n, *ends, NT=nt, ENTER=entering, BLOCK=_BLOCK,
         )  # fmt: skip

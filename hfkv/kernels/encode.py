@@ -27,7 +27,6 @@ import triton.language as tl
 
 from hfkv.kernels.dequant import format_constants
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.quant.formats import QuantFormat
 from hfkv.storage.record import RecordLayout
 
@@ -399,9 +398,7 @@ def encode_write(
         rows = ENCODE_ROWS_MODEL if layout.key.name == layout.value.name == "model" else ENCODE_ROWS
     if rows < 1:
         raise ValueError(f"encode_write: rows={rows} tokens per program must be >= 1")
-    launch(
-        _encode_write_kernel,
-        (cdiv(n, rows),),
+    _encode_write_kernel[(cdiv(n, rows),)](
         pool,
         dest,
         k,

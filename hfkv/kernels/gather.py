@@ -19,7 +19,6 @@ import triton.language as tl
 from hfkv.kernels.dequant import format_constants, load_field
 from hfkv.kernels.encode import check_pool
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.storage.record import RecordLayout
 
 __all__ = ["gather_decode"]
@@ -82,7 +81,7 @@ def gather_decode(
     if n == 0:
         return k, v, pos, score
     kc, vc = format_constants(layout.key), format_constants(layout.value)
-    launch(_gather_decode_kernel, (cdiv(n, _BLOCK_N),),
+    _gather_decode_kernel[(cdiv(n, _BLOCK_N),)](
         pool, table.contiguous(), table.shape[-1], table.shape[1], b.contiguous(), h.contiguous(), s.contiguous(), n,
         tpp, pool.shape[1], k, v, pos, score, s if where is None else where[0], 0 if where is None else where[1],
         WHERE=where is not None, K_FAM=kc["fam"], K_BITS=kc["bits"], K_GROUP=kc["group"], K_DTYPE=kc["dtype"],

@@ -65,13 +65,12 @@ def _jit_class() -> type | None:
     return JITFunction
 
 
-def specialization(arg: Any, constexpr: bool = False, specialize: bool = True) -> Any:
+def specialization(arg: Any, constexpr: bool = False) -> Any:
     """A key equal for two arguments whenever Triton would specialize them the same way (it may split finer).
 
-    Tensors: dtype and 16-byte alignment; integers: width (i32 / i64 / u64), divisibility by 16 and equality to 1
-    (the width alone for a parameter in the kernel's ``do_not_specialize``: ``specialize=False``); floats and bools
-    are not specialized; tuples element by element; a constexpr parameter, and anything else, by value.
-    ``tests/test_kernel_launch.py`` checks it against Triton's own ``native_specialize_impl``.
+    Tensors: dtype and 16-byte alignment; integers: width (i32 / i64 / u64), divisibility by 16 and equality to 1;
+    floats and bools are not specialized; tuples element by element; a constexpr parameter, and anything else, by
+    value. ``tests/test_kernel_launch.py`` checks it against Triton's own ``native_specialize_impl``.
     """
     if constexpr:
         return ("value", type(arg), arg)
@@ -80,7 +79,7 @@ def specialization(arg: Any, constexpr: bool = False, specialize: bool = True) -
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if kind is int:
         width = 0 if _I32[0] <= arg < _I32[1] else 1 if arg < _I64_MAX else 2
-        return (int, width, arg == 1, arg % 16 == 0) if specialize else (int, width)
+        return (int, width, arg == 1, arg % 16 == 0)
     if kind is float or kind is bool or arg is None:
         return kind
     if kind is tuple:
@@ -119,60 +118,44 @@ def _triton() -> _Triton:
 
 
 class KernelLaunch:
-    """One launch site: a kernel, its constexpr keyword arguments (and launch options) and, for ``site(*args)``, its
-    grid; ``site.at(grid, *args)`` launches on a grid given per call (a grid is no part of a compiled kernel's key).
+    """One launch site: a kernel, its grid and its constexpr keyword arguments, called with the positional arguments.
 
-    ``site(*args)`` does what ``fn[grid](*args, **constants)`` does (the tests compare the launcher calls of both),
+    ``launch(*args)`` does what ``fn[grid](*args, **constants)`` does (the tests compare the launcher calls of both),
     without Triton's binding once the site is bound (the module docstring). ``bound_launches`` counts the launches
-    that took the shortcut, ``triton_launches`` those that went through Triton. ``hold_tuples``: a tuple argument is
-    held as it is, so the same tuple again is recognised without a key (a decode plan's part pointers, which the plan
-    holds anyway); False for a site that outlives its arguments' owners (:func:`launch`'s shared sites).
+    that took the shortcut, ``triton_launches`` those that went through Triton.
     """
 
     __slots__ = (
         "fn", "grid", "constants", "bound_launches", "triton_launches", "_bindable", "_kernel", "_held", "_specs",
-        "_tail", "_device", "_knobs", "_grid3", "_constexpr", "_specialize", "_tr", "_hold_tuples",
+        "_tail", "_device", "_knobs", "_grid3", "_constexpr", "_tr",
     )  # fmt: skip
 
     def __init__(
-        self,
-        fn: Any,
-        grid: Sequence[int] | None,
-        constants: dict[str, Any] | None = None,
-        supported: bool | None = None,
-        hold_tuples: bool = True,
+        self, fn: Any, grid: Sequence[int], constants: dict[str, Any] | None = None, supported: bool | None = None
     ) -> None:
         """``supported``: :func:`shortcut_supported`, for a caller making several sites at once (reading the
-        environment costs microseconds); None: read here. ``grid`` None: a site launched by :meth:`at` only."""
+        environment costs microseconds); None: read here."""
         self.fn = fn
-        self.grid = None if grid is None else tuple(grid)
+        self.grid = tuple(grid)
         self.constants = dict(constants or {})
         self.bound_launches = 0
         self.triton_launches = 0
-        self._grid3 = None if grid is None else (self.grid + (1, 1))[:3]
+        self._grid3 = (self.grid + (1, 1))[:3]
         self._kernel = None
         self._bindable = False
-        self._hold_tuples = hold_tuples
         if shortcut_supported() if supported is None else supported:
             self._bindable = isinstance(fn, _jit_class())
 
     def __call__(self, *args: Any) -> None:
-        self._launch(self.grid, self._grid3, args)
-
-    def at(self, grid: tuple[int, ...], *args: Any) -> None:
-        """Launch on ``grid`` (a tuple of one to three ints)."""
-        self._launch(grid, (grid + (1, 1))[:3], args)
-
-    def _launch(self, grid: tuple[int, ...], grid3: tuple[int, ...], args: tuple) -> None:
         kernel = self._kernel
         if kernel is not None:
-            held, specs, constexpr, specialize = self._held, self._specs, self._constexpr, self._specialize
+            held, specs, constexpr = self._held, self._specs, self._constexpr
             if len(args) == len(held):
                 for i, arg in enumerate(args):
                     h = held[i]
                     if arg is h or (type(h) is _REF and h() is arg):
                         continue
-                    if specialization(arg, constexpr[i], specialize[i]) != specs[i]:
+                    if specialization(arg, constexpr[i]) != specs[i]:
                         break
                 else:
                     tr = self._tr
@@ -181,14 +164,14 @@ class KernelLaunch:
                     if device == self._device and tr.knob_state() == self._knobs and not self.fn.pre_run_hooks:
                         stream = active.get_current_stream(device)
                         full = args + self._tail
-                        metadata = kernel.launch_metadata(grid, stream, *full)
-                        g0, g1, g2 = grid3
+                        metadata = kernel.launch_metadata(self.grid, stream, *full)
+                        g0, g1, g2 = self._grid3
                         runtime = tr.runtime
                         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata,
                                    runtime.launch_enter_hook, runtime.launch_exit_hook, *full)  # fmt: skip
                         self.bound_launches += 1
                         return
-        kernel = self.fn[grid](*args, **self.constants)
+        kernel = self.fn[self.grid](*args, **self.constants)
         self.triton_launches += 1
         if self._bindable:
             self._bind(kernel, args)
@@ -214,61 +197,11 @@ class KernelLaunch:
             else:
                 return
         self._constexpr = tuple(p.is_constexpr for p in params[: len(args)])
-        self._specialize = tuple(not p.do_not_specialize for p in params[: len(args)])
-        self._specs = tuple(
-            specialization(a, c, sp) for a, c, sp in zip(args, self._constexpr, self._specialize, strict=True)
-        )
-        self._held = tuple(self._holding(a) for a in args)
+        self._specs = tuple(specialization(a, c) for a, c in zip(args, self._constexpr, strict=True))
+        self._held = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
         self._tail = tuple(tail)
         self._device = tr.driver.active.get_current_device()
         self._knobs = knobs
         self._tr = tr
         self._kernel = kernel
 
-    def forget_arguments(self) -> None:
-        """Compare every argument by key at the next calls, as a call with new tensors and tuples is (a measurement's
-        way of timing a shared site on one recorded call, eval/launch_binding.py)."""
-        if self._kernel is not None:
-            self._held = (_UNHELD,) * len(self._held)
-
-    def _holding(self, arg: Any) -> Any:
-        """What is kept of an argument to recognise it as the same object next time: a weak reference for a tensor,
-        the value for the rest, nothing for a tuple unless the site holds tuples (:data:`_UNHELD` matches no argument,
-        so such an argument is compared by its key)."""
-        if isinstance(arg, torch.Tensor):
-            return weakref.ref(arg)
-        if type(arg) is tuple and not self._hold_tuples:
-            return _UNHELD
-        return arg
-
-
-_UNHELD = object()
-_SITES: dict[tuple, KernelLaunch] = {}
-
-
-def launch(fn: Any, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:
-    """``fn[grid](*args, **constants)``, through a site shared by every launch of ``fn`` with these constants (in this
-    order) in the process: a policy run's and a prompt's kernels launch with new tensors, sizes and grids each time,
-    which a site checks by key (:func:`specialization`) for a fraction of Triton's binding.
-
-    Whether a shared site may skip Triton's binding (:func:`shortcut_supported`) is read when the site is made: at the
-    kernel's first launch with these constants, or after :func:`forget_sites`."""
-    try:
-        site = _SITES.get((fn, *constants.items()))
-    except TypeError:  # an unhashable constant: no site
-        fn[grid](*args, **constants)
-        return
-    if site is None:
-        site = _SITES[(fn, *constants.items())] = KernelLaunch(fn, None, constants, hold_tuples=False)
-    site.at(grid, *args)
-
-
-def forget_sites() -> None:
-    """Drop :func:`launch`'s shared sites (their next launches go through Triton and bind again): for a caller that
-    changes ``HFKV_TRITON_BINDING`` or captures Triton's launches by patching ``JITFunction.run``."""
-    _SITES.clear()
-
-
-def shared_sites() -> dict[tuple, KernelLaunch]:
-    """:func:`launch`'s sites by ``(kernel, *constants)``, for counting and timing."""
-    return dict(_SITES)

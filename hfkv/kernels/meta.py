@@ -18,7 +18,6 @@ import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.kernels.reference import check_candidates
 from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.record import RecordLayout
@@ -148,7 +147,7 @@ def read_meta_triton(
             score.zero_()
             valid.zero_()
         else:
-            launch(_read_meta_kernel, (bsz * heads, cdiv(m, _BLOCK)),
+            _read_meta_kernel[(bsz * heads, cdiv(m, _BLOCK))](
                 pool.view(torch.int32), table.contiguous(), width, counts.to(torch.int64).contiguous(), 1, m,
                 pool.shape[1] // 4, tpp, pos, score, valid, valid, m, 0, 0, 0, 0, REC_W=layout.stride // 4, STATE=False,
                 MEAN=False, BLOCK=_BLOCK,
@@ -193,7 +192,7 @@ def read_candidates_triton(
     widths = [t.shape[-1] for t in tables] + [0] * pad
     recs = [lay.stride // 4 for lay in layouts] + [1] * pad
     blocks = sum(cdiv(x, _BLOCK) for x in [*m, n_exit])
-    launch(_candidates_kernel, (rows, blocks),
+    _candidates_kernel[(rows, blocks)](
         pool.view(torch.int32), *tabs, *widths, *m, *([0] * pad), *tpp, *([1] * pad), counts64, tiers,
         pool.shape[1] // 4, exit_pos.contiguous(), exit_score, *exit_score.stride(), pad_end.contiguous(), n_exit,
         heads, pos, score, valid, state, n, *mean, REC_W0=recs[0], REC_W1=recs[1], REC_W2=recs[2],

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_offsets, check_pool
-from hfkv.kernels.launch import launch
 from hfkv.kernels.parts import head_step
 from hfkv.storage.record import RecordLayout
 
@@ -68,7 +67,7 @@ def move_records(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, recor
         return
     n_words = record_bytes // 4
     block = min(triton.next_power_of_2(n_words), _MAX_BLOCK)
-    launch(_move_kernel, (n, -(-n_words // block)), pool.view(torch.int32), src, dst, n_words, BLOCK=block)
+    _move_kernel[(n, -(-n_words // block))](pool.view(torch.int32), src, dst, n_words, BLOCK=block)
 
 
 def move_records_reference(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, record_bytes: int) -> None:
@@ -87,7 +86,7 @@ def clear_tags(pool: torch.Tensor, at: torch.Tensor) -> None:
     if m == 0:
         return
     block = min(triton.next_power_of_2(m), _MAX_BLOCK)
-    launch(_clear_kernel, (-(-m // block),), pool.view(torch.int32), at, m, BLOCK=block)
+    _clear_kernel[(-(-m // block),)](pool.view(torch.int32), at, m, BLOCK=block)
 
 
 def clear_tags_reference(pool: torch.Tensor, at: torch.Tensor) -> None:
@@ -233,7 +232,7 @@ def compact(
     step = head_step(counts, "compact")
     scratch = torch.empty(bsz * heads, m, dtype=torch.int32, device=pool.device)
     rec_w = layout.stride // 4
-    launch(_compact_kernel, (bsz * heads,),
+    _compact_kernel[(bsz * heads,)](
         pool.view(torch.int32), table.contiguous(), width, counts, step, new, keep, m, m, scratch, pool.shape[1] // 4,
         tpp, REC_W=rec_w, BLOCK=64, BLOCK_W=triton.next_power_of_2(rec_w), KEEP_STATE=-1,
     )  # fmt: skip
@@ -321,7 +320,7 @@ def release_pages(
     bsz, heads, width = table.shape
     if bsz * heads and width:
         out = torch.empty(2, dtype=torch.int64, device=table.device)
-        launch(_release_kernel, (1,),
+        _release_kernel[(1,)](
             table, width, counts, head_step(counts, "release_pages"), new.contiguous(), free_stack, n_free, out,
             bsz * heads, tpp, BLOCK=64,
         )  # fmt: skip
@@ -376,12 +375,12 @@ def remove_tiers(
     m_max = max(m)
     new = torch.empty(nt, rows, dtype=torch.int64, device=pool.device)
     scratch = torch.empty(nt, rows, m_max, dtype=torch.int32, device=pool.device)
-    launch(_compact_tiers_kernel, (rows, nt),
+    _compact_tiers_kernel[(rows, nt)](
         pool.view(torch.int32), *tabs, *tws, counts, nt, new, states, n_states, *cols, *m, scratch, m_max, rows,
         pool.shape[1] // 4, *tpps, REC_W0=recs[0], REC_W1=recs[1], REC_W2=recs[2],
         BW0=triton.next_power_of_2(recs[0]), BW1=triton.next_power_of_2(recs[1]), BW2=triton.next_power_of_2(recs[2]),
         BLOCK=64,
     )  # fmt: skip
-    launch(_release_tiers_kernel, (1,),
+    _release_tiers_kernel[(1,)](
         *tabs, *tws, counts, nt, new, free_stack, n_free, rows, *tpps, *m, NT=nt, BLOCK=64
     )  # fmt: skip

@@ -25,7 +25,6 @@ import triton.language as tl
 
 from hfkv.kernels.changes import launch_changes
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.states import EVICTED
 
 __all__ = [
@@ -182,7 +181,7 @@ def launch_plan_moves(
     if with_pages and rows:
         tpps = [*tpp, *([1] * (3 - nt))]
         costs = [*(held[0] if with_peak else ()), *([0] * (3 - nt * with_peak))]
-        launch(_pages_kernel, (1,),
+        _pages_kernel[(1,)](
             counts, counts.shape[-1], per_head, rows, *tpps, *costs, out[3 * nt :], kept, NT=nt, PEAK=with_peak,
             GROUP=held[1] if with_peak else 1, BLOCK=_ROWS,
         )  # fmt: skip
@@ -227,7 +226,7 @@ def place_moves(
         ends += [ends[-1]] * (3 - len(ends))
         base1 = entering[0]
         base2 = base1 + (entering[1] if nt > 1 else 0)
-        launch(_plan_kernel, (rows,),
+        _plan_kernel[(rows,)](
             new.contiguous(), valid.contiguous().view(torch.uint8), entering_rows, n, *ends, rows, heads, base1, base2,
             b, h, src, idx, NT=nt, BLOCK=_BLOCK, ROWS=_ROWS,
         )  # fmt: skip
@@ -314,7 +313,7 @@ def gather_exits(
     n, dim = b.numel(), k.shape[-1]
     if n == 0:
         return
-    launch(_exits_kernel, (cdiv(n, _BLOCK_N),),
+    _exits_kernel[(cdiv(n, _BLOCK_N),)](
         k, v, *k.stride(), *v.stride(), pos.contiguous(), score, *score.stride(), b, h, src, idx, n, *out,
         D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
     )  # fmt: skip

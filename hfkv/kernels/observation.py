@@ -23,7 +23,6 @@ import triton.language as tl
 
 from hfkv.kernels.backend import interpreter_on
 from hfkv.kernels.grid import cdiv
-from hfkv.kernels.launch import launch
 from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, observation_shape, reduce_gqa
 
 __all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
@@ -166,10 +165,10 @@ def observation_scores(
     ieee = query.dtype == torch.float32 or interpreter_on()
     strides = (*query.stride()[:3], *key.stride()[:3])
     shape = dict(H=heads, G=group, GP=gp, WP=wp, D=dim, BD=max(16, triton.next_power_of_2(dim)), IEEE=ieee)
-    launch(_stats_kernel, (bsz * heads, splits),
-        query, key, m, l_, t, tq, w, splits, split, float(scaling), *strides, BLOCK=BLOCK_T, **shape,
-    )  # fmt: skip
-    launch(_scores_kernel, (bsz * heads, cdiv(t, BLOCK_T)),
+    _stats_kernel[(bsz * heads, splits)](
+        query, key, m, l_, t, tq, w, splits, split, float(scaling), *strides, BLOCK=BLOCK_T, **shape
+    )
+    _scores_kernel[(bsz * heads, cdiv(t, BLOCK_T))](
         query, key, m, l_, sums, mass, t, tq, w, splits, float(scaling), *strides,
         SP=triton.next_power_of_2(splits), BLOCK=BLOCK_T, REDUCE=GQA_REDUCTIONS.index(reduction), **shape,
     )  # fmt: skip
@@ -278,6 +277,5 @@ def oq_score_triton(total: torch.Tensor, key_mask: torch.Tensor, tau) -> torch.T
     out = torch.zeros(bsz, dtype=torch.float32, device=total.device)
     if bsz and t:
         keep = key_mask.to(device=total.device, dtype=torch.bool).contiguous().view(torch.uint8)
-        inverse = (1 / t1, 1 / t2, 1 / t3)
-        launch(_oq_kernel, (bsz,), total.float().contiguous(), keep, out, t, *inverse, UNIFORM_TOL, BLOCK=1024)
+        _oq_kernel[(bsz,)](total.float().contiguous(), keep, out, t, 1 / t1, 1 / t2, 1 / t3, UNIFORM_TOL, BLOCK=1024)
     return out

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from hfkv.kernels.encode import check_pool
-from hfkv.kernels.launch import launch
 from hfkv.kernels.parts import head_step
 
 __all__ = ["count_appends", "reserve_slots"]
@@ -85,7 +84,7 @@ def reserve_slots(
             counts.copy_((old + k).view(counts.shape))
         return out
     step = head_step(counts, "reserve_slots") if counts is not None else 0
-    launch(_reserve_kernel, (heads,),
+    _reserve_kernel[(heads,)](
         pool.view(torch.int32), table, table.shape[-1], old.to(torch.int64).contiguous(), k.contiguous(), ids, out,
         heads, tpp, pool.shape[1] // 4, record_bytes, counts if counts is not None else out, step, BLOCK=_BLOCK,
         SET_COUNTS=counts is not None,
@@ -143,7 +142,7 @@ def count_appends(
     k = torch.empty(n_heads, dtype=torch.int64, device=dev)
     old = torch.empty(n_heads, dtype=torch.int64, device=dev)
     out = torch.empty(2, dtype=torch.int64, device=dev)
-    launch(_count_kernel, (1,),
+    _count_kernel[(1,)](
         b.contiguous(), h.contiguous(), b.numel(), counts.shape[1], counts, step, k, old, out, n_heads, tpp,
         BLOCK=_BLOCK,
     )  # fmt: skip
