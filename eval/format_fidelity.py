@@ -214,13 +214,18 @@ def variant_sections(paths: list[Path]) -> list[str]:
         "From `eval/results/format_variants_*.json` (`python eval/format_variants.py`): the relative loss",
         "of a part (as above) when its scale and zero are stored per token and group of 32 (`token`, what",
         "hfkv stores), one per group position shared by a block of tokens (`page`), or one per channel",
-        "over a block of tokens (`channel`, KIVI); bytes are per token and head, codes + scale/zero.",
+        "over a block of tokens (`channel`, KIVI), or per token and group of 32 after an orthonormal",
+        "Walsh-Hadamard rotation of the head vector (`rotated`: QuaRot, TurboQuant's rotation without its",
+        "codebook; attention then rotates the query and the output once per query, not per slot); bytes are per",
+        "token and head, codes + scale/zero.",
         "",
     ]
     for path in paths:
         res = json.loads(path.read_text())
         m = res["meta"]
-        lines += [f"### {m['model']} ({m['dtype']}, head_dim {m['head_dim']}, {m['docs']} sequences)", ""]
+        names = {"human": "human-written", "model": "model-generated", "kv_recall": "kv_recall"}
+        texts = names.get(m.get("texts", "model"), m.get("texts"))
+        lines += [f"### {m['model']} ({m['dtype']}, head_dim {m['head_dim']}, {m['docs']} {texts} sequences)", ""]
         lines += ["| bits | placement | group / block | scale dtype | bytes | key loss | value loss |"]
         lines += ["|---|---|---|---|---|---|---|"]
         for r in res["rows"]:

@@ -9,7 +9,12 @@ of a K4V2 record, so this script measures what other placements of that metadata
 - ``page``: the same groups, one scale/zero per group position shared by a block of ``T`` tokens
   (a page), 4 * G / T bytes per token instead of 4 * G;
 - ``channel``: KIVI-style, one scale/zero per channel over a block of ``T`` tokens (4 * D / T bytes
-  per token), which follows the outlier channels of keys.
+  per token), which follows the outlier channels of keys;
+- ``rotated``: ``token``'s groups after an orthonormal Walsh-Hadamard rotation of each token's head vector
+  (QuaRot, TurboQuant's random rotation without its codebook): the same bytes per token, the outlier channels
+  spread over every element before the groups take their ranges. Attention reads it at no per-slot cost: the
+  logits are unchanged if the query is rotated the same way (``(Hq).(Hk) = q.k``), and the output of rotated
+  values is rotated back once per query (``H^T sum p (Hv)``).
 
 Each variant is fake-quantized on a real model's own keys and values and scored with the relative
 loss of ``format_fidelity.part_losses`` (attention-weighted output error of quantizing a part,
@@ -18,6 +23,8 @@ relative to evicting the token). A record's bytes are ``codes + metadata + 8`` (
 
     python eval/format_variants.py --model smollm2 --dtype bf16 --out eval/results/format_variants_smollm2.json
     python eval/format_variants.py --model testbed --dtype bf16 --out eval/results/format_variants_testbed.json
+    python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 \
+        --out eval/results/format_variants_smollm2_human.json   # human-written documents (hfkv.evaluation.human_texts)
 """
 
 from __future__ import annotations
@@ -39,7 +46,20 @@ VARIANTS = [
     (bits, "token", 32, meta) for bits in (4, 2) for meta in ("fp16", "bf16", "fp32")
 ] + [
     (bits, place, block, "fp16") for bits in (4, 2) for place in ("page", "channel") for block in (16, 32, 64)
+] + [
+    (bits, "rotated", 32, "fp16") for bits in (4, 2)
 ]  # fmt: skip
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard matrix of size ``d`` (a power of two; Sylvester's construction): symmetric,
+    so it is its own inverse."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard: d must be a power of two, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / d**0.5
 
 
 def _round_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,6 +72,9 @@ def fake_quant(x: torch.Tensor, bits: int, place: str, size: int, meta: str) -> 
     """Quantize-dequantize ``x [H, T, D]`` (fp32) with min/max groups placed as ``place`` describes."""
     h, t, d = x.shape
     qmax = (1 << bits) - 1
+    if place == "rotated":  # token groups in the rotated space, rotated back
+        rot = hadamard(d)
+        return fake_quant(x @ rot, bits, "token", size, meta) @ rot
     if place == "token":
         xg = x.reshape(h, t, d // size, size)
         dims = (-1,)
@@ -79,7 +102,7 @@ def fake_quant(x: torch.Tensor, bits: int, place: str, size: int, meta: str) -> 
 def metadata_bytes(place: str, size: int, meta: str, dim: int) -> float:
     """Scale + zero bytes per token and head."""
     width = 2 * torch.empty((), dtype=META_DTYPES[meta]).element_size()
-    if place == "token":
+    if place in ("token", "rotated"):
         return width * dim // size
     if place == "page":
         return width * (dim // 32) / size
@@ -95,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--docs", type=int, default=2)
+    ap.add_argument(
+        "--texts", default="model", choices=["model", "human"],
+        help="model: the model's generated documents (default); human: human-written ones, cut at run time",
+    )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--observers", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
@@ -112,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in VARIANTS if v[2] <= dim or v[1] != "token"]
     quantizers = {label(*v): (lambda x, v=v: fake_quant(x.to(dtype).float(), *v)) for v in variants}
     losses: dict[str, float] = {}
-    docs = _texts(args.model, tok, args.docs, args.prompt_len)
+    if args.texts == "human":
+        from hfkv.evaluation.human_texts import human_documents
+
+        docs = human_documents(tok, args.docs)
+        if args.prompt_len:
+            docs = [{**d, "prompt_len": args.prompt_len} for d in docs]
+    else:
+        docs = _texts(args.model, tok, args.docs, args.prompt_len)
     for d in docs:
         qkv = capture_qkv(model, torch.tensor([d["ids"][: d["prompt_len"]]]))
         for key, val in part_losses(qkv, args.observers, dtype, quantizers).items():
@@ -138,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         size = r["code_bytes"] + r["meta_bytes"]
         print(f"{name:28s} bytes {size:6.1f} K {r['loss_keys']:.4f} V {r['loss_values']:.4f}")
     command = "python eval/format_variants.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta_info = run_meta(args, dim, len(docs)) | {"command": command}
+    meta_info = run_meta(args, dim, len(docs)) | {
+        "command": command,
+        "texts": "human" if args.texts == "human" else ("kv_recall" if args.model == "testbed" else "model"),
+    }
     out = Path(args.out or f"eval/results/format_variants_{args.model}.json")
     write_text_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
     return 0

@@ -1224,6 +1224,8 @@ python eval/cpu_step_sections.py --wait-quiet 900 --context 32768 --threads 2 --
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
 OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
+OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 --threads 2 \\
+    --out eval/results/format_variants_smollm2_human.json
 python eval/format_fidelity.py --docs-only
 # RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12

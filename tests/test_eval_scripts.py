@@ -66,6 +66,27 @@ def test_format_variants_token_placement_is_hfkvs_stored_format(bits):
     assert fv.metadata_bytes("token", 32, "fp16", 64) + 64 * bits // 8 == fmt.nbytes
 
 
+def test_format_variants_rotated_groups_spread_an_outlier_channel_at_the_token_formats_bytes():
+    import torch
+
+    fv = _format_variants()
+    h = fv.hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)  # orthonormal, its own inverse
+    with pytest.raises(ValueError, match="power of two"):
+        fv.hadamard(48)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 40, 64, generator=g)
+    # Rotated back: with 8-bit codes the round trip stays within the token format's error at 8 bits.
+    rot8, tok8 = fv.fake_quant(x, 8, "rotated", 32, "fp32"), fv.fake_quant(x, 8, "token", 32, "fp32")
+    assert (rot8 - x).abs().max() < 2 * (tok8 - x).abs().max()
+    x[..., 5] *= 50  # an outlier channel: a token's group holding it gets a coarse step for all its elements
+    rot, tok = fv.fake_quant(x, 4, "rotated", 32, "fp16"), fv.fake_quant(x, 4, "token", 32, "fp16")
+    assert rot.shape == x.shape
+    others = [c for c in range(64) if c != 5]
+    assert (rot - x)[..., others].abs().mean() < 0.7 * (tok - x)[..., others].abs().mean()
+    assert fv.metadata_bytes("rotated", 32, "fp16", 64) == fv.metadata_bytes("token", 32, "fp16", 64)
+
+
 def test_format_variants_channel_and_page_groups_span_tokens():
     import torch
 
