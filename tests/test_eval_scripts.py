@@ -108,3 +108,40 @@ def test_format_variants_channel_and_page_groups_span_tokens():
     page = fv.fake_quant(x, 4, "page", 16, "fp32")
     assert page[:, :16, :32].unique().numel() <= 16
     assert fv.metadata_bytes("channel", 32, "fp16", 64) == 8 and fv.metadata_bytes("page", 16, "fp16", 64) == 0.5
+
+
+def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantized_tiers_lose():
+    """The rotation around the layer is attention-invariant (every token exact: the full cache's log-probs) and reaches
+    the quantized tiers (``quant``'s log-probs move); the layer's methods are restored after the context."""
+    import importlib.util
+
+    import torch
+
+    import hfkv
+    from hfkv.cache import TriStateLayer
+    from hfkv.evaluation.fidelity import reference_logprobs, teacher_forced
+    from hfkv.loading import load_model
+    from hfkv.testbed import load_test_set
+
+    spec = importlib.util.spec_from_file_location("rotation_fidelity", "eval/rotation_fidelity.py")
+    rf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rf)
+    model, tok = load_model("testbed", dtype="fp32")
+    row = load_test_set("kv_recall")[0]
+    ids = torch.tensor([tok(row["prompt"] + row["target"])["input_ids"]])
+    n = len(tok(row["prompt"])["input_ids"])
+    ref = reference_logprobs(model, ids, n)
+    before = TriStateLayer.update, TriStateLayer.attend
+
+    def fidelity(preset, rotate, **kw):
+        with rf.rotated_layers() if rotate else rf._nothing():
+            return teacher_forced(model, ids, n, lambda: hfkv.TriStateCache(model, preset, **kw), ref)
+
+    # evict with a budget past the sequence keeps every token exact, through the layer's own attention
+    full, full_kl = fidelity("evict", True, budget=4096)
+    assert full.top1 == 1.0 and float(full_kl.max()) < 1e-5
+    assert (TriStateLayer.update, TriStateLayer.attend) == before
+    plain, plain_kl = fidelity("quant", False)
+    turned, turned_kl = fidelity("quant", True)
+    assert turned.kv_bytes == plain.kv_bytes
+    assert not torch.allclose(plain_kl, turned_kl)
