@@ -37,8 +37,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from format_fidelity import _texts, capture_qkv, part_losses, run_meta  # noqa: E402
+
+from hfkv.quant.rotation import hadamard  # noqa: E402
 
 META_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (bits, placement, group or block, scale dtype)
@@ -49,17 +52,6 @@ VARIANTS = [
 ] + [
     (bits, "rotated", 32, "fp16") for bits in (4, 2)
 ]  # fmt: skip
-
-
-def hadamard(d: int) -> torch.Tensor:
-    """The orthonormal Walsh-Hadamard matrix of size ``d`` (a power of two; Sylvester's construction): symmetric,
-    so it is its own inverse."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"hadamard: d must be a power of two, got {d}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / d**0.5
 
 
 def _round_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

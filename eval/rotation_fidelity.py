@@ -9,8 +9,9 @@ each method as it is and with every compressed layer's keys, values and queries 
 The rotation is applied around the layer, not in the formats: ``update()`` stores ``H k`` and ``H v`` in every
 tier and the window, ``attend()`` gets ``H q`` and returns ``H^T`` of its output, so the logits are the same up to
 rounding (``(Hq).(Hk) = q.k``), the policy sees the same attention, and the quantized tiers hold rotated vectors.
-The bytes held are the same; what changes is the error each format leaves. A study, not a feature: building it
-means the rotation in the kernels' query load and output store, the torch twin and the CPU kernel.
+The bytes held are the same; what changes is the error each format leaves. The cache's own option,
+``TriStateConfig.rotate``, does the same around the layer, bit for bit (tests/test_eval_scripts.py); this study
+rotates methods whatever their config says, which is how it was measured before the option existed.
 
     OMP_NUM_THREADS=2 python eval/rotation_fidelity.py --docs 4 --budgets 128,256 --threads 2
 """

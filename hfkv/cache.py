@@ -44,6 +44,7 @@ from hfkv.policy.budget import allocate
 from hfkv.policy.unified import Sinks
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.quant.formats import QuantFormat, check_ends
+from hfkv.quant.rotation import hadamard, rotate
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.stats_html import cache_html
@@ -160,6 +161,9 @@ class TriStateLayer(CacheLayerMixin):
         # The next step's policy run up to its host read, queued after this step's attention (_prepare_run_ahead):
         # (key, new, valid, sizes, launched, numbers), or None.
         self._ahead: tuple | None = None
+        # cfg.rotate: the orthonormal Hadamard matrix every key, value and query of this layer is rotated by
+        # (hfkv.quant.rotation), set with the layer's shapes; None: nothing is rotated.
+        self._rot: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         if not self.is_initialized:
@@ -177,6 +181,7 @@ class TriStateLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         cfg = self.cfg
         self.backend = resolve_backend(cfg.backend, self.device)
+        self._rot = hadamard(dim, self.device) if cfg.rotate else None
 
         def layout(name: str) -> RecordLayout:
             if name == "mid" and not cfg.uses_mid_tier():
@@ -287,6 +292,8 @@ class TriStateLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._rot is not None:  # stored rotated; attend() rotates the query alike and its output back
+            key_states, value_states = rotate(key_states, self._rot), rotate(value_states, self._rot)
         q = key_states.shape[2]
         self._chunk = (key_states, value_states, self.length)
         if self.length > 0:
@@ -792,10 +799,14 @@ class TriStateLayer(CacheLayerMixin):
         """Called by the hfkv attention function right after this layer's update(). ``out``: the tensor to write
         the result to (hfkv.graphs: where a replayed graph reads it), one this layer's attention returned for
         the same query shape; a Triton decode step writes it in place, any other path copies."""
+        if self._rot is not None:  # (Hq).(Hk) = q.k: the keys and values were stored rotated (update())
+            query = rotate(query, self._rot)
         if self.length == self._chunk[0].shape[2]:
             res = self._prefill(module, query, mask, scaling)
         else:
             res = self._attend_slots(query, mask, scaling, out)
+        if self._rot is not None:  # sum p (Hv) = H (sum p v): rotated back (H is its own inverse)
+            res = rotate(res, self._rot)
         if out is None or res is out:
             return res
         return out.copy_(res)
@@ -832,6 +843,8 @@ class TriStateLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key, value)
+        if self._rot is not None:  # as update() and attend() rotate a prompt's
+            key, value, query = (rotate(x, self._rot) for x in (key, value, query))
         self.length = key.shape[2]
         self._admit_prompt(key, value, query, None, scaling)
 

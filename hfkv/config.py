@@ -100,7 +100,7 @@ class TierFormat:
 _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
 # Config fields added after results keyed by a config were stored, with the value that behaves as before they
 # existed (TriStateConfig.key_dict).
-_LATER_FIELDS = {"stagger": False, "run_ahead": True}
+_LATER_FIELDS = {"stagger": False, "run_ahead": True, "rotate": False}
 # Fields added before that rule, which key_dict writes at every value: rows stored before them ran at this value.
 _PREDATED_FIELDS = {"carry": 0.0}
 _DEFAULT_TIERS = {
@@ -239,6 +239,11 @@ class TriStateConfig:
     # one host read no longer drains the device's queue, and half its launches leave its step. The same decisions
     # and storage either way (tests/test_policy_run_ahead.py); False runs each policy run whole, at its step.
     run_ahead: bool = True
+    # Keys and values stored rotated by an orthonormal Walsh-Hadamard matrix (each head vector; the query rotated
+    # the same way and the output rotated back around the layer's attention): a key's outlier channels no longer set
+    # the step of whole int4 / int2 groups, for the same bytes (hfkv.quant.rotation; docs/formats.md). Exact tokens
+    # are stored rotated too, rounded to the model's dtype. Needs a power-of-two head_dim.
+    rotate: bool = False
     original: TierFormat = _DEFAULT_TIERS["original"]
     # A second quantized format between original and quantized (DiffKV's high-precision K8V4), used by
     # memory budgets only: refining a K4V2 token to K8V4 buys 5x more fidelity per byte than an exact copy
@@ -267,9 +272,11 @@ class TriStateConfig:
         w = "TriStateConfig"
         if not isinstance(self.name, str) or not self.name:
             raise _fail(f"{w}.name", self.name, "a non-empty string")
-        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead"):
+        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead", "rotate"):
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
+        if self.rotate and not self.compress:
+            raise _fail(f"{w}.rotate", self.rotate, "false where compress is false (nothing is stored compressed)")
         for f, lo in (
             ("window", 1),
             ("sink_tokens", 0),
@@ -461,6 +468,9 @@ class TriStateConfig:
         tables = self.resolve_alpha(num_layers, num_kv_heads)
         if not _is_int(head_dim) or head_dim < 1:
             raise _fail("head_dim", head_dim, "a positive integer")
+        if self.rotate and head_dim & (head_dim - 1):
+            why = f"false for head_dim={head_dim} (the rotation needs a power of two)"
+            raise _fail("TriStateConfig.rotate", self.rotate, why)
         if self.compress:  # `full` never quantises, so it must run on any head_dim
             for f in ("original", "quantized", *(("mid",) if self.uses_mid_tier() else ())):
                 tier: TierFormat = getattr(self, f)
@@ -613,6 +623,8 @@ class TriStateConfig:
             parts.append("stagger")
         if not self.run_ahead:
             parts.append("runs whole")
+        if self.rotate:
+            parts.append("rotated")
         return " ".join(parts)
 
 

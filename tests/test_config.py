@@ -219,6 +219,7 @@ BAD = [  # (overrides, text that must appear in the message: field, then bad val
     (dict(interval=0), "interval", "0"),
     (dict(stagger=1), "stagger", "1"),
     (dict(run_ahead="yes"), "run_ahead", "yes"),
+    (dict(rotate="yes"), "rotate", "yes"),
     (dict(original={"key": "int3"}), "original.key", "int3"),
     (dict(quantized={"value": "nf4"}), "quantized.value", "nf4"),
     (dict(quantized={"group_size": 48}), "quantized.group_size", "48"),

@@ -133,8 +133,8 @@ def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantize
     ref = reference_logprobs(model, ids, n)
     before = TriStateLayer.update, TriStateLayer.attend
 
-    def fidelity(preset, rotate, **kw):
-        with rf.rotated_layers() if rotate else rf._nothing():
+    def fidelity(preset, wrapped, **kw):
+        with rf.rotated_layers() if wrapped else rf._nothing():
             return teacher_forced(model, ids, n, lambda: hfkv.TriStateCache(model, preset, **kw), ref)
 
     # evict with a budget past the sequence keeps every token exact, through the layer's own attention
@@ -145,3 +145,6 @@ def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantize
     turned, turned_kl = fidelity("quant", True)
     assert turned.kv_bytes == plain.kv_bytes
     assert not torch.allclose(plain_kl, turned_kl)
+    # The study's rotation is the cache's own (TriStateConfig.rotate), bit for bit.
+    built, built_kl = fidelity("quant", False, rotate=True)
+    assert torch.equal(built_kl, turned_kl) and built.kv_bytes == turned.kv_bytes

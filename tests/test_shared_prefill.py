@@ -21,6 +21,7 @@ SPECS = [
     "diffkv:window=4,obs_window=8",
     "hfkv@40:window=4",
     "hfkv@40:window=4,mid=none,alpha_l=0.0",
+    "hfkv@40:window=4,rotate=True",  # ingest_prefill rotates the prompt as update() and attend() do
 ]
 
 
