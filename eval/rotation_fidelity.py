@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -30,14 +30,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from format_variants import hadamard  # noqa: E402
+
+from hfkv.quant.rotation import hadamard, rotate  # noqa: E402
 
 DEFAULT_OUT = REPO / "eval" / "results" / "rotation_fidelity_smollm2.json"
-
-
-def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    return (x.float() @ rot).to(x.dtype)
 
 
 @contextmanager
@@ -47,22 +43,15 @@ def rotated_layers():
     from hfkv.cache import TriStateLayer
 
     update, attend = TriStateLayer.update, TriStateLayer.attend
-    rots: dict[int, torch.Tensor] = {}
-
-    def rot_for(x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1]
-        if d not in rots:
-            rots[d] = hadamard(d).to(x.device)
-        return rots[d]
 
     def rotated_update(self, key_states, value_states, *args, **kwargs):
-        rot = rot_for(key_states)
-        return update(self, _rotate(key_states, rot), _rotate(value_states, rot), *args, **kwargs)
+        rot = hadamard(key_states.shape[-1], key_states.device)
+        return update(self, rotate(key_states, rot), rotate(value_states, rot), *args, **kwargs)
 
     def rotated_attend(self, module, query, key, value, mask, scaling, out=None):
-        rot = rot_for(query)
-        res = attend(self, module, _rotate(query, rot), _rotate(key, rot), _rotate(value, rot), mask, scaling)
-        res = _rotate(res, rot)  # H is its own inverse
+        rot = hadamard(query.shape[-1], query.device)
+        res = attend(self, module, rotate(query, rot), rotate(key, rot), rotate(value, rot), mask, scaling)
+        res = rotate(res, rot)  # H is its own inverse
         return res if out is None else out.copy_(res)
 
     TriStateLayer.update, TriStateLayer.attend = rotated_update, rotated_attend
@@ -101,22 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([doc["ids"]])
         ref = reference_logprobs(model, ids, doc["prompt_len"])
         for method in methods:
-            for rotate in (False, True):
+            for rotated in (False, True):
                 t0 = time.perf_counter()
-                with rotated_layers() if rotate else _nothing():
+                with rotated_layers() if rotated else nullcontext():
                     fid, _ = teacher_forced(
                         model, ids, doc["prompt_len"], lambda m=method, n=ids.shape[1]: m.make_cache(model, n), ref
                     )
-                per.setdefault((method.label, rotate), []).append(fid)
+                per.setdefault((method.label, rotated), []).append(fid)
                 print(
-                    f"doc {doc['id']} {method.label:<14} rotated={rotate!s:<5} kl={fid.kl:.4f} top1={fid.top1:.3f} "
+                    f"doc {doc['id']} {method.label:<14} rotated={rotated!s:<5} kl={fid.kl:.4f} top1={fid.top1:.3f} "
                     f"mem={fid.memory_ratio:.3f} {time.perf_counter() - t0:.0f}s",
                     flush=True,
                 )
     rows = []
-    for (label, rotate), fids in per.items():
+    for (label, rotated), fids in per.items():
         m = mean_fidelity(fids)
-        rows.append({"method": label, "rotated": rotate, "docs": len(fids), "kl_per_doc": [f.kl for f in fids],
+        rows.append({"method": label, "rotated": rotated, "docs": len(fids), "kl_per_doc": [f.kl for f in fids],
                      **m.to_dict()})  # fmt: skip
     result = {
         "what": "teacher-forced KL / top-1 against the full cache on human-written documents, each method as it is "
@@ -139,11 +128,6 @@ def main(argv: list[str] | None = None) -> int:
               f"mem={r['memory_ratio']:.3f}")  # fmt: skip
     print(f"wrote {args.out}")
     return 0
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 if __name__ == "__main__":

@@ -114,6 +114,7 @@ def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantize
     """The rotation around the layer is attention-invariant (every token exact: the full cache's log-probs) and reaches
     the quantized tiers (``quant``'s log-probs move); the layer's methods are restored after the context."""
     import importlib.util
+    from contextlib import nullcontext
 
     import torch
 
@@ -134,7 +135,7 @@ def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantize
     before = TriStateLayer.update, TriStateLayer.attend
 
     def fidelity(preset, wrapped, **kw):
-        with rf.rotated_layers() if wrapped else rf._nothing():
+        with rf.rotated_layers() if wrapped else nullcontext():
             return teacher_forced(model, ids, n, lambda: hfkv.TriStateCache(model, preset, **kw), ref)
 
     # evict with a budget past the sequence keeps every token exact, through the layer's own attention
