@@ -13,6 +13,8 @@ quantized tier or evicts it, and may later demote or evict it further, never bac
 from __future__ import annotations
 
 import importlib
+import sys
+import warnings
 from functools import partial
 from types import ModuleType
 
@@ -31,6 +33,7 @@ from hfkv.attention.slots import slot_attention_received
 from hfkv.config import TriStateConfig
 from hfkv.kernels.backend import resolve_backend
 from hfkv.kernels.parts import DenseSlots, PagedSlots, plan_key
+from hfkv.model_shape import ModelShape
 from hfkv.policy import (
     classify,
     observation_probs,
@@ -287,8 +290,10 @@ class TriStateLayer(CacheLayerMixin):
             )
         if pending() is not None:
             raise RuntimeError(
-                "hfkv: a cache layer's update() was not followed by the hfkv attention function; "
-                "this model's attention does not call past_key_values.update with standard K/V."
+                "hfkv: a cache layer's update() was not followed by the hfkv attention function: the model using "
+                f"this cache does not run hfkv attention (the cache was built for {self.cache.model_shape.describe()}; "
+                "TriStateCache(model, ...) switches the model it is given, and a cache serves that model only), or "
+                "its attention does not call past_key_values.update with standard K/V."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -641,11 +646,11 @@ class TriStateLayer(CacheLayerMixin):
 
     def _nothing_competes(self, exit_pos: torch.Tensor, padded: bool) -> bool:
         """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
-        exit (at full precision) fits, no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
-        room) and no cap on exact tokens (ARKV's OQ ratio). Then :func:`allocate` returns the current states
-        and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and reading every tier's
-        metadata to ask it would be the run's whole cost: at short contexts most runs are these (``padded``: some
-        exit may be padding)."""
+        exit (at full precision) fits and no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
+        room); the cap on exact tokens (ARKV's OQ ratio) binds only where they do not fit. Then :func:`allocate`
+        returns the current states and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and
+        reading every tier's metadata to ask it would be the run's whole cost: at short contexts most runs are these
+        (``padded``: some exit may be padding)."""
         if not self.memory_budget or self._has_floor or self._over_room(exit_pos.numel(), padded):
             return False
         heads = self.tiers.counts.shape[1]
@@ -655,14 +660,9 @@ class TriStateLayer(CacheLayerMixin):
         entering = self._not_padding(exit_pos).sum(-1) if padded else exit_pos.numel()
         held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)  # [B, H] bytes
         held = held + entering * self.cost[ORIGINAL]
-        exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
         if self.cfg.head_adaptive:
-            held, exact = held.sum(-1), exact.sum(-1)
-        fits = (held <= self.room * per).all()
-        rho = self.cache.rho(self.layer_idx)
-        if rho is not None:  # both conditions in one host read
-            fits = fits & (exact <= self._exact_cap(rho, heads)).all()
-        return bool(fits)
+            held = held.sum(-1)
+        return bool((held <= self.room * per).all())
 
     def _over_room(self, exits: int, padded: bool) -> bool:
         """Whether the fullest row (its held bytes are ``_tier_peak``, known since the tiers last changed) cannot take
@@ -1114,6 +1114,20 @@ class TriStateLayer(CacheLayerMixin):
         )
 
 
+def _calling_config(own: object) -> object | None:
+    """The config of the attention module calling :meth:`TriStateCache.update` (transformers' attention layers call
+    ``past_key_values.update(k, v, self.layer_idx, ...)``), or None where the caller is not one, or under
+    torch.compile (which does not trace frames). Read on a layer's first call only: the calling model's layer count
+    is known before its first layer stores anything."""
+    if torch.compiler.is_compiling():
+        return None
+    caller = sys._getframe(2).f_locals.get("self")  # 0: here, 1: TriStateCache.update, 2: the attention's forward
+    config = getattr(caller, "config", None)
+    if config is None or config is own or not hasattr(config, "get_text_config"):
+        return None
+    return config
+
+
 class TriStateCache(DynamicCache):
     """Drop-in ``past_key_values`` for ``model.generate``: ``TriStateCache(model, cfg)``.
 
@@ -1138,9 +1152,8 @@ class TriStateCache(DynamicCache):
         enable(model)
         text = model.config.get_text_config(decoder=True)
         self.model_config = text
-        n_layers = text.num_hidden_layers
-        n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.model_shape = ModelShape.of(model)  # checked on each layer's first call (update)
+        n_layers, n_kv, head_dim = self.model_shape.layers, self.model_shape.kv_heads, self.model_shape.head_dim
         config.validate_for_model(n_layers, n_kv, head_dim)
         self.alpha_h, self.alpha_l = config.resolve_alpha(n_layers, n_kv)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
@@ -1157,9 +1170,31 @@ class TriStateCache(DynamicCache):
                     f"hfkv cannot compress layer {i} of type {lt!r} ({type(model).__name__}); supported: "
                     f"'full_attention' (compressed) and {_UNCOMPRESSED_TYPES} (kept uncompressed)"
                 )
+        if config.compress and not any(isinstance(layer, TriStateLayer) for layer in layers):
+            warnings.warn(
+                f"TriStateCache: every layer of {self.model_shape.describe()} uses sliding-window attention, which "
+                f"hfkv keeps uncompressed: preset {config.name!r} compresses nothing here (the cache is "
+                "DynamicCache's)",
+                UserWarning,
+                stacklevel=2,
+            )
         Cache.__init__(self, layers=layers)
         self._rho: torch.Tensor | None = None
         self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # A layer's first call checks that the calling model is the one the cache was built for (after that, its
+        # storage is made for these shapes and would fail on others anyway): one error naming both models.
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
+            caller = _calling_config(self.model_config)
+            self.model_shape.check_call(layer_idx, key_states, caller)
+            if caller is not None and caller._attn_implementation != NAME:
+                raise RuntimeError(
+                    f"this TriStateCache was built for {self.model_shape.describe()} and is used by a model whose "
+                    f"attention is {caller._attn_implementation!r}, not 'hfkv', so compressed tokens would be ignored: "
+                    "a cache serves the model it was built with, TriStateCache(model, ...), which switches it"
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
         n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)

@@ -147,6 +147,8 @@ class CacheStats:
         if self.budget_bytes:
             held = sum(ls.kv_bytes for ls in live if ls.compressed)
             extra = f", {held / self.budget_bytes:.0%} of budget"
+            if held > self.budget_bytes:  # a user reading 114% must not think the budget was broken
+                extra += " (it leaves out page tails and tables)"
         shares = state_shares(live)
         states = ", ".join(f"{fmt_share(p)} {n}" for n, p in shares.items() if p or n == "evicted")
         return (

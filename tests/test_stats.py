@@ -172,7 +172,7 @@ def test_summary_is_one_line_with_the_shares(hfkv_stats):
     line = st.summary()
     assert "\n" not in line and len(line) < 200
     assert line.startswith(f"hfkv: 2 layers x 2 KV heads x 2 rows, {PROMPT + NEW - 1} tokens; ")
-    assert f"({st.compression_ratio:.2f}x, " in line and "% of budget)" in line
+    assert f"({st.compression_ratio:.2f}x, " in line and "% of budget" in line
     totals = {n: sum(ls.totals()[n] for ls in st.layers) for n in STATE_ORDER}
     assert f"{round(100 * totals['evicted'] / sum(totals.values()))}% evicted" in line
     empty = hfkv.TriStateCache(tiny_model("llama"), "hfkv").stats()
@@ -267,3 +267,19 @@ def test_moved_names_still_import_from_hfkv_inspect():
     assert hi.stats_html is stats_html.stats_html and hi.STATE_COLORS is stats_html.STATE_COLORS
     assert hi.STATE_ORDER == STATE_ORDER and hi.STATE_LABELS[-1] == "window"
     assert callable(hi.cache_html)
+
+
+def test_summary_says_what_a_budget_leaves_out_when_held_exceeds_it():
+    """A small budget's page tails, page tables and zero pages can take what is held past 100% of the budget (which
+    counts records and the window): the line says so where it happens, and only there."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(0))
+    lines = {}
+    for budget in (24, 4096):
+        cache = hfkv.TriStateCache(model, "hfkv", budget=budget, window=4)
+        model(input_ids=ids, past_key_values=cache)
+        st = cache.stats()
+        held = sum(ls.kv_bytes for ls in st.layers if ls.compressed)
+        lines[budget] = (held > st.budget_bytes, st.summary())
+    assert lines[24][0] and "of budget (it leaves out page tails and tables)" in lines[24][1]
+    assert not lines[4096][0] and "leaves out" not in lines[4096][1]
