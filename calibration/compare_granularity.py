@@ -1,7 +1,10 @@
 """Global vs per-layer vs per-head thresholds at equal memory, from the exports of finished studies.
 
-    .venv/bin/python calibration/compare_granularity.py calibration/studies/<global> calibration/studies/<layer> \\
-        calibration/studies/<head> --out calibration/results/granularity-smollm2
+    .venv/bin/python calibration/compare_granularity.py hfkv-out/calibrate/studies/<global> \\
+        hfkv-out/calibrate/studies/<layer> hfkv-out/calibrate/studies/<head>
+
+writes ``hfkv-out/compare_granularity/granularity.*`` by default; the committed results are regenerated only
+by naming them (``--out calibration/results/granularity-smollm2``).
 
 Each argument is a study's output folder (``summary.json``, written by ``hfkv calibrate``). The studies
 must share model, data and objective (checked) and differ in ``--granularity``. "At equal memory"
@@ -26,6 +29,7 @@ from hfkv.calibration.objectives import METRICS  # noqa: E402
 from hfkv.calibration.report import atomic_write, dump_json, save_figure  # noqa: E402
 
 SHARED = ("model", "gguf_file", "dtype", "objective", "data", "evaluation")
+DEFAULT_OUT = Path("hfkv-out/compare_granularity/granularity")  # a user's folder, never calibration/results
 
 
 def load(folder: Path) -> dict:
@@ -141,7 +145,12 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("studies", nargs="+", type=Path, help="output folders of studies (summary.json inside)")
-    p.add_argument("--out", type=Path, required=True, help="output prefix: <out>.json, <out>.md, <out>.png")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output prefix: <out>.json, <out>.md, <out>.png (default: {DEFAULT_OUT})",
+    )
     p.add_argument("--levels", type=int, default=8, help="memory levels in the table (default: 8)")
     a = p.parse_args(argv)
     summaries = {}

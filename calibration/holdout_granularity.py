@@ -1,13 +1,15 @@
 """The configs selected by a global, a layer and a head study, on problems none of them calibrated on.
 
-    .venv/bin/python calibration/holdout_granularity.py calibration/studies/smollm2-gran-{global,layer,head} \\
-        --n-problems 6 --out calibration/results/granularity-smollm2-holdout
+    .venv/bin/python calibration/holdout_granularity.py hfkv-out/calibrate/studies/smollm2-gran-{global,layer,head} \\
+        --n-problems 6
 
 compare_granularity.py reads the fronts on the calibration problems (in-sample). This evaluates each
 study's selected trial (rebuilt from summary.json: base config + the trial's fields) and the base
 preset on problems of the same data file that the studies did not use (the studies' own seed and
 selection rule, the next ``--n-problems`` after their calibration problems), with the studies'
-model and evaluation settings. Writes ``<out>.json`` and ``<out>.md``.
+model and evaluation settings. Writes ``<out>.json`` and ``<out>.md``, by default under
+``hfkv-out/holdout_granularity/``; the committed results are regenerated only by naming them
+(``--out calibration/results/granularity-smollm2-holdout``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ from hfkv.calibration.objectives import FidelityObjective  # noqa: E402
 from hfkv.calibration.report import atomic_write, dump_json  # noqa: E402
 from hfkv.config import TriStateConfig  # noqa: E402
 
+DEFAULT_OUT = Path("hfkv-out/holdout_granularity/granularity-holdout")  # a user's folder, never calibration/results
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("studies", nargs="+", type=Path, help="output folders of fidelity studies (summary.json)")
     p.add_argument("--n-problems", type=int, default=6, help="held-out problems (default: 6)")
     p.add_argument("--seed", type=int, default=0, help="seed the studies used for their selection (default: 0)")
-    p.add_argument("--out", type=Path, required=True, help="output prefix: <out>.json, <out>.md")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output prefix: <out>.json, <out>.md (default: {DEFAULT_OUT})"
+    )
     a = p.parse_args(argv)
     import torch
 

@@ -5,8 +5,10 @@ cannot reach the calibrated config's memory in its few steps, this evaluates the
 budgets you name instead, on the same held-out problems and the same teacher-forced protocol:
 
     python calibration/holdout_presets.py calibration/studies/smollm2-math \\
-        --configs configs/calibrated/smollm2-math.yaml hfkv@64 hfkv@70 \\
-        --holdout 4 --out calibration/results/smollm2-math-holdout-presets
+        --configs configs/calibrated/smollm2-math.yaml hfkv@64 hfkv@70 --holdout 4
+
+writes ``hfkv-out/holdout_presets/holdout-presets.{json,md}`` by default; the committed results are
+regenerated only by naming them (``--out calibration/results/smollm2-math-holdout-presets``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from hfkv.calibration.objectives import FidelityObjective  # noqa: E402
 from hfkv.calibration.report import atomic_write, dump_json  # noqa: E402
 from hfkv.evaluation.methods import build_config, parse_budget  # noqa: E402
 
+DEFAULT_OUT = Path("hfkv-out/holdout_presets/holdout-presets")  # a user's folder, never calibration/results
+
 
 def _config(spec: str):
     if spec.endswith((".yaml", ".yml")):
@@ -35,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("study", type=Path, help="output folder of a fidelity study (summary.json)")
     p.add_argument("--configs", nargs="+", required=True, help="calibrated YAML files and preset@budget specs")
-    p.add_argument("--out", type=Path, required=True, help="output prefix: <out>.json, <out>.md")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output prefix: <out>.json, <out>.md (default: {DEFAULT_OUT})"
+    )
     p.add_argument("--seed", type=int, default=0, help="the study's --seed (default: 0)")
     p.add_argument("--holdout", type=int, required=True, help="the study's --holdout")
     a = p.parse_args(argv)

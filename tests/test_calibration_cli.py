@@ -106,7 +106,7 @@ def test_three_trial_study_writes_a_config_that_loads_and_runs(tiny_dir, tmp_pat
 def test_holdout_compares_at_two_memory_levels(tiny_dir, tmp_path, capsys):
     # Sequences of ~300 tokens so that 15% of DynamicCache is above the least budget the presets take;
     # chunks of 8 solution tokens per forward keep the ~25 evaluations of the comparison cheap.
-    args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "lv", "--n-trials", 1, "--tolerance", 1,
+    args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "lv", "--n-trials", 2, "--tolerance", 1,
                     "--n-problems", 1, "--holdout", 1, "--max-solution-tokens", 128, "--chunk", 8,
                     "--compare", "hfkv", "--match-steps", 5, "--holdout-levels", "0.3,0.15")  # fmt: skip
     assert main(args) == 0

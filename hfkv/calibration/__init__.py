@@ -10,19 +10,36 @@ Python API (the CLI is a thin layer over it):
     objective.evaluate(TriStateConfig.from_preset("diffkv")).to_dict()   # kl, top1, memory_ratio, ...
 
 See docs/calibration.md for the study design, storage and scale-out.
+
+The public names are imported on first use (PEP 562), as in :mod:`hfkv`: ``hfkv calibrate --help`` imports this
+package (its parser reads :mod:`hfkv.calibration.data`) and must load neither torch nor optuna.
 """
 
-from hfkv.calibration.answers import answers_match, last_boxed, solution_answer
-from hfkv.calibration.data import DataUnavailableError, Problem, data_hash, load_jsonl, load_problems, select
-from hfkv.calibration.granularity import alpha_tables, head_statistics
-from hfkv.calibration.objectives import (
-    AccuracyObjective,
-    Evaluation,
-    FidelityObjective,
-    generate_solutions,
-    prompt_text,
-)
-from hfkv.calibration.search import SearchSpace
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_LAZY = {
+    "answers_match": "hfkv.calibration.answers",
+    "last_boxed": "hfkv.calibration.answers",
+    "solution_answer": "hfkv.calibration.answers",
+    "DataUnavailableError": "hfkv.calibration.data",
+    "Problem": "hfkv.calibration.data",
+    "data_hash": "hfkv.calibration.data",
+    "load_jsonl": "hfkv.calibration.data",
+    "load_problems": "hfkv.calibration.data",
+    "select": "hfkv.calibration.data",
+    "alpha_tables": "hfkv.calibration.granularity",
+    "head_statistics": "hfkv.calibration.granularity",
+    "AccuracyObjective": "hfkv.calibration.objectives",
+    "Evaluation": "hfkv.calibration.objectives",
+    "FidelityObjective": "hfkv.calibration.objectives",
+    "generate_solutions": "hfkv.calibration.objectives",
+    "prompt_text": "hfkv.calibration.objectives",
+    "SearchSpace": "hfkv.calibration.search",
+}
 
 __all__ = [
     "AccuracyObjective",
@@ -43,3 +60,36 @@ __all__ = [
     "select",
     "solution_answer",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports them
+    from hfkv.calibration.answers import answers_match, last_boxed, solution_answer
+    from hfkv.calibration.data import DataUnavailableError, Problem, data_hash, load_jsonl, load_problems, select
+    from hfkv.calibration.granularity import alpha_tables, head_statistics
+    from hfkv.calibration.objectives import (
+        AccuracyObjective,
+        Evaluation,
+        FidelityObjective,
+        generate_solutions,
+        prompt_text,
+    )
+    from hfkv.calibration.search import SearchSpace
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module the first time it is asked for; ``hfkv.calibration.<submodule>``
+    too, because code written when this file imported its submodules eagerly may reach them without importing."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

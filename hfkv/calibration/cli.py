@@ -4,9 +4,13 @@
         --holdout 16 --n-trials 40
 
 runs the study (resumable: re-run the same command), prints the Pareto front, writes plots and a
-summary beside the study, the selected config to ``configs/calibrated/<name>.yaml`` and, with
+summary beside the study, the selected config to ``<config-dir>/<name>.yaml`` and, with
 ``--holdout``, compares it with the shipped presets at equal memory on the held-out problems.
-See docs/calibration.md.
+
+Everything goes under ``hfkv-out/calibrate/`` in the working directory unless ``--studies-dir``,
+``--storage``, ``--output-dir`` or ``--config-dir`` say otherwise: a user's run never writes over the
+committed results (``calibration/studies/``, ``configs/calibrated/``), which are regenerated only by naming
+those folders. See docs/calibration.md.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-from hfkv.calibration.data import LEVELS, SUBJECTS
+from hfkv.calibration.data import LEVELS, SUBJECTS, parse_subjects
+from hfkv.calibration.ranges import parse_range  # not hfkv.calibration.search: torch and optuna, for --help
 
+OUT_DIR = "hfkv-out/calibrate"  # the command's own folder under the project-wide hfkv-out/ (relative to the cwd)
+STUDIES_DIR = f"{OUT_DIR}/studies"  # hfkv.calibration.storage.DEFAULT_DIR
+CONFIG_DIR = f"{OUT_DIR}/configs"
 PRUNER_CHOICES = ("none", "median", "hyperband")  # hfkv.calibration.worker.PRUNERS (not imported: cheap --help)
 EPILOG = """\
 --n-trials is the number of finished trials the STUDY should hold, not per run: re-running the same
@@ -30,8 +38,6 @@ Watch it live with:  optuna-dashboard <storage URL or journal file>
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from hfkv import cli_args as ca
-    from hfkv.calibration.data import parse_subjects
-    from hfkv.calibration.search import parse_range
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
@@ -192,9 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--n-trials",
-        type=ca.integer(0),
+        type=ca.integer(1),
         default=30,
-        help="finished trials the study should hold (see below); 0 = only report (default: 30)",
+        help="finished trials the study should hold (see below), more than its base points (the base config, "
+        "queued first: --base-points of them with --search budget, else one) (default: 30)",
     )
     g.add_argument(
         "--pruner",
@@ -250,8 +257,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--studies-dir",
-        default="calibration/studies",
-        help="folder of the default SQLite file and of the study's outputs (default: calibration/studies)",
+        default=STUDIES_DIR,
+        help=f"folder of the default SQLite file and of the study's outputs (default: {STUDIES_DIR}; the "
+        "committed studies are in calibration/studies, written only when named here)",
     )
     g.add_argument(
         "--n-workers",
@@ -292,7 +300,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--name", default=None, help="name of the selected config and its YAML file (default: the study name)"
     )
     g.add_argument(
-        "--config-dir", default="configs/calibrated", help="where <name>.yaml is written (default: configs/calibrated)"
+        "--config-dir",
+        default=CONFIG_DIR,
+        help=f"where <name>.yaml is written (default: {CONFIG_DIR}; the committed configs are in "
+        "configs/calibrated, written only when named here)",
     )
     g.add_argument(
         "--output-dir",
@@ -372,10 +383,32 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         directions(metric, args.max_memory_ratio, args.min_quality)
         base = load_base(args.base)
-        SearchSpace(args.granularity, args.search or (), args.range or (), base)
+        space = SearchSpace(args.granularity, args.search or (), args.range or (), base)
+        n_base = len(space.base_budgets(base, args.base_points)) if args.warm_start else 0
     except ValueError as exc:
         raise ca.usage_from(exc) from None
+    _check_trials(args, n_base, "budget" in space.params)
     ca.check_model("--model", args.model, args.gguf_file)
+
+
+def _check_trials(args: argparse.Namespace, n_base: int, budget_searched: bool) -> None:
+    """The base points run first, so a study of no more trials than base points only evaluates the base:
+    it would report a verdict without having searched anything, which is not what `calibrate` promises."""
+    from hfkv import cli_args as ca
+
+    if args.n_trials > n_base:
+        return
+    where = (
+        f"at {n_base} budget(s) of the range (--base-points {args.base_points} with --search budget)"
+        if budget_searched
+        else "once, at its own budget"
+    )
+    fewer = "or fewer --base-points, " if budget_searched and n_base > 1 else ""
+    raise ca.UsageError(
+        "--n-trials",
+        f"{args.n_trials} searches nothing: the first {n_base} trial(s) are the base config {args.base!r} itself, "
+        f"queued {where} (allowed: at least {n_base + 1}, {fewer}or --no-warm-start to queue no base point)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -407,30 +440,29 @@ def run(args: argparse.Namespace) -> int:
             cached.append(load(ctx))
         return cached[0]
 
-    if args.n_trials > 0:
-        if args.n_workers == 1:
-            import signal
-            import threading
+    if args.n_workers == 1:
+        import signal
+        import threading
 
-            from hfkv.calibration.worker import _on_sigterm, _Terminated
+        from hfkv.calibration.worker import _on_sigterm, _Terminated
 
-            if threading.current_thread() is threading.main_thread():  # kill PID: fail the running trial, exit
-                signal.signal(signal.SIGTERM, _on_sigterm)
-            try:
-                run_worker(args, 0, loaded, ctx=ctx)
-            except _Terminated:
-                print("hfkv calibrate: terminated; finished trials are kept, re-run to resume", file=sys.stderr)
-                return 143
-        else:
-            codes = run_workers(args)
-            dead = [(i, c) for i, c in enumerate(codes) if c != 0]
-            if dead:
-                print(
-                    f"hfkv calibrate: worker(s) exited abnormally (index, exit code): {dead}; finished trials are "
-                    "kept, re-run the same command to resume",
-                    file=sys.stderr,
-                )
-                rc = 1
+        if threading.current_thread() is threading.main_thread():  # kill PID: fail the running trial, exit
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            run_worker(args, 0, loaded, ctx=ctx)
+        except _Terminated:
+            print("hfkv calibrate: terminated; finished trials are kept, re-run to resume", file=sys.stderr)
+            return 143
+    else:
+        codes = run_workers(args)
+        dead = [(i, c) for i, c in enumerate(codes) if c != 0]
+        if dead:
+            print(
+                f"hfkv calibrate: worker(s) exited abnormally (index, exit code): {dead}; finished trials are "
+                "kept, re-run the same command to resume",
+                file=sys.stderr,
+            )
+            rc = 1
 
     study = optuna.load_study(study_name=ctx.study_name, storage=ctx.storage.storage)
     reference = study.user_attrs.get("reference")
@@ -526,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
             "match_steps": args.match_steps,
             "levels": levels,
             "spec": ctx.spec,
+            "verdict": choice.verdict,  # labels the selected config's rows and the verdict lines
         }
         key = json.loads(json.dumps(key))
         previous = out / "holdout.json"
@@ -545,15 +578,19 @@ def run(args: argparse.Namespace) -> int:
                 out / "holdout_evaluations.jsonl",
                 json.loads(json.dumps(context)),
             )
-            result = cp.compare(evaluate, cfg, metric, args.compare, objective.longest(), args.match_steps)
+            kind = cp.selected_kind(choice.verdict)
+            result = cp.compare(evaluate, cfg, metric, args.compare, objective.longest(), args.match_steps, kind)
             result["levels"] = cp.compare_levels(
-                evaluate, cfg, metric, args.compare, levels, objective.longest(), args.match_steps
+                evaluate, cfg, metric, args.compare, levels, objective.longest(), args.match_steps, kind
             )
             result["holdout"] = {"n": len(ctx.selection.holdout), "sha256": ctx.selection.holdout_hash}
             result["key"] = key
             rp.atomic_write(previous, rp.dump_json(result))
         cp.plot(result, out / "holdout.png")
-        print(f"\nheld-out problems ({len(ctx.selection.holdout)}):\n" + cp.table(result))
+        print(
+            f"\nheld-out problems ({len(ctx.selection.holdout)}), the selected config ({choice.verdict}) against the "
+            "full cache and --compare:\n" + cp.table(result)
+        )
         if result.get("levels"):
             print("\n" + cp.level_tables(result["levels"]))
     return rc

@@ -9,6 +9,11 @@ One memory level says little: a config tuned at 0.9 of DynamicCache may lose at 
 compress. :func:`compare_levels` therefore also matches the selected config (its thresholds, the
 budget changed) and every preset to each of several memory levels (``--holdout-levels``, default
 0.15 and 0.30 of DynamicCache), one small table per level.
+
+The selected config is either calibrated or, when no trial beat it, the base config itself (the study's
+verdict): its rows are labelled by that verdict (:func:`selected_kind`), so a table never calls the base
+"calibrated". Memory ratios are printed with :data:`MEMORY_DIGITS` decimals and a budget reaches a memory
+when it does at that precision (:func:`fits`), so "cannot reach 0.6182" never sits beside "lowest: 0.6182".
 """
 
 from __future__ import annotations
@@ -30,6 +35,60 @@ def _row(label: str, kind: str, ev: Evaluation, budget: int | None = None) -> di
 
 
 DEFAULT_LEVELS = (0.15, 0.30)
+MEMORY_DIGITS = 4  # memory ratios in every line and table of the comparison
+SELECTED_KINDS = ("calibrated", "base (selected)")  # the kind of the selected config's rows, by verdict
+
+
+def selected_kind(verdict: str | None) -> str:
+    """The label of the selected config's rows: ``calibrated`` only when the study's verdict says a calibrated
+    config beat the base; with verdict ``base`` the config compared is the base itself."""
+    return "calibrated" if verdict == "calibrated" else "base (selected)"
+
+
+def is_selected(row: dict) -> bool:
+    return row.get("kind") in SELECTED_KINDS
+
+
+def fits(memory: float, target: float) -> bool:
+    """Whether ``memory`` is at most ``target`` at the printed precision: a difference the report cannot show
+    (0.61823 against 0.61819) is equal memory, not a failure to reach it."""
+    return round(memory, MEMORY_DIGITS) <= round(target, MEMORY_DIGITS)
+
+
+def _mem(x: float) -> str:
+    return f"{x:.{MEMORY_DIGITS}f}"
+
+
+def _config_key(cfg: TriStateConfig) -> str:
+    """What an evaluation depends on: the config without its name and provenance."""
+    return json.dumps({**cfg.key_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
+
+
+def _better(metric: str) -> Callable[[float, float], bool]:
+    return (lambda a, b: a <= b) if METRICS[metric][1] == "minimize" else (lambda a, b: a >= b)
+
+
+def _versus(sel: dict, sel_kind: str, other: dict, metric: str, same: bool = False) -> str:
+    """One comparison line that says what was compared with what, and which won (``same``: ``other`` is the
+    selected config itself, e.g. the base preset at the selected budget, so there is nothing to win)."""
+    what = "the base" if sel_kind != "calibrated" else "calibrated"
+    if same:
+        return (
+            f"{_label(other)} is the selected config itself ({what}): {metric} {sel[metric]:.4g} at memory "
+            f"{_mem(sel['memory_ratio'])}"
+        )
+    wins = _better(metric)(sel[metric], other[metric])
+    winner = "selected better or equal" if wins else f"{_label(other)} better"
+    return (
+        f"selected {_label(sel)} ({what}; {metric} {sel[metric]:.4g}, memory {_mem(sel['memory_ratio'])}) vs "
+        f"{_label(other)} ({metric} {other[metric]:.4g}, memory {_mem(other['memory_ratio'])}): {winner}"
+    )
+
+
+def _label(row: dict) -> str:
+    """A row's config with its budget (``hfkv@85``), unless the name already carries it or it has none."""
+    name, budget = row["config"], row.get("budget")
+    return name if budget is None or "@" in name else f"{name}@{budget}"
 
 
 def parse_levels(text: str) -> list[float]:
@@ -84,7 +143,7 @@ def memoized(
 
     def run(cfg: TriStateConfig) -> Evaluation:
         nonlocal newline_first
-        key = json.dumps({**cfg.key_dict(), "name": "", "provenance": {}}, sort_keys=True, default=str)
+        key = _config_key(cfg)
         if key not in seen:
             ev = seen[key] = evaluate(cfg)
             if path is not None:
@@ -137,7 +196,7 @@ def match_budget(
                     raise
                 seen[b] = None
         row = seen[b]
-        return "refused" if row is None else ("below" if row["memory_ratio"] <= target else "above")
+        return "refused" if row is None else ("below" if fits(row["memory_ratio"], target) else "above")
 
     below = above = None
     refused = least - 1  # the largest budget known to be too small
@@ -173,15 +232,16 @@ def compare(
     others: Sequence[str],
     start_budget: int,
     steps: int = 6,
+    kind: str = "calibrated",
 ) -> dict:
-    """Full cache, the selected config, and each entry of ``others`` (a preset, matched by budget, or a
-    YAML file, evaluated as is) on the same problems."""
+    """Full cache, the selected config (labelled ``kind``: :func:`selected_kind` of the verdict), and each
+    entry of ``others`` (a preset, matched by budget, or a YAML file, evaluated as is) on the same problems."""
     full = evaluate(TriStateConfig.from_preset("full"))
     sel = evaluate(selected)
-    rows = [_row("full", "reference", full), _row(selected.name, "calibrated", sel)]
+    sel_row = _row(selected.name, kind, sel, selected.budget)
+    rows = [_row("full", "reference", full), sel_row]
     curves: dict[str, list[dict]] = {}
     verdicts = {}
-    better = (lambda a, b: a <= b) if METRICS[metric][1] == "minimize" else (lambda a, b: a >= b)
     for other in others:
         if other in PRESETS:
             default_cfg = TriStateConfig.from_preset(other)
@@ -193,17 +253,14 @@ def compare(
             points, chosen = match_budget(evaluate, other, sel.memory_ratio, start or start_budget, steps)
             curves[other] = points
             if chosen is None:
-                verdicts[other] = (
-                    f"cannot reach memory {sel.memory_ratio:.4f} (lowest: {points[0]['memory_ratio']:.4f})"
+                lowest = points[0] if points else None
+                verdicts[other] = f"no budget tried reaches the selected config's memory {_mem(sel.memory_ratio)}" + (
+                    f" (lowest: {_mem(lowest['memory_ratio'])} at budget {lowest['budget']})" if lowest else ""
                 )
             else:
                 rows.append(chosen)
-                wins = better(sel.quality[metric], chosen[metric])
-                verdicts[other] = (
-                    f"{'calibrated better or equal' if wins else 'preset better'} at memory "
-                    f"{chosen['memory_ratio']:.4f} <= {sel.memory_ratio:.4f}: {metric} {sel.quality[metric]:.4g} vs "
-                    f"{chosen[metric]:.4g}"
-                )
+                same = _config_key(budgeted(other)(chosen["budget"])) == _config_key(selected)
+                verdicts[other] = _versus(sel_row, kind, chosen, metric, same)
         else:
             path = Path(other)
             if not path.is_file():
@@ -221,16 +278,16 @@ def compare_levels(
     levels: Sequence[float],
     longest: int,
     steps: int = 6,
+    kind: str = "calibrated",
 ) -> list[dict]:
-    """At each memory level: the selected config and each of ``others`` (presets, or YAML configs with
-    their budget changed) at the largest budget whose memory is <= the level, with the full cache.
+    """At each memory level: the selected config (labelled ``kind``) and each of ``others`` (presets, or YAML
+    configs with their budget changed) at the largest budget whose memory is <= the level, with the full cache.
 
     The search starts at ``level x longest`` (a budget in full-precision tokens of that size holds about
     that share of the longest sequence) and doubles, halves and bisects from there (``steps`` evaluations
     per method and level). A method that cannot get down to a level is listed as such, not dropped."""
-    better = (lambda a, b: a <= b) if METRICS[metric][1] == "minimize" else (lambda a, b: a >= b)
     full = _row("full", "reference", evaluate(TriStateConfig.from_preset("full")))
-    methods: list[tuple[str, str, str | TriStateConfig]] = [(selected.name, "calibrated", selected)]
+    methods: list[tuple[str, str, str | TriStateConfig]] = [(selected.name, kind, selected)]
     for other in others:
         if other in PRESETS:
             methods.append((other, "preset", other))
@@ -240,7 +297,7 @@ def compare_levels(
     out = []
     for level in levels:
         rows, missing = [full], {}
-        for name, kind, spec in methods:
+        for name, row_kind, spec in methods:
             try:
                 least = least_valid_budget(budgeted(spec))
             except ValueError as exc:  # e.g. a config that takes no budget
@@ -253,20 +310,18 @@ def compare_levels(
                 missing[name] = {
                     "lowest_memory": lowest["memory_ratio"],
                     "lowest_budget": lowest["budget"],
-                    "message": f"no budget tried reaches memory {level:.4f}"
-                    + (f" (lowest: {lowest['memory_ratio']:.4f} at budget {lowest['budget']})" if points else ""),
+                    "message": f"no budget tried reaches memory {_mem(level)}"
+                    + (f" (lowest: {_mem(lowest['memory_ratio'])} at budget {lowest['budget']})" if points else ""),
                 }
             else:
-                rows.append({**chosen, "config": name, "kind": kind})
-        sel = next((r for r in rows if r["kind"] == "calibrated"), None)
+                key = _config_key(budgeted(spec)(chosen["budget"]))
+                rows.append({**chosen, "config": name, "kind": row_kind, "_key": key})
+        sel = next((r for r in rows if is_selected(r)), None)
         verdicts = {}
         for r in rows:
             if r["kind"] in ("preset", "config") and sel is not None:
-                wins = better(sel[metric], r[metric])
-                verdicts[r["config"]] = (
-                    f"{'calibrated better or equal' if wins else r['kind'] + ' better'}: {metric} {sel[metric]:.4g} "
-                    f"(memory {sel['memory_ratio']:.4f}) vs {r[metric]:.4g} (memory {r['memory_ratio']:.4f})"
-                )
+                verdicts[r["config"]] = _versus(sel, kind, r, metric, r["_key"] == sel["_key"])
+        rows = [{k: v for k, v in r.items() if k != "_key"} for r in rows]
         out.append({"level": level, "rows": rows, "missing": missing, "verdicts": verdicts})
     return out
 
@@ -291,7 +346,7 @@ def level_tables(levels: Sequence[dict]) -> str:
                 r["config"],
                 "-" if r.get("budget") is None else str(r["budget"]),
                 *(f"{r[m]:.4f}" for m in metrics),
-                f"{r['memory_ratio']:.4f}",
+                _mem(r["memory_ratio"]),
             ]
             for r in lv["rows"]
         ]
@@ -308,9 +363,16 @@ def level_tables(levels: Sequence[dict]) -> str:
 def table(result: dict) -> str:
     metrics = [m for m in ("kl", "top1", "accuracy") if m in result["rows"][0]]
     rows = [
-        [r["config"], r["kind"], *(f"{r[m]:.4f}" for m in metrics), f"{r['memory_ratio']:.4f}"] for r in result["rows"]
+        [
+            r["config"],
+            r["kind"],
+            "-" if r.get("budget") is None else str(r["budget"]),
+            *(f"{r[m]:.4f}" for m in metrics),
+            _mem(r["memory_ratio"]),
+        ]
+        for r in result["rows"]
     ]
-    lines = _grid(["config", "kind", *metrics, "memory"], rows)
+    lines = _grid(["config", "kind", "budget", *metrics, "memory"], rows)
     lines += [f"{k}: {v}" for k, v in result["verdicts"].items()]
     return "\n".join(lines)
 
@@ -336,8 +398,9 @@ def plot(result: dict, path) -> Path:
                 label=f"{name} (budget sweep)",
             )
         for r in result["rows"]:
-            if r["kind"] == "calibrated":
-                ax.scatter([r["memory_ratio"]], [r[m]], marker="*", s=200, c="C3", zorder=5, label=r["config"])
+            if is_selected(r):
+                label = f"{r['config']} ({r['kind']})"
+                ax.scatter([r["memory_ratio"]], [r[m]], marker="*", s=200, c="C3", zorder=5, label=label)
             elif r["kind"] == "reference":
                 ax.scatter([r["memory_ratio"]], [r[m]], marker="s", c="k", label="full cache")
             elif r["kind"] == "config":
@@ -346,7 +409,7 @@ def plot(result: dict, path) -> Path:
                 ax.scatter([r["memory_ratio"]], [r[m]], marker="x", s=50, c="0.3")
         for j, lv in enumerate(result.get("levels", [])):
             ax.axvline(lv["level"], ls=":", c="0.5", lw=1)
-            matched = [r for r in lv["rows"] if r["kind"] == "calibrated"]
+            matched = [r for r in lv["rows"] if is_selected(r)]
             ax.scatter(
                 [r["memory_ratio"] for r in matched],
                 [r[m] for r in matched],
@@ -355,7 +418,7 @@ def plot(result: dict, path) -> Path:
                 c="C3",
                 edgecolors="k",
                 zorder=5,
-                label="calibrated at the memory levels" if j == 0 else None,
+                label="selected at the memory levels" if j == 0 else None,
             )
         ax.set_xlabel("KV memory / DynamicCache")
         ax.set_ylabel({"kl": "mean KL to full cache (nats)", "top1": "top-1 agreement"}.get(m, m))

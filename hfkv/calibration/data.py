@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hfkv.suggest import did_you_mean
+
 DATASET = "EleutherAI/hendrycks_math"
 # Dataset config name -> the `type` field of its rows.
 SUBJECTS: dict[str, str] = {
@@ -116,8 +118,6 @@ def parse_subjects(names: Sequence[str] | None) -> list[str]:
         key = n.strip().lower()
         key = by_type.get(key, key.replace(" ", "_").replace("&", "and"))
         if key not in SUBJECTS:
-            from hfkv.config import did_you_mean
-
             hint = did_you_mean(key, SUBJECTS)
             raise ValueError(f"--subjects: {n!r} is not a MATH subject{hint}; allowed: {list(SUBJECTS)}")
         out.append(key)

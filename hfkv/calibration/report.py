@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hfkv.atomic import write_atomic
 from hfkv.calibration.objectives import METRICS
-from hfkv.calibration.search import BASE_POINT, quality_loss, quality_ok
+from hfkv.calibration.search import BASE_POINT, format_params, quality_loss, quality_ok
 from hfkv.config import TriStateConfig
 
 DEFAULT_TOLERANCE = {"kl": 0.01, "top1": 0.01, "accuracy": 0.01}
@@ -188,7 +188,7 @@ def choose(
 
 # --------------------------------------------------------------------------- table
 def _params(t: FrozenTrial) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
+    return format_params(t.params)
 
 
 def pareto_table(front: Sequence[FrozenTrial], metrics: Sequence[str], selected: FrozenTrial | None) -> str:

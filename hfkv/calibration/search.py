@@ -6,7 +6,8 @@ ARKV's ``tau1..3`` and ``gamma``, the ``budget``, the ``window`` and the tiers' 
 memory budget values a mid or quantized token at: per model, since the built-in table is one guess
 for all); ``--granularity layer|head`` adds the three shape parameters of
 :mod:`hfkv.calibration.granularity`. ``alpha_l <= alpha_h`` and ``fidelity_quantized <=
-fidelity_mid`` are kept by construction (clipped), so no sampled point is infeasible.
+fidelity_mid`` are kept by construction (clipped), so no sampled point is infeasible. The parameters and their
+default ranges live in :mod:`hfkv.calibration.ranges` (torch- and optuna-free, for the command's parser).
 
 The base config is a candidate of every study: it is queued as the first trial(s), at a few budgets
 spanning the searched range when the budget is searched (:meth:`SearchSpace.base_budgets`), and such a
@@ -23,82 +24,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-
-import optuna
+from typing import TYPE_CHECKING
 
 from hfkv.calibration.granularity import GRANULARITIES, alpha_tables
 from hfkv.calibration.objectives import METRICS
-from hfkv.config import PRESETS, TriStateConfig, did_you_mean
+from hfkv.calibration.ranges import CHOICES, DEFAULT_RANGES, Choice, Param, parse_range
+from hfkv.config import PRESETS, TriStateConfig
+from hfkv.suggest import did_you_mean
+
+if TYPE_CHECKING:
+    import optuna
 
 # 2: alpha_h_off joined the space and the base points joined the spec (a version-1 study cannot be resumed).
 SPEC_VERSION = 2
 BASE_POINT = "base_point"  # user attribute of a trial that evaluates the base config (its value: the base's name)
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    low: float
-    high: float
-    log: bool = False
-    integer: bool = False
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.low) and math.isfinite(self.high)) or self.low > self.high:
-            raise ValueError(f"--range {self.name}={self.low}:{self.high}: need finite LO <= HI")
-        if self.log and self.low <= 0:
-            raise ValueError(f"--range {self.name}={self.low}:{self.high}: a log-scale range needs LO > 0")
-
-    def suggest(self, trial: optuna.Trial):
-        if self.integer:
-            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log)
-        return trial.suggest_float(self.name, self.low, self.high, log=self.log)
-
-    def to_list(self) -> list:
-        return [self.low, self.high, self.log, self.integer]
-
-    def nearest(self, value: float) -> float | int:
-        """``value`` clipped into the range (of the parameter's type)."""
-        v = min(max(value, self.low), self.high)
-        return int(round(v)) if self.integer else float(v)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A categorical parameter, for a setting no float range holds (alpha_h off = inf) but the base may use:
-    the sampler must be able to reach the base's own policy, not only approximate it."""
-
-    name: str
-    choices: tuple = (False, True)
-
-    def suggest(self, trial: optuna.Trial):
-        return trial.suggest_categorical(self.name, list(self.choices))
-
-    def to_list(self) -> list:
-        return ["choice", *self.choices]
-
-
-DEFAULT_RANGES: dict[str, Param] = {
-    p.name: p
-    for p in (
-        Param("alpha_h", 0.0, 5.0),
-        Param("alpha_l", 0.0, 0.1),
-        Param("beta_h", -1.0, 2.0),
-        Param("beta_l", -1.0, 2.0),
-        Param("delta", -1.0, 1.0),
-        Param("tau1", 1.0, 10.0),
-        Param("tau2", 1.0, 10.0),
-        Param("tau3", 1.0, 10.0),
-        Param("gamma", 0.0, 500.0),
-        Param("budget", 64, 2048, log=True, integer=True),
-        Param("window", 8, 128, log=True, integer=True),
-        Param("fidelity_mid", 0.5, 1.0),
-        Param("fidelity_quantized", 0.0, 1.0),
-    )
-}
-CHOICES: dict[str, Choice] = {"alpha_h_off": Choice("alpha_h_off")}
 OPTIONAL: dict[str, tuple[str, ...]] = {
     "tau": ("tau1", "tau2", "tau3"),
     "gamma": ("gamma",),
@@ -107,21 +49,6 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "fidelity": ("fidelity_mid", "fidelity_quantized"),
 }
 SHAPE = ("beta_h", "beta_l", "delta")
-
-
-def parse_range(text: str) -> tuple[str, float, float]:
-    """``NAME=LO:HI`` -> (name, lo, hi)."""
-    name, sep, rng = text.partition("=")
-    lo, sep2, hi = rng.partition(":")
-    if not sep or not sep2:
-        raise ValueError(f"--range {text!r}: expected NAME=LO:HI, e.g. alpha_h=0:3")
-    if name not in DEFAULT_RANGES:
-        hint = did_you_mean(name, DEFAULT_RANGES)
-        raise ValueError(f"--range {text!r}: unknown parameter {name!r}{hint}; allowed: {sorted(DEFAULT_RANGES)}")
-    try:
-        return name, float(lo), float(hi)
-    except ValueError as exc:
-        raise ValueError(f"--range {text!r}: LO and HI must be numbers") from exc
 
 
 class SearchSpace:
@@ -288,6 +215,17 @@ def _unused_fidelities(base: TriStateConfig | None, budget_searched: bool) -> tu
     return () if base.mid is not None else ("fidelity_mid",)
 
 
+def format_params(params: dict) -> str:
+    """A trial's parameters as one line, as the config it ran holds them: with ``alpha_h_off`` the sampled
+    ``alpha_h`` is a placeholder the config never sees (the config's alpha_h is inf), so printing it beside
+    ``alpha_h_off=True`` would report a threshold that was not used."""
+    shown = dict(params)
+    if shown.pop("alpha_h_off", False):
+        shown["alpha_h"] = "inf"
+    ordered = {k: shown[k] for k in params if k in shown}
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in ordered.items())
+
+
 def least_valid_budget(make: Callable[[int], TriStateConfig], limit: int = 1 << 40) -> int:
     """The smallest budget ``make(budget)`` accepts. Asked of the config itself, because the rule depends
     on the budget's unit, the window, the policy interval, sinks and slack (and may change with the policy)."""
@@ -371,6 +309,8 @@ def constraint_of(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
 
 def make_sampler(kind: str, seed: int, constrained: bool, n_params: int) -> optuna.samplers.BaseSampler:
     """TPE by default (multi-objective aware; constraint-aware when constrained)."""
+    import optuna  # optional (the calibrate extra): importing this module must not need it
+
     cf = constraint_of if constrained else None
     if kind == "tpe":
         return optuna.samplers.TPESampler(

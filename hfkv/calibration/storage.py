@@ -1,7 +1,9 @@
 """Where a study lives and how workers share it without losing or duplicating a trial.
 
-Storage: an SQLite file under ``calibration/studies/`` by default (re-running the same command
-resumes), any Optuna RDB URL (PostgreSQL for many machines), or an Optuna journal file.
+Storage: an SQLite file under ``hfkv-out/calibrate/studies/`` (relative to the working directory) by
+default (re-running the same command resumes), any Optuna RDB URL (PostgreSQL for many machines), or an
+Optuna journal file. The default is the user's folder, never ``calibration/studies/``: a run must not
+write next to the committed studies unless it names them.
 
 Exactly ``n_trials`` finished trials, whatever the number of workers: a worker creates a trial
 only while holding a study-wide lock (a file lock next to an SQLite/journal file, a PostgreSQL or
@@ -32,7 +34,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-DEFAULT_DIR = Path("calibration/studies")
+DEFAULT_DIR = Path("hfkv-out/calibrate/studies")  # hfkv.calibration.cli.STUDIES_DIR
 JOURNAL_SUFFIXES = (".log", ".journal", ".jsonl")
 HEARTBEAT = "heartbeat"
 WORKER = "worker"

@@ -40,6 +40,7 @@ from hfkv.calibration.search import (
     SearchSpace,
     check_spec,
     directions,
+    format_params,
     load_base,
     make_sampler,
     objective_values,
@@ -87,8 +88,8 @@ def prepare(args: argparse.Namespace) -> Context:
         raise ValueError(f"--metric={metric!r} belongs to the {METRICS[metric][0]!r} objective, not {args.objective!r}")
     for name in ("n_trials", "n_workers", "heartbeat_interval", "grace_period"):
         v = getattr(args, name)
-        if v is None or v < (0 if name == "n_trials" else 1):
-            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= {0 if name == 'n_trials' else 1}")
+        if v is None or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
     if args.grace_period <= args.heartbeat_interval:
         raise ValueError(
             f"--grace-period={args.grace_period} must exceed --heartbeat-interval={args.heartbeat_interval}, "
@@ -319,7 +320,7 @@ def run_worker(
     ctx = ctx or prepare(args)
     study = open_study(ctx)
     c = st.counts(study)
-    if args.n_trials == 0 or (c.finished >= args.n_trials and not c.running):
+    if c.finished >= args.n_trials and not c.running:
         return 0  # finished: no model needed
     model, tok = loaded() if callable(loaded) else (loaded or load(ctx, index))
     solutions = ensure_solutions(ctx, study, model, tok, ctx.selection.calibration, "calibration", progress)
@@ -390,12 +391,9 @@ def run_worker(
                 done_here += 1
                 metrics = trial.user_attrs.get("metrics", {})
                 bar.set_postfix_str(_short(metrics, ctx.metric))
-                params = " ".join(
-                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()
-                )
                 bar.write(
                     f"trial {trial.number} [{ctx.study_name}]: {_short(metrics, ctx.metric)} "
-                    f"({params}) in {time.time() - started:.0f}s",
+                    f"({format_params(trial.params)}) in {time.time() - started:.0f}s",
                     file=sys.stderr,
                 )
     finally:
