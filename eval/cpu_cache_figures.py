@@ -10,7 +10,8 @@ Model: random-weight Llama, 8 layers, hidden 512, 8 heads, 2 KV heads (head_dim 
 The interleaved timing is ``hfkv.evaluation.bench.interleaved_decode_times`` (what ``hfkv bench`` uses);
 ``hfkv bench --random-like cpu-small`` measures the same model over more contexts, methods and batches.
 
-    python eval/cpu_cache_figures.py --out eval/results/cpu_cache_figures.json
+    python eval/cpu_cache_figures.py      # writes hfkv-out/eval/cpu_cache_figures.json under the working directory
+    python eval/cpu_cache_figures.py --out eval/results/cpu_cache_figures.json      # regenerates the committed file
 
 Timing only on a quiet machine (``hfkv.evaluation.quiet``, docs/bench.md "Timing honestly"): refused
 unless the 1-minute load average is below ``--max-load`` (``--wait-quiet S``, ``--force-busy``); the decode
@@ -44,6 +45,7 @@ from hfkv.evaluation.shapes import build_random_like
 from hfkv.storage import dynamic_cache_bytes
 
 PRESETS = ["evict", "quant", "streaming", "arkv", "diffkv", "hfkv"]
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 def split_timed(text: str) -> list[str]:
@@ -140,7 +142,7 @@ def write_json(path: Path, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -151,8 +153,8 @@ def main() -> None:
     ap.add_argument("--timed", default="hfkv,evict", help="presets or method specs timed vs DynamicCache")
     ap.add_argument("--skip-memory", action="store_true")
     quiet.add_arguments(ap)  # --threads (default 1,all), --max-load, --wait-quiet, --force-busy
-    ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_cache_figures.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=OUT_DIR / "cpu_cache_figures.json", help="default: %(default)s")
+    args = ap.parse_args(argv)
     try:
         record = quiet.start(args.threads, args.max_load, args.wait_quiet, args.force_busy)
     except quiet.BusyMachine as exc:

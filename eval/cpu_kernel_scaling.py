@@ -1,4 +1,4 @@
-"""The CPU decode kernel from one thread to every core -> eval/results/cpu_kernel_scaling.json.
+"""The CPU decode kernel from one thread to every core -> hfkv-out/eval/cpu_kernel_scaling.json (``--out``).
 
 One decode call (one new token, scores added) of ``paged_attention_cpu`` over the storage of
 ``eval/kernel_bench.py``'s plans (``hfkv``: the preset's window ring, 1 token in 8 exact and the rest
@@ -12,7 +12,8 @@ Timed only on a quiet machine (``hfkv.evaluation.quiet``: load average below ``-
 and after, recorded); ``eval/make_tables.py`` renders the table into eval/README.md and
 docs/kernels.md.
 
-    python eval/cpu_kernel_scaling.py --wait-quiet 600
+    python eval/cpu_kernel_scaling.py --wait-quiet 600       # writes hfkv-out/eval/ under the working directory
+    python eval/cpu_kernel_scaling.py --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json  # the committed file
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hfkv.evaluation import quiet  # noqa: E402
 from hfkv.kernels.cpu.paged_decode import paged_attention_cpu  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 def default_threads(cpu_count: int | None = None) -> list[int]:
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     quiet.add_arguments(ap, default_threads=None)
-    ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_kernel_scaling.json"))
+    ap.add_argument("--out", type=Path, default=OUT_DIR / "cpu_kernel_scaling.json", help="default: %(default)s")
     args = ap.parse_args(argv)
     threads = args.threads or default_threads()
     try:

@@ -23,6 +23,7 @@ in fp32 whatever the model's dtype). ``mac_floor_ms`` is that work at that rate 
 a cache that attends to what it holds could speed DynamicCache up: policy runs free and the kernel at sgemm's
 rate, the model floor above included.
 
+    python eval/cpu_step_sections.py --wait-quiet 900      # writes hfkv-out/eval/ under the working directory
     python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \
         --out eval/results/cpu_step_sections.json
     python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \
@@ -57,6 +58,7 @@ from hfkv.evaluation.methods import parse_method
 from hfkv.evaluation.results import provenance
 from hfkv.evaluation.shapes import build_random_like
 
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.paged.PagedTiers, "read_slots"),
     (hfkv.storage.record.RecordLayout, "decode_kv_for_attention"),
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="timed steps (a multiple of the policy interval)")
-    ap.add_argument("--out", type=Path, default=Path("eval/results/cpu_step_sections.json"))
+    ap.add_argument("--out", type=Path, default=OUT_DIR / "cpu_step_sections.json", help="default: %(default)s")
     quiet.add_arguments(ap, default_threads="1")  # --threads, --max-load, --wait-quiet, --force-busy
     args = ap.parse_args(argv)
     if len(args.threads) != 1:  # one file holds one thread count's sections

@@ -16,6 +16,9 @@ project's generated texts; or the testbed on its test prompts):
     python eval/format_fidelity.py --model smollm2 --dtype bf16 --out eval/results/formats_smollm2.json
     python eval/format_fidelity.py --model testbed --dtype bf16 --out eval/results/formats_testbed.json
     python eval/format_fidelity.py --docs-only    # docs/formats.md from the committed JSON files
+
+Without ``--out`` a run writes ``hfkv-out/eval/formats_<model>.json`` under the working directory and leaves
+docs/formats.md alone; a run into ``eval/results/`` (the committed files) rewrites it, as ``--docs-only`` does.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ PAIRS = [
     ("int2", "int2", 64),
     ("fp8", "fp8", 32),
 ]
-DOCS = Path("docs/formats.md")
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "formats.md"
+RESULTS = REPO / "eval" / "results"  # the committed result files docs/formats.md is made from
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -200,7 +206,7 @@ def write_docs(results: list[dict], path: Path = DOCS) -> None:
                 f"{r['kl']:.4f} | {r['top1']:.3f} |"
             )
         lines.append("")
-    lines += variant_sections(sorted(Path("eval/results").glob("format_variants_*.json")))
+    lines += variant_sections(sorted(RESULTS.glob("format_variants_*.json")))
     write_text_atomic(path, "\n".join(lines))
 
 
@@ -211,7 +217,8 @@ def variant_sections(paths: list[Path]) -> list[str]:
     lines = [
         "## Metadata variants of the integer tiers",
         "",
-        "From `eval/results/format_variants_*.json` (`python eval/format_variants.py`): the relative loss",
+        "From `eval/results/format_variants_*.json` (`python eval/format_variants.py --out",
+        "eval/results/format_variants_<model>.json`): the relative loss",
         "of a part (as above) when its scale and zero are stored per token and group of 32 (`token`, what",
         "hfkv stores), one per group position shared by a block of tokens (`page`), or one per channel",
         "over a block of tokens (`channel`, KIVI), or per token and group of 32 after an orthonormal",
@@ -237,6 +244,11 @@ def variant_sections(paths: list[Path]) -> list[str]:
     return lines
 
 
+def out_path(args: argparse.Namespace) -> Path:
+    """``--out``, or the default file of ``--model`` under the working directory."""
+    return Path(args.out) if args.out else OUT_DIR / f"formats_{args.model}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -245,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=0, help="override the texts' prompt length (0: keep)")
     ap.add_argument("--observers", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=1)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help=f"result file (default {OUT_DIR}/formats_<model>.json)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--docs-only", action="store_true", help="only rewrite docs/formats.md from eval/results")
     args = ap.parse_args(argv)
@@ -274,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                 QuantFormat(r["key"], dim, g, dtype), QuantFormat(r["value"], dim, g, dtype)
             ).nbytes
         meta = run_meta(args, dim, len(docs))
-        out = Path(args.out or f"eval/results/formats_{args.model}.json")
+        out = out_path(args)
         write_text_atomic(out, json.dumps({"meta": meta, "parts": losses, "pairs": pairs}, indent=1) + "\n")
-    results = [json.loads(p.read_text()) for p in sorted(Path("eval/results").glob("formats_*.json"))]
+        print(f"wrote {out}")
+        if not out.resolve().is_relative_to(RESULTS):  # a run of the user's: the committed page stays as it is
+            return 0
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("formats_*.json"))]
     write_docs(results)
     return 0
 

@@ -25,6 +25,8 @@ relative to evicting the token). A record's bytes are ``codes + metadata + 8`` (
     python eval/format_variants.py --model testbed --dtype bf16 --out eval/results/format_variants_testbed.json
     python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 \
         --out eval/results/format_variants_smollm2_human.json   # human-written documents (hfkv.evaluation.human_texts)
+
+Without ``--out`` a run writes ``hfkv-out/eval/format_variants_<model>.json`` under the working directory.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from format_fidelity import _texts, capture_qkv, part_losses, run_meta  # noqa: E402
 
 from hfkv.quant.rotation import hadamard  # noqa: E402
+
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 
 META_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (bits, placement, group or block, scale dtype)
@@ -105,6 +109,11 @@ def label(bits: int, place: str, size: int, meta: str) -> str:
     return f"int{bits}/{place}/{size}/{meta}"
 
 
+def out_path(args: argparse.Namespace) -> Path:
+    """``--out``, or the default file of ``--model`` under the working directory."""
+    return Path(args.out) if args.out else OUT_DIR / f"format_variants_{args.model}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=0)
     ap.add_argument("--observers", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help=f"result file (default {OUT_DIR}/format_variants_<model>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hfkv.evaluation.results import write_text_atomic
@@ -168,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "texts": "human" if args.texts == "human" else ("kv_recall" if args.model == "testbed" else "model"),
     }
-    out = Path(args.out or f"eval/results/format_variants_{args.model}.json")
+    out = out_path(args)
     write_text_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

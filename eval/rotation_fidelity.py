@@ -13,7 +13,8 @@ The bytes held are the same; what changes is the error each format leaves. The c
 ``TriStateConfig.rotate``, does the same around the layer, bit for bit (tests/test_eval_scripts.py); this study
 rotates methods whatever their config says, which is how it was measured before the option existed.
 
-    OMP_NUM_THREADS=2 python eval/rotation_fidelity.py --docs 4 --budgets 128,256 --threads 2
+    OMP_NUM_THREADS=2 python eval/rotation_fidelity.py --docs 4 --budgets 128,256 --threads 2 \
+        --out eval/results/rotation_fidelity_smollm2.json   # the committed file; without --out: hfkv-out/eval/
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
 
 from hfkv.quant.rotation import hadamard, rotate  # noqa: E402
 
-DEFAULT_OUT = REPO / "eval" / "results" / "rotation_fidelity_smollm2.json"
+# a run's default output, under the working directory; the committed eval/results/ only by --out
+DEFAULT_OUT = Path("hfkv-out/eval/rotation_fidelity_smollm2.json")
 
 
 @contextmanager
@@ -67,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", help="model dtype (default fp32, as eval/sweep_fidelity.py)")
     ap.add_argument("--docs", type=int, default=4, help="human-written documents (hfkv.evaluation.human_texts)")
     ap.add_argument("--methods", default="hfkv,quant@none,diffkv@none", help="method specs (comma-separated)")
-    ap.add_argument("--budgets", default="128,256", help="token budgets per KV head for methods that take one")
+    ap.add_argument(
+        "--budgets",
+        default="128,256",
+        help="budgets per KV head for methods that take one (tokens, or full-precision-token equivalents for hfkv)",
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hfkv.evaluation.fidelity import mean_fidelity, reference_logprobs, teacher_forced

@@ -4,7 +4,8 @@ What a paged cache costs beyond its payload (tags and scores in the records, the
 empty slots, the zero page, page tails), measured from the tensors held after ``generate``
 (docs/architecture.md, "Memory"):
 
-    python eval/storage_overhead.py --model smollm2 --dtype bf16 --lengths 256,1064,2048
+    python eval/storage_overhead.py --model smollm2 --dtype bf16 --lengths 256,1064,2048 \
+        --out eval/results/storage_overhead_smollm2.json    # the committed file; without --out: hfkv-out/eval/
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from transformers import DynamicCache
 
 import hfkv
 from hfkv.storage import dynamic_cache_bytes
+
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 @torch.inference_mode()
@@ -42,12 +45,17 @@ def overhead(model, length: int, new_tokens: int) -> dict:
     return {"tokens": length, **sizes, "ratio": sizes["evict"] / sizes["dynamic"]}
 
 
+def out_path(args: argparse.Namespace) -> Path:
+    """``--out``, or the default file of ``--model`` under the working directory."""
+    return Path(args.out) if args.out else OUT_DIR / f"storage_overhead_{args.model}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--lengths", default="256,1064,2048", help="tokens held at the end (prompt + 40 new)")
-    ap.add_argument("--out", default=None, help="JSON file (default eval/results/storage_overhead_<model>.json)")
+    ap.add_argument("--out", default=None, help=f"JSON file (default {OUT_DIR}/storage_overhead_<model>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hfkv.evaluation.results import write_text_atomic
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"{n:6d} tokens: evict {r['evict']:,} B / DynamicCache {r['dynamic']:,} B = {r['ratio']:.4f}")
     meta = {"model": args.model, "dtype": args.dtype, "hfkv": hfkv.__version__, "machine": platform.machine()}
-    out = Path(args.out or f"eval/results/storage_overhead_{args.model}.json")
+    out = out_path(args)
     write_text_atomic(out, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -1,4 +1,4 @@
-"""RULER (lm-eval's offline tasks) for every cache at matched memory -> eval/results/ruler_<model>.jsonl.
+"""RULER (lm-eval's offline tasks) for every cache at matched memory -> hfkv-out/eval/ruler_<model>.jsonl.
 
 One row per (model, dtype, task, length, example, method): RULER's score of the example (lm-eval's
 ``process_results``), the generated text, the bytes the cache held at the end against what a DynamicCache
@@ -11,10 +11,11 @@ change after that), or at EOS / ``max_gen_toks`` as in lm-eval.
 Rows already in the file are skipped (``--force`` re-runs them; a row whose method config changed is re-run),
 so the sweep resumes where it stopped, and ``--limit`` can grow where two methods are close. The prompt runs in
 ``--prefill-dtype`` (fp32: ~4x faster than bf16 on a CPU without bf16 matrix units) and the cache holds
-``--dtype`` tensors (bf16: what a GPU user holds, so memory ratios mean what they mean there). The committed
-rows were made with
+``--dtype`` tensors (bf16: what a GPU user holds, so memory ratios mean what they mean there). A run appends to
+``hfkv-out/eval/ruler_<model>.jsonl`` under the working directory unless ``--out`` names another file; the
+committed results are extended only when named. Their rows were made with
 
-    python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12
+    python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DEFAULT_METHODS = (
 )
 KEY = ("model", "dtype", "task", "length", "doc_id", "method")
 MATCH = ("config", "options")
+OUT_DIR = "hfkv-out/eval"  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,11 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="hfkv.loading model spec (default smollm2)")
     ap.add_argument("--dtype", default="bf16", help="dtype of the decoding model and its caches (default bf16)")
     ap.add_argument("--prefill-dtype", default="fp32", help="dtype the prompt forward runs in (default fp32)")
-    ap.add_argument("--out", default=None, help="result file (default eval/results/ruler_<model>.jsonl)")
+    ap.add_argument("--out", default=None, help=f"result file (default {OUT_DIR}/ruler_<model>.jsonl)")
     ap.add_argument("--force", action="store_true", help="re-run rows already in --out")
     ap.add_argument("--full-length", action="store_true", help="never stop a generation before EOS/max_gen_toks")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
     return ap
+
+
+def out_path(args: argparse.Namespace) -> str:
+    """``--out``, or the default file of ``--model`` under the working directory."""
+    return args.out or f"{OUT_DIR}/ruler_{os.path.basename(args.model)}.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     methods, skipped = expand_methods(args.methods)
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    out_path = args.out or f"eval/results/ruler_{os.path.basename(args.model)}.jsonl"
-    out = ResultFile(out_path, KEY, MATCH, normalize=stored_row_as_today)
+    out = ResultFile(out_path(args), KEY, MATCH, normalize=stored_row_as_today)
     tok_path = tokenizer_path(args.model)
     pre_model, tok = load_model(args.model, dtype=pre_dtype)
     model = pre_model if dtype == pre_dtype else copy.deepcopy(pre_model).to(dtype)

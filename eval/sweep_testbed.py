@@ -1,4 +1,4 @@
-"""Accuracy vs KV memory on the testbed tasks, for methods x budgets x dtypes -> eval/results/testbed_sweep.jsonl.
+"""Accuracy vs KV memory on the testbed tasks, for methods x budgets x dtypes -> a JSONL file (``--out``).
 
 One row per (task, method, dtype, n): exact-match accuracy on the shipped test set (100 examples per
 task unless --limit), KV bytes held per example, what a DynamicCache holds for the same tokens,
@@ -7,9 +7,11 @@ Rows already in the file are skipped unless --force, so an interrupted sweep res
 a row whose method resolves to a different config than when it ran (a preset's defaults changed) is re-run
 and replaced. After a code change that keeps configs (a policy fix), re-run with --force.
 Methods are method specs (hfkv/evaluation/methods.py); a preset without '@' is run at every --budgets
-value, '<preset>@none' without a budget. The default command is the one the results were made with:
+value, '<preset>@none' without a budget. A run appends to ``hfkv-out/eval/testbed_sweep.jsonl`` under the working
+directory unless ``--out`` names another file; the committed results are extended only when named. The default
+command, with the committed file named, is the one the results were made with:
 
-    OMP_NUM_THREADS=1 python eval/sweep_testbed.py
+    OMP_NUM_THREADS=1 python eval/sweep_testbed.py --out eval/results/testbed_sweep.jsonl
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ DEFAULT_METHODS = "dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,stream
 DEFAULT_BUDGETS = "48,64,80,112,160"
 KEY = ("task", "method", "dtype", "n")
 MATCH = ("config", "options")  # a row whose method config changed since (new preset defaults) is re-run
+OUT_DIR = "hfkv-out/eval"  # a run's default folder, under the working directory; eval/results/ only by --out
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
-    ap.add_argument("--budgets", default=DEFAULT_BUDGETS, help="token budgets per KV head (default: %(default)s)")
+    ap.add_argument(
+        "--budgets",
+        default=DEFAULT_BUDGETS,
+        help="budgets per KV head: tokens, or full-precision-token equivalents for hfkv (default: %(default)s)",
+    )
     ap.add_argument("--tasks", default="kv_recall,arith_cot", help="testbed tasks (default: kv_recall,arith_cot)")
     ap.add_argument("--dtypes", default="bf16,fp32", help="model dtypes, bf16 first (default: bf16,fp32)")
     ap.add_argument("--limit", type=int, default=100, help="examples per task (default 100 = the whole test set)")
     ap.add_argument("--batch-size", type=int, default=25, help="prompts per generate call, left padded (default 25)")
     ap.add_argument("--model", default="testbed", help="model spec for hfkv.loading.load_model (default: testbed)")
-    ap.add_argument("--out", default="eval/results/testbed_sweep.jsonl")
+    ap.add_argument("--out", default=f"{OUT_DIR}/testbed_sweep.jsonl", help="result file (default: %(default)s)")
     ap.add_argument("--force", action="store_true", help="re-run rows already in --out")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable timings)")
     ap.add_argument("--device", default="cpu")

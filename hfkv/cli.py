@@ -4,6 +4,10 @@ Every subcommand checks its arguments before it loads a model (:mod:`hfkv.cli_ar
 command with one line on stderr, ``hfkv <cmd>: error: <option>: <message>``, and exit status 2. An error
 while running prints ``hfkv <cmd>: <message>`` and exits with 1. ``--debug`` (before or after the
 subcommand) shows the traceback instead.
+
+The parser is built for the subcommand being run only: ``hfkv --help`` and ``hfkv --version`` import no
+subcommand module (nor torch, transformers, lm-eval or Optuna), ``hfkv <cmd> --help`` imports that command's
+module alone, and each module imports its heavy dependencies when it runs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 
 from hfkv.cli_args import ArgumentParser, UsageError, did_you_mean
 
@@ -30,25 +35,46 @@ exit status: 0 done; 2 bad arguments (one line on stderr naming the option, noth
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``hfkv`` parser. Every subcommand is listed, but only those of ``commands`` (default: all) get their
+    options, because adding them imports the subcommand's module: :func:`main` passes the one it runs."""
+    from hfkv import __version__
+
+    wanted = set(SUBCOMMANDS if commands is None else commands)
     parser = ArgumentParser(
         prog="hfkv",
         description="Tri-state KV cache for Hugging Face transformers",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"hfkv {importlib.import_module('hfkv').__version__}")
+    parser.add_argument("--version", action="version", version=f"hfkv {__version__}")
     parser.add_argument("--debug", dest="_debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as exc:  # an optional extra is missing: say which
-            p.set_defaults(_missing=str(exc))
+        if name in wanted:
+            _add_options(p, module)
         p.add_argument("--debug", dest="_debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
+
+
+def _add_options(parser: argparse.ArgumentParser, module: str) -> None:
+    try:
+        importlib.import_module(module).add_arguments(parser)
+    except ModuleNotFoundError as exc:  # an optional extra is missing: say which when the command runs
+        parser.set_defaults(_missing=str(exc))
+
+
+def requested_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` runs, read before parsing (the top-level options take no value): the first word
+    that is not an option, if it names a subcommand. None after ``--help`` or ``--version``, which answer first."""
+    for word in argv:
+        if word in ("--", "-h", "--help", "--version"):
+            return None
+        if not word.startswith("-"):
+            return word if word in SUBCOMMANDS else None
+    return None
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
@@ -69,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``hfkv <argv>``; returns the exit status (``--help`` / ``--version`` exit through SystemExit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    parser = build_parser()
-    prog, command = "hfkv", None
+    command = requested_command(argv)
+    parser = build_parser([command] if command else [])
+    prog = "hfkv"
     try:
         args, extra = parser.parse_known_args(argv)
         command = args.command

@@ -9,7 +9,8 @@ with the traceback). Names close to a known one get a "did you mean" (presets, T
 tasks, choices).
 
 This module sits above :mod:`hfkv.config` and :mod:`hfkv.evaluation.methods` (it imports them, they never
-import it).
+import it), and imports them only when a value is checked: ``hfkv --help`` builds its parser from this module
+without loading torch (:mod:`hfkv.config` imports it).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from hfkv.config import PRESETS, did_you_mean
+from hfkv.suggest import did_you_mean  # re-exported (__all__): torch-free, unlike hfkv.config
 
 __all__ = [
+    "BUDGETS_TEXT",
     "ArgumentParser",
     "UsageError",
     "check_model",
@@ -39,6 +41,22 @@ __all__ = [
     "usage_from",
     "validated",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PRESETS":  # kept for callers that read it here; hfkv.config imports torch
+        from hfkv.config import PRESETS
+
+        return PRESETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: What a ``--budgets`` value counts, for the help of every command that takes one: the presets differ
+#: (``TriStateConfig.budget_unit``), so "token budgets" would be wrong for hfkv's.
+BUDGETS_TEXT = (
+    "budgets per KV head, each in its preset's unit: full-precision-token equivalents for hfkv (a memory budget: "
+    "quantized tokens cost what they weigh), tokens kept for the other presets"
+)
 
 
 class UsageError(ValueError):
@@ -230,6 +248,8 @@ method_specs = validated(_check_specs, "method specs")
 
 
 def _check_preset_or_yaml(text: str) -> None:
+    from hfkv.config import PRESETS
+
     if text in PRESETS:
         return
     if text.endswith((".yaml", ".yml")):

@@ -10,11 +10,10 @@ are in :meth:`TriStateConfig.validate_for_model`, which the cache calls at first
 from __future__ import annotations
 
 import copy
-import difflib
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import yaml
 
 from hfkv.atomic import write_atomic
+from hfkv.suggest import did_you_mean  # also imported from here by older callers
 
 # Kept here rather than imported so that reading a config never pulls in the quantisation code;
 # hfkv.quant.formats exports the same tuple and the two are reconciled by the lead.
@@ -58,12 +58,6 @@ def _is_real(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` (difflib), or ``""`` when none is close."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _fail(where: str, value: Any, allowed: str) -> ValueError:

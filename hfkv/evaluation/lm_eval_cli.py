@@ -5,11 +5,17 @@ parser, so every lm-eval option (``--tasks --include_path --batch_size --limit -
 --output_path --gen_kwargs --apply_chat_template ...``) passes through unchanged and
 ``hfkv eval --help`` lists them (with this module's description and examples, not lm-eval's). The
 differences from ``lm_eval run``: the default model is ``hfkv`` (with ``--model hf`` the same command runs
-the plain Hugging Face model), and the command line is checked before lm-eval builds tasks or loads a model
+the plain Hugging Face model, and ``pretrained=testbed`` / ``smollm2`` name the shipped models for it too:
+:func:`resolve_aliases`), and the command line is checked before lm-eval builds tasks or loads a model
 (:func:`check_args`: unknown ``model_args`` keys, the cache spec, the model path), with one-line errors.
+Building the parser imports only lm-eval's argument definitions (``lm_eval._cli.run``, no torch); the
+evaluator, the models and torch load when the command runs.
 
     hfkv eval --model_args pretrained=testbed,hfkv_config=hfkv@80 --include_path eval/tasks \\
-        --tasks testbed --batch_size 4 --output_path eval/results/lm_eval
+        --tasks testbed --batch_size 4 --output_path hfkv-out/eval
+
+The examples write under the working directory's ``hfkv-out/`` (gitignored), where every hfkv command writes by
+default, never into the committed ``eval/results/``; lm-eval itself writes nothing without ``--output_path``.
 
 Also runnable as ``python -m hfkv.evaluation.lm_eval_cli ...`` and under
 ``accelerate launch -m hfkv.cli eval ...`` (data parallel).
@@ -37,15 +43,16 @@ refused. Cache statistics are written to the results JSON under config.hfkv. See
 examples:
   # the shipped testbed model and its tasks, the hfkv preset at budget 80 (per KV head)
   hfkv eval --model hfkv --model_args pretrained=testbed,hfkv_config=hfkv@80 \\
-      --include_path eval/tasks --tasks testbed --batch_size 4 --output_path eval/results/lm_eval
+      --include_path eval/tasks --tasks testbed --batch_size 4 --output_path hfkv-out/eval
+
+  # the same without hfkv (lm-eval's plain HF model; testbed and smollm2 work here too), for the reference score
+  hfkv eval --model hf --model_args pretrained=testbed \\
+      --include_path eval/tasks --tasks testbed --batch_size 4 --output_path hfkv-out/eval
 
   # a hub model on GSM8K at budget 1024, with an override
   hfkv eval --model hfkv \\
       --model_args pretrained=HuggingFaceTB/SmolLM2-360M-Instruct,hfkv_config=hfkv@1024,alpha_h=0.8 \\
-      --tasks gsm8k --batch_size 8 --output_path eval/results/lm_eval
-
-  # the same command without hfkv (lm-eval's plain HF model), for the reference score
-  hfkv eval --model hf --model_args pretrained=HuggingFaceTB/SmolLM2-360M-Instruct --tasks gsm8k --batch_size 8
+      --tasks gsm8k --batch_size 8 --output_path hfkv-out/eval
 """
 MODEL_ARGS_HELP = (
     "model arguments, key=val,key2=val2: for hfkv pretrained=<model>, hfkv_config=<method spec>, cache "
@@ -105,11 +112,45 @@ def _tokenizer_for_synthetic_tasks(ns: argparse.Namespace) -> None:
     ns.metadata = {**meta, "tokenizer": tokenizer_path(args["pretrained"])}
 
 
+def _is_plain_hflm(model: str) -> bool:
+    """Whether ``model`` is lm-eval's Hugging Face model (``hf`` and its aliases) or another subclass of it
+    that is not hfkv's: those take ``pretrained=`` as HFLM does."""
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
+
+    from hfkv.evaluation.lm_eval_model import HFKVLM
+
+    try:
+        cls = get_model(model)
+    except (KeyError, ValueError, ImportError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, HFLM) and not issubclass(cls, HFKVLM)
+
+
+def resolve_aliases(ns: argparse.Namespace) -> None:
+    """``--model hf --model_args pretrained=testbed`` (or ``smollm2``): the shipped model's files, as the ``hfkv``
+    model resolves them (:func:`hfkv.evaluation.lm_eval_model.resolve_pretrained`, ``add_bos_token=True`` for
+    the testbed included), so the documented reference run needs no hub. Other models' arguments are untouched."""
+    from hfkv.evaluation.lm_eval_model import resolve_pretrained
+    from hfkv.loading import SMOLLM2, TESTBED
+
+    args = getattr(ns, "model_args", None)
+    if not isinstance(args, dict) or args.get("pretrained") not in (TESTBED, SMOLLM2):
+        return
+    model = getattr(ns, "model", None) or _model_from_yaml(getattr(ns, "config", None)) or "hf"
+    if not _is_plain_hflm(model):
+        return
+    rest = {k: v for k, v in args.items() if k != "pretrained"}
+    pretrained, rest = resolve_pretrained(args["pretrained"], rest)
+    ns.model_args = {"pretrained": pretrained, **rest}
+
+
 def check_args(ns: argparse.Namespace) -> None:
     """Refuse a bad command line before lm-eval builds tasks or loads a model (:class:`hfkv.cli_args.UsageError`):
-    lm-eval's own option checks, an unknown ``--model``, and for ``--model hfkv`` its ``model_args``
+    lm-eval's own option checks, an unknown ``--model``, for ``--model hfkv`` its ``model_args``
     (:func:`hfkv.evaluation.lm_eval_model.check_model_args`: unknown keys, the cache spec and overrides, the
-    model path). Unknown task names are lm-eval's to find; that error is turned into a ``--tasks`` one in run()."""
+    model path), and for lm-eval's HF models (``--model hf``) the ``pretrained=`` path. Unknown task names are
+    lm-eval's to find; that error is turned into a ``--tasks`` one in run()."""
     import contextlib
     import copy
     import io
@@ -148,13 +189,16 @@ def check_args(ns: argparse.Namespace) -> None:
         raise ca.UsageError(
             "--model", f"{model!r} is not an lm-eval model{ca.did_you_mean(model, known)}; models: {', '.join(known)}"
         )
-    if model != DEFAULT_MODEL:
-        return
     model_args = getattr(cfg, "model_args", None) or {}
     if not isinstance(model_args, dict):
         from lm_eval.utils import simple_parse_args_string
 
         model_args = simple_parse_args_string(str(model_args))
+    if model != DEFAULT_MODEL:
+        pretrained = model_args.get("pretrained")
+        if isinstance(pretrained, str) and _is_plain_hflm(model):  # a missing directory, smollm2 without its wheel
+            ca.check_model("--model_args pretrained", pretrained, model_args.get("gguf_file"))
+        return
     try:
         check_model_args(model_args)
     except (ValueError, FileNotFoundError) as exc:
@@ -172,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(ns, "model", None) and not _model_from_yaml(getattr(ns, "config", None)):
         ns.model = DEFAULT_MODEL
     check_args(ns)  # before lm-eval builds tasks or loads the model
-    _tokenizer_for_synthetic_tasks(ns)
+    _tokenizer_for_synthetic_tasks(ns)  # reads the aliases: before they are resolved
+    resolve_aliases(ns)
     try:
         ns.func(ns)
     except ValueError as exc:

