@@ -626,7 +626,7 @@ class TriStateLayer(CacheLayerMixin):
         sizes)``, for a layer ``length`` long holding ``window_count`` tokens in the window (``padded``: some exit
         may be padding)."""
         pos, scores, valid, state, sizes = self.tiers.candidates(epos, escore, self.pad_end, self._mean_over(length))
-        rho = self.cache.rho(self.layer_idx)
+        rho = self._rho_past_budget(length, window_count)
         over = self._over_room(epos.numel(), padded)
         new = self._classify(scores, state, pos, window_count, rho, over, length=length)
         return new, valid, sizes
@@ -646,11 +646,11 @@ class TriStateLayer(CacheLayerMixin):
 
     def _nothing_competes(self, exit_pos: torch.Tensor, padded: bool) -> bool:
         """Whether a policy run can only admit the exits exact: a byte budget that every held token and every
-        exit (at full precision) fits and no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
-        room); the cap on exact tokens (ARKV's OQ ratio) binds only where they do not fit. Then :func:`allocate`
-        returns the current states and ``ORIGINAL`` for the exits (padding: evicted) without ranking anything, and
-        reading every tier's metadata to ask it would be the run's whole cost: at short contexts most runs are these
-        (``padded``: some exit may be padding)."""
+        exit (at full precision) fits, no eviction floor (``alpha_l <= 0``: a floor can evict whatever the
+        room) and no cap on exact tokens (ARKV's OQ ratio; none while the sequence fits, :meth:`_rho_past_budget`).
+        Then :func:`allocate` returns the current states and ``ORIGINAL`` for the exits (padding: evicted) without
+        ranking anything, and reading every tier's metadata to ask it would be the run's whole cost: at short
+        contexts most runs are these (``padded``: some exit may be padding)."""
         if not self.memory_budget or self._has_floor or self._over_room(exit_pos.numel(), padded):
             return False
         heads = self.tiers.counts.shape[1]
@@ -660,9 +660,28 @@ class TriStateLayer(CacheLayerMixin):
         entering = self._not_padding(exit_pos).sum(-1) if padded else exit_pos.numel()
         held = sum(counts[..., t] * c for t, c in enumerate(self.cost) if c is not None)  # [B, H] bytes
         held = held + entering * self.cost[ORIGINAL]
+        exact = counts[..., ORIGINAL] + entering  # sinks included: at least what allocate() counts
         if self.cfg.head_adaptive:
-            held = held.sum(-1)
-        return bool((held <= self.room * per).all())
+            held, exact = held.sum(-1), exact.sum(-1)
+        fits = (held <= self.room * per).all()
+        rho = self._rho_past_budget(self.length, self.window.count)
+        if rho is not None:  # both conditions in one host read
+            fits = fits & (exact <= self._exact_cap(rho, heads)).all()
+        return bool(fits)
+
+    def _rho_past_budget(self, length: int, window_count: int) -> torch.Tensor | None:
+        """ARKV's OQ ratios once the sequence has outgrown the budget, None before: while every token of the layer
+        (``length``, ``window_count`` of them in the window) would fit the budget exact, the cap on exact tokens
+        would quantize for nothing, and the cache is to be the full cache (docs/generate.md, "A budget that covers
+        the sequence"; ARKV's tailor, which applies the ratios, "will be triggered when the KV cache reaches the
+        limit"). Decided on the host from the layer's length: the longest row's, so a padded row fits too."""
+        if self.cfg.budget is None:
+            return None
+        if self.memory_budget:
+            fits = (length - window_count) * self.cost[ORIGINAL] <= self.room
+        else:
+            fits = length <= self.cfg.budget
+        return None if fits else self.cache.rho(self.layer_idx)
 
     def _over_room(self, exits: int, padded: bool) -> bool:
         """Whether the fullest row (its held bytes are ``_tier_peak``, known since the tiers last changed) cannot take

@@ -72,14 +72,12 @@ def reference_classify(
     if budget is None:
         return out
 
-    # Rule 2: budget tailor. `over`: the heads (all of a row's with head_adaptive) it triggers in.
+    # Rule 2: budget tailor.
     target = max(0, math.floor(slack * (budget - window)))
-    over: set[tuple[int, int]] = set()
     for b in range(b_n):
         if head_adaptive:
             kept = [(h, n) for h in range(h_n) for n in range(n_n) if out[b][h][n] != EVICTED]
             if len(kept) + h_n * wcs[b] > h_n * budget:
-                over.update((b, h) for h in range(h_n))
                 cands = sorted(
                     [(h, n) for (h, n) in kept if not sk[b][h][n]],
                     key=lambda hn, b=b: (sc[b][hn[0]][hn[1]], hn[1], hn[0]),
@@ -94,7 +92,6 @@ def reference_classify(
             for h in range(h_n):
                 kept = [n for n in range(n_n) if out[b][h][n] != EVICTED]
                 if len(kept) + wcs[b] > budget:
-                    over.add((b, h))
                     cands = sorted(
                         [n for n in kept if not sk[b][h][n]],
                         key=lambda n, b=b, h=h: (sc[b][h][n], n),
@@ -109,12 +106,10 @@ def reference_classify(
     if rho is None:
         return out
 
-    # Rule 3: OQ cap, part of the tailor: only where rule 2 found the budget exceeded.
+    # Rule 3: OQ cap.
     rhos = [float(v) for v in np.asarray(rho, dtype=np.float32).reshape(-1)]
     for b in range(b_n):
         cap = max(0, int(np.round(np.float32(rhos[b]) * np.float32(budget - window))))
-        if head_adaptive and (b, 0) not in over:
-            continue
         if head_adaptive:
             origs = [(h, n) for h in range(h_n) for n in range(n_n) if out[b][h][n] == ORIGINAL and not sk[b][h][n]]
             surplus = len(origs) - h_n * cap
@@ -124,8 +119,6 @@ def reference_classify(
                     out[b][h][n] = QUANTIZED
         else:
             for h in range(h_n):
-                if (b, h) not in over:
-                    continue
                 origs = [n for n in range(n_n) if out[b][h][n] == ORIGINAL and not sk[b][h][n]]
                 surplus = len(origs) - cap
                 if surplus > 0:
@@ -233,7 +226,8 @@ def reference_allocate(
         cap = None if cap_l is None else (cap_l[b0] if head_adaptive else cap_l[b0][heads[0][1]])
         left = r - sink_bytes
         need_now = sum(byte[out[b][h][n]] for b, h, n in cand)
-        if need_now <= left:  # everything fits: nothing moves, and the cap (a way to spend short bytes) is off
+        n_exact = sum(out[b][h][n] == ORIGINAL for b, h, n in cand)
+        if need_now <= left and (cap is None or n_exact <= cap):
             continue  # (the vectorised version decides this for all rows at once; same result)
         taken: dict[tuple[int, int, int], list[int]] = {c: [] for c in cand}
         final: dict[tuple[int, int, int], int] = {}

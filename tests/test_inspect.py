@@ -27,9 +27,7 @@ PRESET_OVERRIDES = {
     "evict": {"budget": 24, "window": 8},
     "quant": {"window": 8},
     "streaming": {"budget": 16},
-    # a random model's layers score alike (OQ ratios near 1), so the cap, which binds only past the budget, quantizes
-    # nothing after a tailor to 75%: DiffKV's upper threshold makes the quantized tier appear
-    "arkv": {"budget": 24, "window": 8, "obs_window": 8, "interval": 4, "alpha_h": 1.0},
+    "arkv": {"budget": 24, "window": 8, "obs_window": 8, "interval": 4},
     "diffkv": {"window": 8, "obs_window": 8, "alpha_l": 0.5},
     "hfkv": {"budget": 24, "window": 8, "obs_window": 8, "interval": 4},
 }

@@ -334,7 +334,7 @@ def test_demo_runs_presets_on_a_testbed_model(toy_model_dir, capsys, tmp_path):
     threads = torch.get_num_threads()
     assert f"float32, cpu, {threads} torch threads" in out and "indicative" in out
     saved = json.loads((tmp_path / "demo.json").read_text())
-    assert demo.format_table(saved["rows"]) in out
+    assert demo.format_table(saved["rows"], speed_note=saved["run"]["speed_note"]) in out
     assert [r["cache"] for r in saved["rows"]] == ["DynamicCache", "evict@96", "hfkv@96"] * len(TASKS)
     run = saved["run"]
     assert run["threads"] == threads and run["dtype"] == "float32" and run["wall_s"] > 0

@@ -115,14 +115,12 @@ def _items_kernel(
 
 @triton.jit(do_not_specialize=["rows", "room_s"])
 def _fits_kernel(
-    sums_ptr, room_ptr, room_s, cap_ptr, row_cap_ptr, left_ptr, flag_ptr, rows, HEADS: tl.constexpr,
-    HAS_CAP: tl.constexpr,
+    sums_ptr, room_ptr, room_s, cap_ptr, left_ptr, flag_ptr, rows, HEADS: tl.constexpr, HAS_CAP: tl.constexpr,
     BLOCK: tl.constexpr, ROOM_SCALAR: tl.constexpr,
 ):  # fmt: skip
-    """One program: each row's room left past its sinks' bytes (the scan's room), each row's exact cap for the scan
-    (none where the row's candidates fit as they are: the cap spends bytes that are short), and whether every row's
-    candidates fit: the fast path's flag, read back once. ``HEADS``: sums a row adds up (the KV heads when
-    head-adaptive: a row is then a batch row, else 1)."""
+    """One program: each row's room left past its sinks' bytes (the scan's room), and whether every row's candidates
+    fit it (and its exact ones the cap): the fast path's flag, read back once. ``HEADS``: sums a row adds up (the
+    KV heads when head-adaptive: a row is then a batch row, else 1)."""
     n = rows * HEADS  # entries of each of the three sums ([B, H])
     fits = tl.full((), 1, tl.int32)
     for r0 in range(0, rows, BLOCK):
@@ -142,9 +140,8 @@ def _fits_kernel(
             left = tl.load(room_ptr + r, mask=inside, other=0) - sink
         tl.store(left_ptr + r, left, mask=inside)
         ok = cand <= left
-        if HAS_CAP:  # a fitting row keeps its tokens where they are: its cap is the count it has
-            cap = tl.where(ok, exact, tl.load(cap_ptr + r, mask=inside, other=0))
-            tl.store(row_cap_ptr + r, cap, mask=inside)
+        if HAS_CAP:
+            ok = ok & (exact <= tl.load(cap_ptr + r, mask=inside, other=0))
         fits = tl.minimum(fits, tl.min(tl.where(inside & ~ok, 0, 1), 0))
     tl.store(flag_ptr, fits)
 
@@ -275,18 +272,17 @@ def allocate_triton(
     left = torch.empty(n_rows, dtype=torch.int64, device=device)  # each row's room past its sinks
     flag = torch.empty(1, dtype=torch.int32, device=device)
     cap = exact_cap.to(device=device, dtype=torch.int64).reshape(-1).contiguous() if exact_cap is not None else left
-    row_cap = torch.empty_like(left) if exact_cap is not None else left  # the scan's cap per row
     room_scalar = isinstance(room, int)
     room_t = left if room_scalar else room.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
     _fits_kernel[(1,)](
-        sums, room_t, room if room_scalar else 0, cap, row_cap, left, flag, n_rows, HEADS=h if head_adaptive else 1,
+        sums, room_t, room if room_scalar else 0, cap, left, flag, n_rows, HEADS=h if head_adaptive else 1,
         HAS_CAP=exact_cap is not None, BLOCK=_FITS_BLOCK, ROOM_SCALAR=room_scalar,
     )  # fmt: skip
     if fast_path and flag.item():  # the one host read: nothing moves
         return new
     sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
     _scan_kernel[(n_rows,)](
-        sorted_keys, order, step_cost_t, target_t, left, row_cap, taken, keys.shape[1],
+        sorted_keys, order, step_cost_t, target_t, left, cap, taken, keys.shape[1],
         K=k, HAS_CAP=exact_cap is not None, BLOCK=_SCAN_BLOCK,
     )  # fmt: skip
     out = torch.empty_like(new)

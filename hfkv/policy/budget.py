@@ -43,10 +43,8 @@ attention-mass objective.
 ``score < alpha_l / N`` is evicted whatever the room (per-head dynamic sparsity); a token with
 ``score >= alpha_h / N`` is kept exact or not at all (all its items are ranked at the exact
 tier's value per byte, as DiffKV keeps significant tokens in high precision). ARKV's OQ ratio
-becomes a cap on the number of exact tokens (``exact_cap``) in a row whose tokens do not all fit: upgrades
-to exact past the cap are skipped, and their bytes go to keeping more tokens quantized. A row that fits as it
-is keeps every token where it is, capped or not: while the budget covers the sequence the cache is the full
-cache (ARKV's tailor, too, runs only once the cache reaches its limit).
+becomes a cap on the number of exact tokens (``exact_cap``): upgrades to exact past the cap are
+skipped, and their bytes go to keeping more tokens quantized.
 
 **Constraints.** No promotion: a token's items only reach tiers at or below its current one
 (``MID`` can go to ``QUANTIZED``, never back); EVICTED stays evicted. Sinks never change state;
@@ -178,8 +176,7 @@ def allocate(
         cost: bytes of one record of each tier ``(ORIGINAL, MID, QUANTIZED)``; None switches a tier off.
         fidelity: value kept by a token of each tier (``None`` for a tier that is off).
         head_adaptive: one scan per layer row across heads instead of one per head.
-        exact_cap: most ``ORIGINAL`` non-sink tokens, shaped like ``room``, or None; it binds only in rows
-            whose tokens do not fit ``room`` as they are.
+        exact_cap: most ``ORIGINAL`` non-sink tokens, shaped like ``room``, or None.
         prior: significance every token is credited with on top of its score, in units of ``1 / N``
             (uniform attention), in the item values only (floors use the raw score).
 
@@ -210,13 +207,12 @@ def allocate(
         return x.sum(1) if head_adaptive else x
 
     room = room.to(device=device, dtype=torch.int64) - per_row(held_bytes_of(torch.where(sink, new, EVICTED), cost))
-    # Fast path: everything still fits as it is -> nothing moves. The cap is a way to spend bytes that are
-    # short, so a row that fits is not capped (its tokens stay where they are, exact ones exact).
+    # Fast path: everything still fits as it is, and no cap is exceeded -> nothing moves.
     fits = per_row(held_bytes_of(torch.where(cand, new, EVICTED), cost)) <= room
+    if exact_cap is not None:
+        fits &= per_row(can_exact.sum(-1)) <= exact_cap.to(device)
     if bool(fits.all()):
         return new
-    if exact_cap is not None:
-        exact_cap = torch.where(fits, torch.iinfo(torch.int64).max, exact_cap.to(device=device, dtype=torch.int64))
 
     # Items [B, H, N, K], cheapest first; efficiency = value per byte along the token's hull.
     present_t, rate_t, cost_t, target_t = _item_tables(cost, fidelity, on, device)

@@ -15,10 +15,8 @@ Rules, applied in order to non-sink slots that are not ``EVICTED`` (``N`` = logi
    included) remain, or no evictable slot is left. With ``head_adaptive`` the comparison is per
    layer row (``sum_h held(b, h) > H * budget``) and the lowest-scored slots across all heads are
    evicted until ``H * target`` remain (AdaKV-style; heads keep different counts).
-3. **OQ cap** (ARKV, only if ``rho`` and ``budget`` are set, and only in a head, or a layer row with
-   ``head_adaptive``, that rule 2 found over the budget: ARKV's tailor "will be triggered when the KV cache
-   reaches the limit", so while the budget covers the sequence nothing is quantized): ``cap = round(rho[b] *
-   (budget - window))`` (fp32 product, round half to even, clamped to >= 0) per head, or ``H * cap`` per
+3. **OQ cap** (ARKV, only if ``rho`` and ``budget`` are set): ``cap = round(rho[b] * (budget -
+   window))`` (fp32 product, round half to even, clamped to >= 0) per head, or ``H * cap`` per
    layer row with ``head_adaptive``; the lowest-scored surplus ``ORIGINAL`` non-sink slots become
    ``QUANTIZED``.
 
@@ -288,7 +286,6 @@ def classify(
             surplus = (orig_count.sum(dim=1) - h * cap).clamp(min=0)
         else:
             surplus = (orig_count - cap.unsqueeze(-1)).clamp(min=0)
-        surplus = torch.where(over, surplus, torch.zeros_like(surplus))  # the cap is part of the tailor
         if bool((surplus > 0).any()):
             new = _apply_lowest(new, scores, orig, surplus, head_adaptive, QUANTIZED)
     return new

@@ -1,7 +1,7 @@
 // The memory-budget allocation of hfkv.policy.budget.allocate, in C++: the same decisions without sorting.
 //
 // allocate() ranks every (token, item) by value per byte and takes the longest prefix of that order whose
-// bytes fit the room (exact upgrades past the cap skipped, in a row that does not fit as it is). In torch that is a sort of every item of a row
+// bytes fit the room (exact upgrades past the cap skipped). In torch that is a sort of every item of a row
 // and a dozen passes around it, which made a policy run the largest part of a CPU decode step. Only the cut
 // matters, not the order on either side of it, so here a row's items are selected, not sorted: a quickselect
 // that keeps the side holding the cut (expected linear time), after an nth_element for the cap. The order is
@@ -142,7 +142,7 @@ void hfkv_allocate(const float* scores, const int8_t* state, const uint8_t* sink
         const int64_t b = head_adaptive ? r : r / H;
         const float len = static_cast<float>(length[b] < 1 ? 1 : length[b]);
         const float prior_term = (1.0f / len) * prior;  // torch's `prior / length` is reciprocal(length) * prior
-        int64_t left = room[r], held = 0;
+        int64_t left = room[r], held = 0, exact = 0;
         std::vector<Item> items;
         items.reserve(static_cast<size_t>(N) * heads_per_row * K);
         for (int hh = 0; hh < heads_per_row; ++hh) {
@@ -160,10 +160,11 @@ void hfkv_allocate(const float* scores, const int8_t* state, const uint8_t* sink
                     continue;
                 }
                 held += cost[s];
+                exact += s == kOriginal;
             }
         }
-        // nothing moves where everything fits, capped or not (allocate()'s fast path, row by row: the same decisions)
-        if (held <= left) continue;
+        const bool fits = held <= left && (cap == nullptr || exact <= cap[r]);
+        if (fits) continue;  // nothing moves (allocate()'s fast path, row by row: the same decisions)
         for (int hh = 0; hh < heads_per_row; ++hh) {
             const int h = head_adaptive ? hh : static_cast<int>(r % H);
             const int64_t base = (b * H + h) * static_cast<int64_t>(N);
