@@ -19,23 +19,11 @@ from hfkv.calibration.search import format_params
 from hfkv.cli import build_parser, main
 from hfkv.cli_args import UsageError
 from hfkv.config import TriStateConfig
-from tests.calibration_support import FIXTURE, FakeObjective
+from tests.calibration_support import FakeObjective, cli_args
 
 
 def _argv(tmp: Path, name: str, *extra) -> list[str]:
-    return [
-        "calibrate",
-        "--model", "testbed",  # never loaded: the objective is fake
-        "--data-file", str(FIXTURE),
-        "--n-problems", "3",
-        "--max-solution-tokens", "24",
-        "--pruner", "none",
-        "--study-name", name,
-        "--studies-dir", str(tmp / "studies"),
-        "--config-dir", str(tmp / "configs"),
-        "--no-progress",
-        *map(str, extra),
-    ]  # fmt: skip
+    return cli_args("testbed", tmp, "--study-name", name, *extra)  # the model is never loaded: the objective is fake
 
 
 def _run(argv: list[str], fake: FakeObjective) -> int:

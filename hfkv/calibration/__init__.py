@@ -17,8 +17,9 @@ package (its parser reads :mod:`hfkv.calibration.data`) and must load neither to
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hfkv.lazy import lazy_names
 
 # public name -> the module that defines it
 _LAZY = {
@@ -75,21 +76,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from hfkv.calibration.search import SearchSpace
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module the first time it is asked for; ``hfkv.calibration.<submodule>``
-    too, because code written when this file imported its submodules eagerly may reach them without importing."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
