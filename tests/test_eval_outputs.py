@@ -130,3 +130,13 @@ def test_format_fidelity_leaves_the_committed_page_alone_unless_writing_the_comm
     args.out = "eval/results/formats_smollm2.json"
     assert where(module.out_path(args)).is_relative_to(module.RESULTS)
     assert module.DOCS == REPO / "docs" / "formats.md"  # the page and its inputs whatever the working directory
+
+
+def test_the_texts_module_writes_into_the_users_folder_unless_named():
+    """``python -m hfkv.evaluation.texts`` generates documents: by default under hfkv-out/, the committed file only
+    when named (the sweeps still read the committed texts from ``DEFAULT_DIR``)."""
+    from hfkv.evaluation import texts
+
+    assert texts.out_path(None, "smollm2") == Path("hfkv-out/eval/texts/smollm2.jsonl")
+    assert texts.out_path("eval/results/texts/smollm2.jsonl", "smollm2") == Path("eval/results/texts/smollm2.jsonl")
+    assert texts.default_path("smollm2") == Path("eval/results/texts/smollm2.jsonl")

@@ -43,7 +43,8 @@ TOPICS: tuple[str, ...] = (
 PROMPT_TOKENS = 1536
 CONTINUATION_TOKENS = 384
 SETTINGS = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1, "seed": 1234}
-DEFAULT_DIR = Path("eval/results/texts")
+DEFAULT_DIR = Path("eval/results/texts")  # the committed texts the sweeps read
+USER_DIR = Path("hfkv-out/eval/texts")  # where `python -m hfkv.evaluation.texts` writes unless --out names a file
 
 
 def model_tag(spec: str) -> str:
@@ -170,6 +171,12 @@ def ensure_documents(
     return docs[:n_docs]
 
 
+def out_path(out: str | None, spec: str) -> Path:
+    """The texts file a run writes: ``out``, or the user's folder (a run never extends the committed texts unless it
+    names them)."""
+    return Path(out) if out else USER_DIR / f"{model_tag(spec)}.jsonl"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="model spec (hfkv.loading.load_model; default smollm2)")
@@ -178,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=4, help="number of documents (default 4; up to any number)")
     ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     ap.add_argument("--continuation-tokens", type=int, default=CONTINUATION_TOKENS)
-    ap.add_argument("--out", default=None, help="texts file (default eval/results/texts/<model-tag>.jsonl)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help=f"texts file (default {USER_DIR}/<model-tag>.jsonl under the working directory; the committed "
+        f"{DEFAULT_DIR}/<model-tag>.jsonl only when named)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs < 1:
         raise SystemExit(f"--docs={args.docs} must be >= 1")
     model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype)
-    out = args.out or default_path(args.model)
+    out = out_path(args.out, args.model)
     docs = ensure_documents(model, tok, out, args.docs, args.prompt_tokens, args.continuation_tokens)
     print(json.dumps({"path": str(out), "docs": len(docs), "tokens": [d["n_tokens"] for d in docs]}))
     return 0
