@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hfkv.lazy import lazy_names
 from hfkv.suggest import did_you_mean  # re-exported (__all__): torch-free, unlike hfkv.config
 
 __all__ = [
@@ -43,12 +44,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PRESETS":  # kept for callers that read it here; hfkv.config imports torch
-        from hfkv.config import PRESETS
-
-        return PRESETS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# PRESETS, kept for callers that read it here, on first use: hfkv.config imports torch
+__getattr__, __dir__ = lazy_names(__name__, {"PRESETS": "hfkv.config"}, globals(), __all__)
 
 
 #: What a ``--budgets`` value counts, for the help of every command that takes one: the presets differ

@@ -16,6 +16,8 @@ import torch
 
 __all__ = ["ModelShape"]
 
+_ONE_MODEL = "a cache holds one model's keys and values; build one for this model, TriStateCache(model, ...)"
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -61,8 +63,8 @@ class ModelShape:
                 other = replace(other, dtype=self.dtype)
             if replace(other, name=self.name) != self:
                 raise ValueError(
-                    f"this TriStateCache was built for {self.describe()} and is used with {other.describe()}: a "
-                    "cache holds one model's keys and values; build one for this model, TriStateCache(model, ...)"
+                    f"this TriStateCache was built for {self.describe()} and is used with {other.describe()}: "
+                    + _ONE_MODEL
                 )
         seen = []
         if layer_idx >= self.layers:
@@ -76,6 +78,5 @@ class ModelShape:
         if seen:
             raise ValueError(
                 f"this TriStateCache was built for {self.describe()}, and layer {layer_idx} of the model using it "
-                f"has {', '.join(seen)}: a cache holds one model's keys and values; build one for this model, "
-                "TriStateCache(model, ...)"
+                f"has {', '.join(seen)}: " + _ONE_MODEL
             )

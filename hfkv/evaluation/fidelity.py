@@ -93,13 +93,11 @@ def _dense_bytes(model, cache, length: int) -> int:
     """What a DynamicCache holds after ``length`` tokens (from the cache's stats, or by formula)."""
     if hasattr(cache, "stats") and hasattr(cache, "config"):
         return int(cache.stats().dense_bytes)
+    from hfkv.model_shape import ModelShape
     from hfkv.storage.memory import dense_kv_bytes
 
-    text = model.config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    per_layer = dense_kv_bytes(1, heads, length, dim, model.dtype)
-    return per_layer * text.num_hidden_layers
+    shape = ModelShape.of(model)
+    return dense_kv_bytes(1, shape.kv_heads, length, shape.head_dim, shape.dtype) * shape.layers
 
 
 def mean_fidelity(results: list[Fidelity]) -> Fidelity:

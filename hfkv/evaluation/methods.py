@@ -445,8 +445,8 @@ def kv_and_dense_bytes(model, cache, batch: int) -> tuple[int, int]:
         return kv, int(cache.stats().dense_bytes)
     if type(cache) is DynamicCache:
         return kv, kv
-    text = model.config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    from hfkv.model_shape import ModelShape
+
+    shape = ModelShape.of(model)
     length = int(cache.get_seq_length())
-    return kv, dense_kv_bytes(batch, heads, length, dim, model.dtype) * text.num_hidden_layers
+    return kv, dense_kv_bytes(batch, shape.kv_heads, length, shape.head_dim, shape.dtype) * shape.layers
