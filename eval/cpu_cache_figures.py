@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 import hfkv
+from hfkv.atomic import write_atomic
 from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import interleaved_decode_times
 from hfkv.evaluation.methods import parse_method
@@ -136,10 +137,7 @@ def decode_section(model, ctx: int, timed: list[str], budget: int, steps: int) -
 
 
 def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(result, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:

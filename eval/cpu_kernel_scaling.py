@@ -12,8 +12,12 @@ Timed only on a quiet machine (``hfkv.evaluation.quiet``: load average below ``-
 and after, recorded); ``eval/make_tables.py`` renders the table into eval/README.md and
 docs/kernels.md.
 
-    python eval/cpu_kernel_scaling.py --wait-quiet 600       # writes hfkv-out/eval/ under the working directory
-    python eval/cpu_kernel_scaling.py --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json  # the committed file
+    python -m eval.cpu_kernel_scaling --wait-quiet 600       # writes hfkv-out/eval/ under the working directory
+    python -m eval.cpu_kernel_scaling --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json  # the committed file
+
+Run from the repository root as ``python -m eval.cpu_kernel_scaling``: it imports ``eval.kernel_bench`` of this
+package (a plain ``python -m eval.cpu_kernel_scaling`` puts only its own folder on the import path, which does not
+reach them).
 """
 
 from __future__ import annotations
@@ -30,10 +34,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernel_bench import AttnShape, build_storage, make_plan  # noqa: E402
-
+from eval.kernel_bench import AttnShape, build_storage, make_plan  # noqa: E402
 from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.evaluation import quiet  # noqa: E402
 from hfkv.kernels.cpu.paged_decode import paged_attention_cpu  # noqa: E402

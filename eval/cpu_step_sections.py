@@ -49,8 +49,10 @@ from transformers import DynamicCache
 
 import hfkv.cache
 import hfkv.kernels.cpu.paged_decode
+import hfkv.layer.policy_runner
+import hfkv.layer.reads
+import hfkv.quant.record
 import hfkv.storage.paged
-import hfkv.storage.record
 from hfkv.atomic import write_atomic
 from hfkv.evaluation import quiet
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt
@@ -61,15 +63,15 @@ from hfkv.evaluation.shapes import build_random_like
 OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
 SECTIONS: list[tuple[Any, str]] = [
     (hfkv.storage.paged.PagedTiers, "read_slots"),
-    (hfkv.storage.record.RecordLayout, "decode_kv_for_attention"),
-    (hfkv.cache, "slot_attention_received"),
+    (hfkv.quant.record.RecordLayout, "decode_kv_for_attention"),
+    (hfkv.layer.reads, "slot_attention_received"),
     (hfkv.storage.paged.PagedTiers, "add_scores"),
     (hfkv.kernels.cpu.paged_decode, "paged_attention_cpu"),
-    (hfkv.cache.TriStateLayer, "run_policy"),
+    (hfkv.layer.policy_runner.PolicyRunner, "run"),
     (torch.nn.functional, "scaled_dot_product_attention"),
     (transformers.cache_utils.DynamicLayer, "update"),
 ]
-LABELS = {"scaled_dot_product_attention": "sdpa", "update": "dynamic_update"}
+LABELS = {"scaled_dot_product_attention": "sdpa", "update": "dynamic_update", "run": "run_policy"}
 
 
 def _timed(fn: Callable, name: str, spent: Counter) -> Callable:

@@ -16,7 +16,11 @@ exact attention over the same quantized keys and values:
 Each case gives the distance, by norm, of the output from exact attention for the two kernel forms and for each
 operand rounded to bf16 alone; the output is rounded to the model dtype (bf16) as the kernel stores it.
 
-    python eval/dequant_rounding.py --out eval/results/dequant_rounding.json
+    python -m eval.dequant_rounding --out eval/results/dequant_rounding.json
+
+Run from the repository root as ``python -m eval.dequant_rounding``: it imports ``eval.kernel_bench`` of this
+package (a plain ``python -m eval.dequant_rounding`` puts only its own folder on the import path, which does not
+reach them).
 """
 
 from __future__ import annotations
@@ -30,9 +34,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_bench as kb  # noqa: E402
-
+from eval import kernel_bench as kb  # noqa: E402
 from hfkv.atomic import write_atomic  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -78,7 +80,7 @@ def _format(lay) -> str:
 def quantized_layout(shape: kb.AttnShape, fmt: str):
     """The ``"key/value"`` integer formats in the hfkv preset's quantized tier's groups (``kb.tier_layouts``)."""
     from hfkv.quant.formats import QuantFormat
-    from hfkv.storage import RecordLayout
+    from hfkv.quant.record import RecordLayout
 
     key, value = fmt.split("/")
     group = kb.tier_layouts(shape)[-1].key.group_size
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += smollm2_cases(args.docs, args.tokens, formats)
     result = {
         "what": __doc__.splitlines()[0],
-        "command": "python eval/dequant_rounding.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m eval.dequant_rounding " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "torch": torch.__version__,
         "rows": rows,

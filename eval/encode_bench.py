@@ -28,7 +28,6 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfkv.atomic import write_atomic  # noqa: E402
 
 FORMATS = (("model", "model"), ("int8", "int4"), ("int4", "int2"))  # hfkv's tiers: original, K8V4, K4V2
@@ -36,7 +35,7 @@ FORMATS = (("model", "model"), ("int8", "int4"), ("int4", "int2"))  # hfkv's tie
 
 def _case(key: str, value: str, n: int, dim: int, device: str):
     from hfkv.quant.formats import QuantFormat
-    from hfkv.storage import RecordLayout
+    from hfkv.quant.record import RecordLayout
     from hfkv.storage.paged import auto_page_bytes
 
     lay = RecordLayout(QuantFormat(key, dim, 32, torch.bfloat16), QuantFormat(value, dim, 32, torch.bfloat16))

@@ -170,7 +170,7 @@ def run_meta(args: argparse.Namespace, dim: int, docs: int) -> dict:
 
 def write_docs(results: list[dict], path: Path = DOCS) -> None:
     """docs/formats.md from result files: one section per model (parts table, pairs table)."""
-    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.atomic import write_atomic
 
     lines = [
         "# Quantized tier formats: fidelity per byte",
@@ -207,7 +207,7 @@ def write_docs(results: list[dict], path: Path = DOCS) -> None:
             )
         lines.append("")
     lines += variant_sections(sorted(RESULTS.glob("format_variants_*.json")))
-    write_text_atomic(path, "\n".join(lines))
+    write_atomic(path, "\n".join(lines))
 
 
 def variant_sections(paths: list[Path]) -> list[str]:
@@ -217,7 +217,7 @@ def variant_sections(paths: list[Path]) -> list[str]:
     lines = [
         "## Metadata variants of the integer tiers",
         "",
-        "From `eval/results/format_variants_*.json` (`python eval/format_variants.py --out",
+        "From `eval/results/format_variants_*.json` (`python -m eval.format_variants --out",
         "eval/results/format_variants_<model>.json`): the relative loss",
         "of a part (as above) when its scale and zero are stored per token and group of 32 (`token`, what",
         "hfkv stores), one per group position shared by a block of tokens (`page`), or one per channel",
@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.docs_only:
-        from hfkv.evaluation.results import write_text_atomic
+        from hfkv.atomic import write_atomic
         from hfkv.loading import load_model, parse_dtype
         from hfkv.quant.formats import QuantFormat
-        from hfkv.storage import RecordLayout
+        from hfkv.quant.record import RecordLayout
 
         torch.set_num_threads(args.threads)
         model, tok = load_model(args.model, dtype=args.dtype)
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             ).nbytes
         meta = run_meta(args, dim, len(docs))
         out = out_path(args)
-        write_text_atomic(out, json.dumps({"meta": meta, "parts": losses, "pairs": pairs}, indent=1) + "\n")
+        write_atomic(out, json.dumps({"meta": meta, "parts": losses, "pairs": pairs}, indent=1) + "\n")
         print(f"wrote {out}")
         if not out.resolve().is_relative_to(RESULTS):  # a run of the user's: the committed page stays as it is
             return 0

@@ -21,12 +21,16 @@ loss of ``format_fidelity.part_losses`` (attention-weighted output error of quan
 relative to evicting the token). A record's bytes are ``codes + metadata + 8`` (tag and score), or
 ``+ 4`` for the narrower slot metadata the last table considers (int16 position offset, fp16 score).
 
-    python eval/format_variants.py --model smollm2 --dtype bf16 --out eval/results/format_variants_smollm2.json
-    python eval/format_variants.py --model testbed --dtype bf16 --out eval/results/format_variants_testbed.json
-    python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 \
+    python -m eval.format_variants --model smollm2 --dtype bf16 --out eval/results/format_variants_smollm2.json
+    python -m eval.format_variants --model testbed --dtype bf16 --out eval/results/format_variants_testbed.json
+    python -m eval.format_variants --model smollm2 --dtype bf16 --texts human --docs 4 \
         --out eval/results/format_variants_smollm2_human.json   # human-written documents (hfkv.evaluation.human_texts)
 
 Without ``--out`` a run writes ``hfkv-out/eval/format_variants_<model>.json`` under the working directory.
+
+Run from the repository root as ``python -m eval.format_variants``: it imports ``eval.format_fidelity`` of this
+package (a plain ``python -m eval.format_variants`` puts only its own folder on the import path, which does not
+reach them).
 """
 
 from __future__ import annotations
@@ -39,10 +43,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from format_fidelity import _texts, capture_qkv, part_losses, run_meta  # noqa: E402
-
+from eval.format_fidelity import _texts, capture_qkv, part_losses, run_meta  # noqa: E402
 from hfkv.quant.rotation import hadamard  # noqa: E402
 
 OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=f"result file (default {OUT_DIR}/format_variants_<model>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.atomic import write_atomic
     from hfkv.loading import load_model, parse_dtype
 
     torch.set_num_threads(args.threads)
@@ -172,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         size = r["code_bytes"] + r["meta_bytes"]
         print(f"{name:28s} bytes {size:6.1f} K {r['loss_keys']:.4f} V {r['loss_values']:.4f}")
-    command = "python eval/format_variants.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m eval.format_variants " + " ".join(argv if argv is not None else sys.argv[1:])
     meta_info = run_meta(args, dim, len(docs)) | {
         "command": command,
         "texts": "human" if args.texts == "human" else ("kv_recall" if args.model == "testbed" else "model"),
     }
     out = out_path(args)
-    write_text_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
+    write_atomic(out, json.dumps({"meta": meta_info, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -1,12 +1,14 @@
 #!/bin/bash
 # One call of a GPU lease (docs/kernels.md, "Device recipe"): the compiled tests first, then an optional sweep, then
-# gpu_check's other parts in the time left, every result copied flat into $OUT (the run tool brings back at most
-# eight files: the twelfth lease lost two parts' JSONs to nested folders).
+# the GPU check's other parts (eval/gpu/check.py) in the time left, every result copied flat into $OUT (the run tool
+# brings back at most eight files: the twelfth lease lost two parts' JSONs to nested folders).
 #
 #   bash eval/gpu_lease.sh                       # tests, then bandwidth and e2e with gpu_check's defaults
 #   LEASE_S=470 LEASE_PARTS=e2e LEASE_CHECK_ARGS="--e2e-contexts 32768 --e2e-batches 8 --budgets 1024" \
-#   LEASE_SWEEP="timeout 130 python3 eval/kernel_variants.py --out \$OUT/sweep.json --cases quant:32768:8 ..." \
+#   LEASE_SWEEP="timeout 130 python3 -m eval.kernel_variants --out \$OUT/sweep.json --cases quant:32768:8 ..." \
 #   bash eval/gpu_lease.sh
+#
+# Run from the repository root (the check imports tests/ and eval/ as packages of the checkout).
 #
 # Should a compiled decode-kernel or dequantization test fail, the device copy's ASM_DEQUANT is set to False before
 # anything is timed (the PTX dequantization is the newest code on that path) and $OUT/verdict.txt says so.
@@ -29,14 +31,14 @@ export PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > /tmp/lease_log.txt 2>&1 || echo "no nvidia-smi" > /tmp/lease_log.txt
 
 if [ "$TESTS_BUDGET_S" != 0 ]; then
-  python3 -m hfkv.kernels.gpu_check $DRY --out /tmp/lease_tests --parts tests --budget-s "$TESTS_BUDGET_S" \
+  python3 -m eval.gpu.check $DRY --out /tmp/lease_tests --parts tests --budget-s "$TESTS_BUDGET_S" \
     >> /tmp/lease_log.txt 2>&1
   cp /tmp/lease_tests/gpu_check.json "$OUT/tests.json"
   cp /tmp/lease_tests/summary.txt "$OUT/tests_summary.txt"
   tail -20 /tmp/lease_tests/summary.txt
   python3 - > "$OUT/verdict.txt" <<'PY'
 import json, os
-from hfkv.kernels.gpu_check import decode_path_failures
+from eval.gpu.check import decode_path_failures
 result = json.load(open(os.environ["OUT"] + "/tests.json"))
 py = result["parts"]["tests"].get("pytest", {})
 bad = decode_path_failures(result)
@@ -60,7 +62,7 @@ LEFT=$(( LEASE_S - $(elapsed) - 10 ))
 if [ "$LEASE_PARTS" != none ] && [ "$LEFT" -gt 60 ]; then
   # gpu_check's last deadline is 97% of its budget.
   # shellcheck disable=SC2086
-  python3 -m hfkv.kernels.gpu_check $DRY --out /tmp/lease_check --parts "$LEASE_PARTS" --budget-s $(( LEFT * 100 / 97 )) \
+  python3 -m eval.gpu.check $DRY --out /tmp/lease_check --parts "$LEASE_PARTS" --budget-s $(( LEFT * 100 / 97 )) \
     $LEASE_CHECK_ARGS >> /tmp/lease_log.txt 2>&1
   cp /tmp/lease_check/gpu_check.json "$OUT/check.json"
   cp /tmp/lease_check/summary.txt "$OUT/check_summary.txt"

@@ -57,11 +57,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
 from hfkv.evaluation import quiet  # noqa: E402
+from hfkv.kernels.backend import backend_ops  # noqa: E402
 
 TARGET_LAUNCHES, TARGET_HOST_US = 3, 40.0
 # a run's default output, under the working directory; the committed eval/results/ only by --out
@@ -273,7 +270,8 @@ def build_layer(
     layer = cache.layers[0]
     layer.ingest_prefill(k, v, q, shape.dim**-0.5)
     # The prefill's storage writes ran on the torch backend; decode steps take the Triton path from here.
-    layer.backend = layer.tiers.backend = "triton"
+    layer.backend = "triton"
+    layer.ops = layer.tiers.ops = backend_ops("triton")
     info = {
         "name": shape_name,
         "heads": shape.heads,
@@ -344,7 +342,7 @@ def measure(
 ) -> dict[str, Any]:
     """Launches and host microseconds per compressed layer per decode step between policy runs, and per policy run
     (module docstring)."""
-    from hfkv.kernels.backend import interpreter_on
+    from hfkv.kernels.environment import interpreter_on
 
     if not interpreter_on():
         raise RuntimeError("host_overhead records Triton launches in the interpreter: set TRITON_INTERPRET=1 first")

@@ -67,15 +67,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
-from hfkv.evaluation.results import json_safe, parse_list, provenance, write_bytes_atomic, write_text_atomic  # noqa: E402
+from hfkv.atomic import write_atomic  # noqa: E402
+from hfkv.evaluation.results import json_safe, parse_list, provenance  # noqa: E402
 from hfkv.evaluation.shapes import get_shape  # noqa: E402
 from hfkv.quant.formats import QuantFormat  # noqa: E402
+from hfkv.quant.record import RecordLayout  # noqa: E402
 from hfkv.storage.paged import auto_page_bytes  # noqa: E402
-from hfkv.storage.record import RecordLayout  # noqa: E402
 
 KINDS = ("full", "quant", "hfkv")
 DEFAULT_CONTEXTS = "4096,8192,16384,32768,65536,131072"
@@ -756,7 +753,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -972,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+        write_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
 
     if not args.skip_kernels:
         result["copy_bandwidth"] = copy = measure_copy_bandwidth()

@@ -2,15 +2,19 @@
 
 A GPU lease is minutes; a kernel change can be judged before one. Triton ships the CUDA tools
 (``ptxas``, ``cuobjdump``), so this compiles the partial pass exactly as a decode step of
-``eval/kernel_bench.py``'s storage would launch it (``hfkv.kernels.aot_check``'s capture) and reads
+``eval/kernel_bench.py``'s storage would launch it (``eval/gpu/aot.py``'s capture) and reads
 the machine code: registers and stack per thread (spills), shared memory per program, and the main
 loop's instructions by opcode, per warp and iteration and per slot (``instructions x warps /
 block_n``). On the H100 lease this located the quantized read's per-element trips through shared
 memory (``STS.U16`` / ``LDS.U16``) and the page-table loads each record copy waited on (docs/kernels.md).
 It says nothing about time: stalls are the GPU's to show.
 
-    python eval/kernel_sass.py --kinds full,quant,hfkv --launch "" --launch "block_n=128;num_warps=4"
-    env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py   # the device image's Triton 3.6
+    python -m eval.kernel_sass --kinds full,quant,hfkv --launch "" --launch "block_n=128;num_warps=4"
+    env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python -m eval.kernel_sass   # the device image's Triton 3.6
+
+Run from the repository root as ``python -m eval.kernel_sass``: it imports ``eval.kernel_bench`` and
+``eval.gpu.aot`` of this package (a plain ``python -m eval.kernel_sass`` puts only its own folder on the import
+path, which does not reach them).
 """
 
 from __future__ import annotations
@@ -20,16 +24,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_bench as kb  # noqa: E402
-
+from eval import kernel_bench as kb  # noqa: E402
 from hfkv.atomic import write_atomic  # noqa: E402
 
 # Opcode families worth a column: global loads and copies, shared-memory traffic, spills, barriers, products.
@@ -56,7 +57,7 @@ def _tool(name: str) -> str:
 def compile_partial(kind: str, launch: dict[str, int]):
     """The partial pass of one decode call over ``kind``'s storage (Llama-3.1-8B's shape, 2k tokens, batch 1),
     compiled for sm_90: the compiled kernel (its ``asm['cubin']``)."""
-    from hfkv.kernels.aot_check import captured_launches, compile_launch
+    from eval.gpu.aot import captured_launches, compile_launch
     from hfkv.kernels.decode_attention import paged_attention
 
     plan = kb.make_plan(kind, 2048, 1, kb.AttnShape.like("llama-3.1-8b"))

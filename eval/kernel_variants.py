@@ -15,11 +15,14 @@ per page; the library's pages hold 11 of Llama's bf16 records, 10 before they st
 reads). The same seed draws the same tokens for every storage, so each row's output is also compared with the
 case's first storage.
 
-    python eval/kernel_variants.py --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 \
+    python -m eval.kernel_variants --out v.json --cases full:32768:8,dense:32768:8 --page-records 0,128 \
         --record-align 4,16
 
-    python eval/kernel_variants.py --out eval/results/gpu/kernel_variants_DEVICE.json
-    python eval/kernel_variants.py --dry-run --out /tmp/v.json     # a CPU, Triton's interpreter, toy sizes
+    python -m eval.kernel_variants --out eval/results/gpu/kernel_variants_DEVICE.json
+    python -m eval.kernel_variants --dry-run --out /tmp/v.json     # a CPU, Triton's interpreter, toy sizes
+
+Run from the repository root as ``python -m eval.kernel_variants``: it imports ``eval.kernel_bench`` of this package
+(a plain ``python -m eval.kernel_variants`` puts only its own folder on the import path, which does not reach them).
 """
 
 from __future__ import annotations
@@ -39,11 +42,9 @@ if "--dry-run" in sys.argv:
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_bench as kb  # noqa: E402
-
+from eval import kernel_bench as kb  # noqa: E402
 from hfkv.atomic import write_atomic  # noqa: E402
-from hfkv.storage.record import META_BYTES, RecordLayout  # noqa: E402
+from hfkv.quant.record import META_BYTES, RecordLayout  # noqa: E402
 
 # ``dense``: the context in one DenseSlots part (the window ring's path: rows of [B, H, S, D], no page table,
 # 16-byte aligned), what flash SDPA reads, through this kernel: is the paged addressing or the loop the cost?

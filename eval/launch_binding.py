@@ -17,8 +17,11 @@ sm_90 target, on the arguments hfkv really passes:
    Then the plain steps' decode launches through hfkv's bound sites (:func:`time_bound_sites`, JSON ``bound``):
    what a decode step pays instead of that binding since the decode plan launches through them.
 
-    python eval/launch_binding.py --wait-quiet 600     # writes hfkv-out/eval/launch_binding_triton36.json (working dir)
-    python eval/launch_binding.py --wait-quiet 600 --out eval/results/launch_binding_triton36.json   # the committed one
+    python -m eval.launch_binding --wait-quiet 600     # writes hfkv-out/eval/launch_binding_triton36.json (working dir)
+    python -m eval.launch_binding --wait-quiet 600 --out eval/results/launch_binding_triton36.json   # the committed one
+
+Run from the repository root as ``python -m eval.launch_binding``: it imports ``eval.host_overhead`` of this package
+(a plain ``python -m eval.launch_binding`` puts only its own folder on the import path, which does not reach them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are d
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -39,8 +43,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
 AOT_TRITON = REPO / ".aot-triton"
 # a run's default output, under the working directory; the committed eval/results/ only by --out
 DEFAULT_OUT = Path("hfkv-out/eval/launch_binding_triton36.json")
@@ -48,11 +50,10 @@ DEFAULT_OUT = Path("hfkv-out/eval/launch_binding_triton36.json")
 
 def record(path: Path, context: int, batch: int, budget: int) -> None:
     """Step 1: every Triton launch of one policy interval of a one-layer cache, saved to ``path`` (torch.save)."""
-    sys.path.insert(0, str(REPO / "eval"))
-    import host_overhead as ho
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
+    from eval import host_overhead as ho
     from hfkv.attention.interface import hfkv_attention
 
     launches: list[dict[str, Any]] = []
@@ -124,8 +125,13 @@ def time_binding(path: Path, repeats: int) -> dict[str, Any]:
     interval = saved["interval"]
     bound = time_bound_sites(saved["launches"], backend, repeats)
     kernels = [
-        {"phase": phase, "kernel": name, "arguments": args_of[name], "launches": len(us),
-         "us_per_launch": statistics.median(us)}  # fmt: skip
+        {
+            "phase": phase,
+            "kernel": name,
+            "arguments": args_of[name],
+            "launches": len(us),
+            "us_per_launch": statistics.median(us),
+        }  # fmt: skip
         for (phase, name), us in sorted(per.items(), key=lambda kv: (kv[0][0], -statistics.median(kv[1])))
     ]
     steps = interval - 1  # the interval's plain steps, then the step that runs the policy
@@ -234,8 +240,13 @@ def _time_sites(launches: list[dict[str, Any]], repeats: int, kernel_type: type,
         per[name] = 1e6 * (time.perf_counter() - t0) / (repeats * len(args))
     steps = len(calls["_partial_kernel"])
     kernels = [
-        {"kernel": k, "us_per_launch": us, "launches": len(calls[k]), "arguments": len(calls[k][0]),
-         "same_objects": sum(shared[k])}  # fmt: skip
+        {
+            "kernel": k,
+            "us_per_launch": us,
+            "launches": len(calls[k]),
+            "arguments": len(calls[k][0]),
+            "same_objects": sum(shared[k]),
+        }  # fmt: skip
         for k, us in sorted(per.items(), key=lambda kv: -kv[1])
     ]
     return {
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         path = os.pathsep.join([str(args.triton_path), str(REPO)])
         env = dict(os.environ) | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--time-only", str(rec), "--repeats", str(args.repeats)]
+        cmd = [sys.executable, "-m", "eval.launch_binding", "--time-only", str(rec), "--repeats", str(args.repeats)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         quiet.finish(status)
     from hfkv.evaluation.results import machine_name, provenance, script_command, write_result_json

@@ -20,10 +20,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
 # a run's default output, under the working directory; the committed eval/results/ only by --out
 DEFAULT_OUT = Path("hfkv-out/eval/lossless_budget.json")
 # (prompt tokens, budget): the default budget with a prompt it covers, and the 1,057-token document with
@@ -86,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result file (default: %(default)s)")
     args = ap.parse_args(argv)
-    from hfkv.evaluation.results import provenance, write_text_atomic
+    from hfkv.atomic import write_atomic
+    from hfkv.evaluation.results import provenance
     from hfkv.loading import load_model
 
     torch.set_num_threads(args.threads)
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_case(model, tok, dtype, prompt_tokens, budget, args.new)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    write_text_atomic(args.out, json.dumps({"provenance": provenance(threads=args.threads), "rows": rows}, indent=1))
+    write_atomic(args.out, json.dumps({"provenance": provenance(threads=args.threads), "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

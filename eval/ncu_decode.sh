@@ -26,7 +26,7 @@ for c in "${cases[@]}"; do
     timeout 240 "$ncu" --clock-control none --target-processes all --kernel-name regex:_partial_kernel \
         --launch-skip 0 --launch-count 1 --set full --import-source no -f -o "$work/$name" \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 eval/kernel_variants.py --out "$work/$name.json" --cases "$kind:$ctx:$batch" --block-n 64 \
+        python3 -m eval.kernel_variants --out "$work/$name.json" --cases "$kind:$ctx:$batch" --block-n 64 \
         --num-warps 0 --num-stages 2 --int-tile 1 --int-pieces 1 --half-dequant 1 --max-registers=-1 \
         --table-ahead "$ahead" --repeats 3 ${NCU_VARIANT_ARGS:-} >"$work/$name.log" 2>&1
     echo "== $c: ncu rc $?"

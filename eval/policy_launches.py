@@ -11,9 +11,13 @@ section it ran in (``candidates``, ``classify``, ``tier_changes``, ``remove``, `
 ``run_policy`` is what the run does outside them). Device time is not modelled; the counts are what a GPU run's
 host issues (a torch op or a Triton launch each), and its waits.
 
-    python eval/policy_launches.py --out eval/results/policy_launches.json
+    python -m eval.policy_launches --out eval/results/policy_launches.json
 
 Counting only (no clock), so the machine need not be quiet.
+
+Run from the repository root as ``python -m eval.policy_launches``: it imports ``eval.host_overhead`` and
+``eval.policy_profile`` of this package (a plain ``python -m eval.policy_launches`` puts only its own folder on the
+import path, which does not reach them).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when hfkv's kernels are decorated, so before any import
 
 import argparse  # noqa: E402
-import sys  # noqa: E402
 from collections import Counter, defaultdict  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,13 +35,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-for path in (REPO, REPO / "eval"):
-    if str(path) not in sys.path:  # run as a script from anywhere
-        sys.path.insert(0, str(path))
-
-from host_overhead import ALLOCATIONS, DECODE_KERNELS, HOST_SYNCS, METADATA  # noqa: E402
-from policy_profile import SECTIONS, patched  # noqa: E402
+from eval.host_overhead import ALLOCATIONS, DECODE_KERNELS, HOST_SYNCS, METADATA  # noqa: E402
+from eval.policy_profile import SECTIONS, patched  # noqa: E402
 
 # Sections besides policy_profile's: where a run's host reads and storage writes happen.
 EXTRA_SECTIONS = (
@@ -232,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{result['launches_per_run']:.1f} launches per policy run of a layer ({result['torch_launches_per_run']:.1f} "
         f"torch + {result['triton_launches_per_run']:.1f} Triton), {result['host_reads_per_run']:.1f} host reads\n"
-        + "\n".join(f"  {k:18s} torch {v['torch']:5.1f}  triton {v['triton']:4.1f}  reads {v['host_reads']:3.1f}"
-                    for k, v in result["sections"].items())  # fmt: skip
+        + "\n".join(
+            f"  {k:18s} torch {v['torch']:5.1f}  triton {v['triton']:4.1f}  reads {v['host_reads']:3.1f}"
+            for k, v in result["sections"].items()
+        )  # fmt: skip
         + f"\nwrote {args.out}"
     )
     return 0

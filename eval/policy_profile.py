@@ -18,11 +18,14 @@ of MB). This script says where that time is, so the fix is aimed, not guessed:
   per layer with each part synchronised before and after (``synced_ms_per_layer``: host gaps included)
   and profiled (``sections``, beside ``dynamic_top_ops``, what the model's own prefill launches).
 
-    python eval/policy_profile.py --out DIR                  # a CUDA machine: Llama-3.1-8B shape, 4 layers, 32k x 8
-    python eval/policy_profile.py --out DIR --dry-run        # a CPU: the small shape, in seconds (the suite runs it)
+    python -m eval.policy_profile --out DIR                  # a CUDA machine: Llama-3.1-8B shape, 4 layers, 32k x 8
+    python -m eval.policy_profile --out DIR --dry-run        # a CPU: the small shape, in seconds (the suite runs it)
 
 Writes ``DIR/policy_profile.json``. Nothing is asserted: a profile is evidence for a change, and
 its numbers come with the device, the shape and the code's commit.
+
+Run from the repository root as ``python -m eval.policy_profile``: it imports of this package (a plain ``python
+eval/policy_profile.py`` puts only its own folder on the import path, which does not reach them).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -39,27 +41,23 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
+from eval.gpu.e2e import policy_run_counts  # noqa: E402
 from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.evaluation.bench import decode_step, fill_cache, random_prompt  # noqa: E402
 from hfkv.evaluation.methods import parse_method  # noqa: E402
 from hfkv.evaluation.results import provenance, script_command  # noqa: E402
 from hfkv.evaluation.shapes import build_random_like  # noqa: E402
 from hfkv.kernels.compiles import compiled_kernels  # noqa: E402
-from hfkv.kernels.gpu_check_e2e import policy_run_counts  # noqa: E402
 
-# Methods of TriStateLayer / PagedTiers labelled in the profile: (owner, attribute, section name).
+# Methods of the layer's parts / PagedTiers labelled in the profile: (owner, attribute, section name).
 SECTIONS = (
-    ("layer", "run_policy", "run_policy"),
-    ("layer", "_classify", "classify"),
-    ("layer", "_apply", "apply"),
-    ("layer", "_apply_planned", "apply"),  # the Triton backend's: the move plan and the movers' gathers
-    ("layer", "_admit", "admit"),
-    ("layer", "_attend_slots", "attend"),
-    ("layer", "_prepare_run_ahead", "run_ahead"),  # a run's first part, launched after the step before's attention
+    ("policy", "run", "run_policy"),
+    ("policy", "classify", "classify"),
+    ("moves", "apply", "apply"),
+    ("moves", "apply_planned", "apply"),  # the Triton backend's: the move plan and the movers' gathers
+    ("moves", "admit", "admit"),
+    ("reads", "attend", "attend"),
+    ("policy", "prepare_ahead", "run_ahead"),  # a run's first part, launched after the step before's attention
     ("tiers", "candidates", "candidates"),
     ("tiers", "read_meta", "read_meta"),
     ("tiers", "remove", "remove"),
@@ -68,19 +66,19 @@ SECTIONS = (
 )
 # A prefill's sections: the forward's attention (``prefill_layer`` less ``admit_prompt``), and what hfkv adds to it.
 PREFILL_SECTIONS = (
-    ("layer", "_prefill", "prefill_layer"),
-    ("layer", "_admit_prompt", "admit_prompt"),
-    ("module", "observation_probs", "observation_probs"),
-    ("module", "token_scores", "token_scores"),
-    ("module", "oq_score", "oq_score"),
-    ("module", "smooth_scores", "smooth_scores"),  # the Triton path's: pooling and carry of the kernel's sums
+    ("prefill", "attend_prompt", "prefill_layer"),
+    ("prefill", "admit_prompt", "admit_prompt"),
+    ("prefill", "observation_probs", "observation_probs"),
+    ("prefill", "token_scores", "token_scores"),
+    ("prefill", "oq_score", "oq_score"),
+    ("prefill", "smooth_scores", "smooth_scores"),  # the Triton path's: pooling and carry of the kernel's sums
     ("observation", "observation_scores", "observation_scores"),
     ("observation", "oq_score_triton", "oq_score_triton"),
     ("window", "push", "window_push"),
-    ("layer", "_classify", "classify"),
-    ("layer", "_admit", "admit"),
+    ("policy", "classify", "classify"),
+    ("moves", "admit", "admit"),
     ("tiers", "append_tokens", "append_tokens"),
-    ("layer", "_refresh_tier_peak", "refresh_tier_peak"),
+    ("budget", "refresh_peak", "refresh_tier_peak"),
 )
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
@@ -88,22 +86,26 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "
 
 @contextmanager
 def patched(sections, wrap):
-    """Every method (or ``hfkv.cache`` / ``hfkv.kernels.observation`` function) named in ``sections`` replaced by
-    ``wrap(fn, name)`` meanwhile; a method the code at hand lacks (an older commit's) is left out."""
-    import hfkv.cache
+    """Every method (or ``hfkv.layer.prefill`` / ``hfkv.kernels.observation`` function) named in ``sections`` replaced
+    by ``wrap(fn, name)`` meanwhile; a method the code at hand lacks (an older commit's) is left out."""
     import hfkv.kernels.observation
-    from hfkv.cache import TriStateLayer
+    import hfkv.layer.prefill
+    from hfkv.layer.budget import Budget
+    from hfkv.layer.policy_runner import PolicyRunner
+    from hfkv.layer.reads import Reads
+    from hfkv.storage.moves import Moves
     from hfkv.storage.paged import PagedTiers
     from hfkv.storage.window import WindowRing
 
-    owners = {"layer": TriStateLayer, "tiers": PagedTiers, "window": WindowRing, "module": hfkv.cache,
-              "observation": hfkv.kernels.observation}  # fmt: skip
+    owners = {"policy": PolicyRunner, "moves": Moves, "reads": Reads, "budget": Budget, "tiers": PagedTiers,
+              "window": WindowRing, "prefill": hfkv.layer.prefill, "observation": hfkv.kernels.observation}  # fmt: skip
+    functions = ("prefill", "observation")  # module functions, looked up by name where they are called
     saved = []
     for owner, attr, name in sections:
         cls = owners[owner]
-        if owner not in ("module", "observation") and attr not in cls.__dict__:
+        if owner not in functions and attr not in cls.__dict__:
             continue
-        fn = getattr(cls, attr) if owner in ("module", "observation") else cls.__dict__[attr]
+        fn = getattr(cls, attr) if owner in functions else cls.__dict__[attr]
         saved.append((cls, attr, fn))
         setattr(cls, attr, wrap(fn, name))
     try:

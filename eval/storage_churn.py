@@ -15,16 +15,10 @@ Counts, not times: any machine, no quiet needed. Every policy run happens on eve
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
 
 
 def _shapes(layer) -> tuple:

@@ -64,11 +64,12 @@ def user_texts(default: str, have: list[dict]) -> str:
     """Where the documents a run needs beyond those of the default (committed) texts file ``default`` go: a file of
     the same name under ``OUT_DIR/texts``, started with ``default``'s documents (``have``) so that its first ones
     are the same; a later run finds it with the documents it added. The committed file grows only when named."""
-    from hfkv.evaluation.results import dumps_row, write_text_atomic
+    from hfkv.atomic import write_atomic
+    from hfkv.evaluation.results import dumps_row
 
     path = os.path.join(OUT_DIR, "texts", os.path.basename(default))
     if not os.path.exists(path) and have:
-        write_text_atomic(path, "".join(dumps_row(d) + "\n" for d in have))
+        write_atomic(path, "".join(dumps_row(d) + "\n" for d in have))
     return path
 
 

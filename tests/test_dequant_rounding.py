@@ -1,17 +1,9 @@
 """eval/dequant_rounding.py: the emulation that settled the partial pass's dequantization form (docs/kernels.md)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "eval"))
-_spec = importlib.util.spec_from_file_location("dequant_rounding", REPO / "eval" / "dequant_rounding.py")
-dr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dr)
+from eval import dequant_rounding as dr
 
 
 def test_attention_without_rounding_is_masked_softmax_attention():

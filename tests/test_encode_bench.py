@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_encode_bench_dry_run_times_every_shape_of_every_tier_format(tmp_path):
-    spec = importlib.util.spec_from_file_location("encode_bench", REPO / "eval" / "encode_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from eval import encode_bench as mod
+
     assert mod.main(["--out", str(tmp_path), "--dry-run", "--rows", "1,4", "--warps", "1,4", "--tokens", "20"]) == 0
     out = json.loads((tmp_path / "encode_bench.json").read_text())
     assert [(f["key"], f["value"]) for f in out["formats"]] == list(mod.FORMATS)

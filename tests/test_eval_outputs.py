@@ -5,7 +5,7 @@ directory), never into the repository: the committed results under ``eval/result
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -19,7 +19,14 @@ NOT_RUNS = {"make_tables"}
 # An output option whose default None means "write no file" (kernel_sass.py prints its rows without --out).
 NO_FILE = {("kernel_sass", "out")}
 OUT_DESTS = ("out", "out_dir", "output", "output_path", "output_dir")
-SCRIPTS = sorted(p.stem for p in (REPO / "eval").glob("*.py") if p.stem not in NOT_RUNS)
+# Each script by its path under eval/ without ".py" ("kernel_bench", "archive/interleave_probe"): the archived ones
+# still run, so they too write nowhere in the repository by default.
+SCRIPTS = sorted(
+    p.relative_to(REPO / "eval").with_suffix("").as_posix()
+    for folder in ("eval", "eval/archive")
+    for p in (REPO / folder).glob("*.py")
+    if p.stem not in NOT_RUNS and not p.stem.startswith("_")
+)
 
 
 class _Parser(BaseException):  # not an Exception: no handler of a script's catches it
@@ -27,20 +34,15 @@ class _Parser(BaseException):  # not an Exception: no handler of a script's catc
         self.parser = parser
 
 
-def _load(name: str, monkeypatch):
-    """``eval/<name>.py`` as a module of a private name (the other tests' copies stay as they are)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put eval/ and the repository on it
-    spec = importlib.util.spec_from_file_location(f"_eval_outputs_{name}", REPO / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def _load(name: str):
+    """``eval/<name>.py`` as the module ``eval.<name>`` (``name`` may hold a folder: ``archive/interleave_probe``)."""
+    return importlib.import_module("eval." + name.replace("/", "."))
 
 
 def parser_of(name: str, monkeypatch) -> tuple[object, argparse.ArgumentParser]:
     """The script's parser: ``build_parser()`` where it has one, else the parser ``main`` builds, caught at its
     ``parse_args`` before anything runs."""
-    module = _load(name, monkeypatch)
+    module = _load(name)
     if hasattr(module, "build_parser"):
         return module, module.build_parser()
 
@@ -110,7 +112,7 @@ def _required(parser: argparse.ArgumentParser) -> list[list[str]]:
 def test_sweep_fidelity_extends_a_copy_of_the_committed_texts_not_the_file(tmp_path, monkeypatch):
     """Documents beyond those of the default (committed) texts file go to hfkv-out/eval/texts/, which starts with
     the committed file's documents; the committed file is untouched."""
-    module = _load("sweep_fidelity", monkeypatch)
+    module = _load("sweep_fidelity")
     monkeypatch.chdir(tmp_path)
     docs = [{"id": 0, "ids": [1, 2, 3], "prompt_len": 2, "n_tokens": 3}]
     path = module.user_texts("eval/results/texts/smollm2.jsonl", docs)
@@ -124,7 +126,7 @@ def test_sweep_fidelity_extends_a_copy_of_the_committed_texts_not_the_file(tmp_p
 
 
 def test_format_fidelity_leaves_the_committed_page_alone_unless_writing_the_committed_results(monkeypatch):
-    module = _load("format_fidelity", monkeypatch)
+    module = _load("format_fidelity")
     args = argparse.Namespace(out=None, model="smollm2")
     assert not where(module.out_path(args)).is_relative_to(module.RESULTS)
     args.out = "eval/results/formats_smollm2.json"

@@ -44,12 +44,9 @@ def test_cpu_cache_figures_writes_ratios(tmp_path, monkeypatch):
 
 
 def _format_variants():
-    import importlib.util
+    from eval import format_variants
 
-    spec = importlib.util.spec_from_file_location("format_variants", "eval/format_variants.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return format_variants
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -113,20 +110,17 @@ def test_format_variants_channel_and_page_groups_span_tokens():
 def test_rotation_fidelity_leaves_the_full_cache_exact_and_changes_what_quantized_tiers_lose():
     """The rotation around the layer is attention-invariant (every token exact: the full cache's log-probs) and reaches
     the quantized tiers (``quant``'s log-probs move); the layer's methods are restored after the context."""
-    import importlib.util
     from contextlib import nullcontext
 
     import torch
 
     import hfkv
+    from eval.archive import rotation_fidelity as rf
     from hfkv.cache import TriStateLayer
     from hfkv.evaluation.fidelity import reference_logprobs, teacher_forced
     from hfkv.loading import load_model
     from hfkv.testbed import load_test_set
 
-    spec = importlib.util.spec_from_file_location("rotation_fidelity", "eval/rotation_fidelity.py")
-    rf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rf)
     model, tok = load_model("testbed", dtype="fp32")
     row = load_test_set("kv_recall")[0]
     ids = torch.tensor([tok(row["prompt"] + row["target"])["input_ids"]])

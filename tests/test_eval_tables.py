@@ -3,7 +3,6 @@ the committed result files; Pareto marks, thresholds, missing rows and aggregati
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -11,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from eval import make_tables as mt
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_tables", REPO / "eval" / "make_tables.py")
-mt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mt)
 
 
 def test_committed_markdown_is_reproduced_byte_for_byte():
@@ -432,4 +430,4 @@ def test_lossless_block_reads_the_committed_run():
         assert cells[4] == ("—" if r["first_difference"] is None else str(r["first_difference"]))
         exact = (r["tokens"]["window"] + r["tokens"]["original"]) / sum(r["tokens"].values())
         assert cells[6] == f"{exact:.0%}" and cells[7] == f"{r['kv_bytes'] / r['dynamic_cache_bytes']:.3f}x"
-    assert "python eval/lossless_budget.py --out eval/results/lossless_budget.json" in mt.lossless_block(None)
+    assert "python -m eval.lossless_budget --out eval/results/lossless_budget.json" in mt.lossless_block(None)

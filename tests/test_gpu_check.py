@@ -1,4 +1,4 @@
-"""``python -m hfkv.kernels.gpu_check --dry-run``: every part of the GPU check runs on a CPU and writes its files.
+"""``python -m eval.gpu.check --dry-run``: every part of the GPU check runs on a CPU and writes its files.
 
 A lent GPU is a few minutes long and starts bare, so the command must work the first time there:
 the dry run builds and launches every part (the pytest run through the offload plugin, the
@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from hfkv.kernels import gpu_check
-from hfkv.kernels.backend import interpreter_on
+from eval.gpu import check as gpu_check
+from hfkv.kernels.environment import interpreter_on
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="the dry run is the CPU rehearsal (Triton's interpreter)")
@@ -132,7 +132,7 @@ def test_pytest_outcomes_count_each_test_once_by_its_worst_phase():
 def test_bad_arguments_are_named_before_anything_runs(tmp_path, capsys, argv, option, words):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "x"), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m hfkv.kernels.gpu_check: error: " + option) and words in err
+    assert err.startswith("python -m eval.gpu.check: error: " + option) and words in err
     assert not (tmp_path / "x").exists()
 
 
@@ -151,7 +151,7 @@ def test_a_real_run_needs_cuda_and_compiled_kernels(tmp_path, capsys, monkeypatc
 
 
 def test_largest_batch_is_predicted_from_two_peaks():
-    from hfkv.kernels.gpu_check_e2e import predict_max_batch
+    from eval.gpu.e2e import predict_max_batch
 
     gib = 1 << 30
     p = predict_max_batch([(1, 20 * gib), (8, 48 * gib)], free_bytes=80 * gib)  # 4 GiB per row over 16 GiB
@@ -161,7 +161,7 @@ def test_largest_batch_is_predicted_from_two_peaks():
 
 
 def test_ratios_are_taken_against_dynamic_cache_of_the_same_group():
-    from hfkv.kernels.gpu_check_e2e import add_ratios
+    from eval.gpu.e2e import add_ratios
 
     def row(method, context, ms, peak, kv, status="ok"):
         return dict(method=method, context=context, batch=1, status=status, decode_ms_median=ms, decode_ms_mean=ms,
@@ -179,7 +179,7 @@ def test_quanto_python_unpack_inverts_quantos_packing():
     packed_mod = pytest.importorskip("optimum.quanto.tensor.packed")
     import torch
 
-    from hfkv.kernels.gpu_check_e2e import _unpack
+    from eval.gpu.e2e import _unpack
 
     for bits in (2, 4):
         codes = torch.randint(0, 1 << bits, (10, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
@@ -190,8 +190,8 @@ def test_quanto_python_unpack_inverts_quantos_packing():
 def test_offload_copies_storages_once_and_writes_back_into_the_callers_tensors():
     import torch
 
-    from hfkv.kernels.gpu_offload import _Mover, offloaded
     from hfkv.kernels.move import move_records
+    from tests.gpu_offload import _Mover, offloaded
 
     pool = torch.arange(64, dtype=torch.uint8).view(2, 32).clone()
     offloaded(move_records, "cpu")(pool, torch.tensor([0]), torch.tensor([32]), 8)
@@ -222,7 +222,7 @@ def test_offload_routes_every_launch_of_a_generate_through_the_wrappers(monkeypa
     from triton.runtime.interpreter import InterpretedFunction
 
     from hfkv import TriStateCache
-    from hfkv.kernels import gpu_offload
+    from tests import gpu_offload
     from tests.models import tiny_model
 
     for module_name, name in gpu_offload.WRAPPED:
@@ -249,8 +249,8 @@ def test_offload_routes_every_launch_of_a_generate_through_the_wrappers(monkeypa
 
 
 def test_extra_caches_run_hfkv_on_triton_unless_told_and_keep_short_labels():
-    from hfkv.kernels.gpu_check_e2e import GRAPHED, extra_methods
-    from hfkv.kernels.gpu_check_report import _short
+    from eval.gpu.e2e import GRAPHED, extra_methods
+    from eval.gpu.report import _short
 
     got = extra_methods(["hfkv@1024:interval=32", "evict@512,hfkv@256:backend=torch", "dynamic"])
     assert [m.label for m in got] == [
@@ -273,7 +273,7 @@ def _passing_check(x: int) -> tuple[bool, str]:
 def test_isolated_checks_run_in_a_process_of_their_own(monkeypatch):
     """A check run by ``isolated`` fails as a result, not an exception, and what it did to its process does not
     reach the caller's (run 14: a failed capture left the e2e part unable to draw random weights)."""
-    from hfkv.kernels.gpu_check import _graph_check_in, isolated, repo_root
+    from eval.gpu.check import _graph_check_in, isolated
 
     monkeypatch.delenv("HFKV_TEST_POISON", raising=False)
     ok, detail = isolated(_poisoning_check, "HFKV_TEST_POISON")
@@ -282,13 +282,14 @@ def test_isolated_checks_run_in_a_process_of_their_own(monkeypatch):
     ok, detail = isolated(_passing_check, 7)
     assert ok and detail.startswith("7 and pid ") and detail != f"7 and pid {os.getpid()}"
     # the graph check itself finds the tests' helpers in the child and reaches the decoder (which refuses the mode)
-    ok, detail = isolated(_graph_check_in, str(repo_root()), "cpu", "pieces")
+    ok, detail = isolated(_graph_check_in, "cpu", "pieces")
     assert not ok and "GraphedDecoder: mode='pieces'" in detail
 
 
 def test_decode_path_failures_name_the_decode_kernel_and_dequant_tests_only():
     """eval/gpu_lease.sh turns the PTX dequantization off when these fail: a failure elsewhere (or a run without
     tests) must not, and one in either file must."""
+
     def result(*tests):
         failures = [{"test": t, "outcome": "failed", "message": ""} for t in tests]
         return {"parts": {"tests": {"pytest": {"passed": 3, "failed": len(tests), "failures": failures}}}}
@@ -310,7 +311,7 @@ def test_dynamic_cache_keeps_its_time_until_it_was_tried():
     tried at that context and batch; DynamicCache itself, and every row after it, reserve nothing."""
     from types import SimpleNamespace as NS
 
-    from hfkv.kernels.gpu_check_e2e import _kept_last, reference_reserve
+    from eval.gpu.e2e import _kept_last, reference_reserve
 
     dyn, hfkv, quanto = NS(kind="dynamic", label="dynamic"), NS(kind="tristate", label="hfkv@1024"), NS(
         kind="quantized", label="quanto-int4")  # fmt: skip

@@ -1,18 +1,14 @@
-"""eval/interleave_probe.py's dry run: the probe that showed the in-turns baseline's slowdown must run on a CPU."""
+"""eval/archive/interleave_probe.py's dry run: the probe that showed the in-turns baseline's slowdown still runs on a
+CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_interleave_probe_dry_run_times_each_section_as_designed(tmp_path):
-    spec = importlib.util.spec_from_file_location("interleave_probe", REPO / "eval" / "interleave_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from eval.archive import interleave_probe as mod
+
     argv = ["--out", str(tmp_path), "--dry-run", "--context", "96", "--steps", "4", "--block", "2", "--sdpa", "math"]
     assert mod.main(argv) == 0
     out = json.loads((tmp_path / "interleave_probe.json").read_text())

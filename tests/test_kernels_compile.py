@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 KERNELS = ("_partial_kernel", "_combine_kernel", "_score_kernel")
 KERNELS += ("_encode_write_kernel", "_move_kernel", "_clear_kernel")
@@ -22,7 +25,7 @@ KERNELS += ("_fits_kernel", "_scan_kernel", "_decide_kernel")  # the allocation'
 def test_all_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hfkv.kernels.aot_check"], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "eval.gpu.aot"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -39,7 +42,7 @@ def test_all_kernels_compile_for_sm90():
 
 
 def test_aot_check_refuses_the_interpreter(monkeypatch):
-    from hfkv.kernels.aot_check import representative_calls
+    from eval.gpu.aot import representative_calls
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):
@@ -54,12 +57,11 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     cuts the loop again; a register cap reaches the compiler (three programs an SM where there were two); column
     sums of the softmax denominators take barriers out of the loop."""
     import json
-    from pathlib import Path
 
-    from hfkv.kernels.backend import triton_version
+    from hfkv.kernels.environment import triton_version
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parents[1] / "eval" / "kernel_sass.py"
+    script = REPO / "eval" / "kernel_sass.py"  # run as a file: it re-runs itself as `python -m eval.kernel_sass`
     out = tmp_path / "sass.json"
     cmd = [
         sys.executable,
@@ -137,13 +139,8 @@ def test_kernel_sass_counts_shared_memory_requests():
     """``shared_bytes``: a warp's shared-memory requests in a loop, from SASS text: 32 lanes times an instruction's
     width, 128 bytes a matrix for ``ldmatrix`` / ``stmatrix``, an asynchronous copy's write a store, the placeholders
     predicated off (``@!PT``) not at all."""
-    import importlib.util
-    from pathlib import Path
+    from eval import kernel_sass as ks
 
-    path = Path(__file__).resolve().parents[1] / "eval" / "kernel_sass.py"
-    spec = importlib.util.spec_from_file_location("kernel_sass_for_test", path)
-    ks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ks)
     loop = [
         "LDSM.16.M88.4 R8, [R44]",  # 4 matrices: 512
         "LDSM.16.MT88.2 R1, [R2]",  # 256

@@ -3,20 +3,15 @@ of each timed with the suite's own Triton (the committed figures use the GPU mac
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 DECODE = {"_partial_kernel", "_score_kernel", "_combine_kernel"}
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("launch_binding", REPO / "eval" / "launch_binding.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eval import launch_binding  # here: importing it sets TRITON_INTERPRET
+
+    return launch_binding
 
 
 @pytest.mark.slow

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from hfkv.kernels.backend import interpreter_on
-from tests.eval_script import load
+from hfkv.kernels.environment import interpreter_on
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="Triton launches are counted in the interpreter (CPU)")
 def test_policy_run_launches_are_counted_by_section(tmp_path):
-    pl = load("policy_launches")
+    from eval import policy_launches as pl  # here: importing it sets TRITON_INTERPRET
+
     out = tmp_path / "pl.json"
     assert pl.main(["--context", "96", "--batch", "2", "--runs", "1", "--method", "hfkv@32:backend=triton",
                     "--out", str(out)]) == 0  # fmt: skip

@@ -4,7 +4,6 @@ eval/make_tables.py renders busy and unrecorded results. The load average is fak
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import runpy
@@ -13,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from eval import make_tables as mt
 from hfkv.evaluation import bench, quiet
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_tables", REPO / "eval" / "make_tables.py")
-mt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mt)
 
 
 class Loads:

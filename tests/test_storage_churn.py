@@ -3,12 +3,13 @@ against a recount from each layer's shapes taken around every run."""
 
 from __future__ import annotations
 
+import importlib
+
 from hfkv.evaluation.bench import decode_step
-from tests.eval_script import load
 
 
 def test_storage_churn_counts_what_each_policy_run_changed(monkeypatch):
-    sc = load("storage_churn")
+    from eval import storage_churn as sc
     from hfkv.loading import load_model
 
     model, tok = load_model("testbed", dtype="float32")
@@ -41,6 +42,6 @@ def test_eval_scripts_name_a_bad_option_and_exit_2(capsys):
     """The two counting scripts report a bad command line as one line naming the option, before any model loads."""
     cases = (("storage_churn", "--steps"), ("policy_launches", "--batch"))
     for name, option in cases:
-        assert load(name).main([option, "0", "--out", "x.json"]) == 2
+        assert importlib.import_module(f"eval.{name}").main([option, "0", "--out", "x.json"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"eval/{name}.py: error: {option}") and err.count("\n") == 1

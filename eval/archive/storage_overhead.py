@@ -4,8 +4,11 @@ What a paged cache costs beyond its payload (tags and scores in the records, the
 empty slots, the zero page, page tails), measured from the tensors held after ``generate``
 (docs/architecture.md, "Memory"):
 
-    python eval/storage_overhead.py --model smollm2 --dtype bf16 --lengths 256,1064,2048 \
-        --out eval/results/storage_overhead_smollm2.json    # the committed file; without --out: hfkv-out/eval/
+    python -m eval.archive.storage_overhead --model smollm2 --dtype bf16 --lengths 256,1064,2048 \
+        --out eval/archive/results/storage_overhead_smollm2.json    # the committed file; without --out: hfkv-out/eval/
+
+Archived (eval/archive/README.md): its answer is docs/architecture.md, "Memory" (SmolLM2 1.039x DynamicCache at
+1,064 tokens), and tests/test_cache.py checks the same cost on every run.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from transformers import DynamicCache
 import hfkv
 from hfkv.storage import dynamic_cache_bytes
 
-OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; eval/results/ only by --out
+OUT_DIR = Path("hfkv-out/eval")  # a run's default folder, under the working directory; the committed one only by --out
 
 
 @torch.inference_mode()
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=f"JSON file (default {OUT_DIR}/storage_overhead_<model>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.atomic import write_atomic
     from hfkv.loading import load_model
 
     torch.set_num_threads(1)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:6d} tokens: evict {r['evict']:,} B / DynamicCache {r['dynamic']:,} B = {r['ratio']:.4f}")
     meta = {"model": args.model, "dtype": args.dtype, "hfkv": hfkv.__version__, "machine": platform.machine()}
     out = out_path(args)
-    write_text_atomic(out, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_atomic(out, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""gpu_check's end-to-end part: DynamicCache, hfkv at two budgets and QuantizedCache on a random Llama-3.1-8B.
+"""The GPU check's end-to-end part (eval/gpu/check.py): DynamicCache, hfkv at two budgets and QuantizedCache on a
+random Llama-3.1-8B.
 
 The model is built from Llama-3.1-8B's config with random weights in bf16 (no download; step times
 and bytes depend on shapes only). For each (context, batch) every cache runs alone, one after the
@@ -39,8 +40,8 @@ from typing import Any
 
 import torch
 
+from eval.gpu.report import error_text
 from hfkv.kernels.compiles import compiled_kernels
-from hfkv.kernels.gpu_check_report import error_text
 
 GPU_MODEL, CPU_MODEL = "llama-3.1-8b", "cpu-small"
 WARMUP_POLICY_STEPS = 64  # at most this many more warm-up steps, waiting for the first policy run
@@ -355,7 +356,7 @@ def graph_capture(model, method, ids: torch.Tensor, steps: int) -> dict[str, Any
 
 
 def run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
-    """The e2e part of gpu_check (module docstring), filling ``out``: rows per (context, batch, cache),
+    """The e2e part of the GPU check (module docstring), filling ``out``: rows per (context, batch, cache),
     largest batches; ``save()`` after each row, so a run stopped from outside keeps them. Every forward
     runs with torch's SDPA limited to ``--e2e-sdpa`` (``bench.sdpa_backends``)."""
     from hfkv.evaluation.bench import sdpa_backends
@@ -453,9 +454,7 @@ def _run_e2e(args, budget, device: str, out: dict[str, Any], save: Callable[[], 
             _free(cuda)
             if group:  # rows in the methods' order, DynamicCache first, each graphed row after its cache's
                 order = {m.label: i for i, m in enumerate(methods)}
-                out["rows"][-len(group) :] = sorted(
-                    group, key=lambda r: (order[cache_label(r["method"])], r["method"])
-                )
+                out["rows"][-len(group) :] = sorted(group, key=lambda r: (order[cache_label(r["method"])], r["method"]))
     add_ratios(out["rows"])
     if budget.allows("e2e", "CUDA graph capture of a decode step", 20.0 if cuda else 1.0):
         context = min(args.e2e_contexts)

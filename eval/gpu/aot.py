@@ -7,7 +7,7 @@ CUDA compiler chain (``ptxas``), so each launch the wrappers would make can be c
 Hopper (``sm_90``) here. ``tests/test_kernels_compile.py`` runs this in a process without
 ``TRITON_INTERPRET``; on a GPU machine the kernel tests run the compiled kernels themselves.
 
-    python -m hfkv.kernels.aot_check        # prints one line per compiled configuration
+    python -m eval.gpu.aot        # from the repository root; prints one line per compiled configuration
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.environment import interpreter_on
 
 
 @contextmanager
@@ -139,7 +139,8 @@ def representative_calls() -> list[tuple[Any, tuple, dict]]:
     from hfkv.kernels.move import clear_tags, compact, move_records, release_pages, remove_tiers
     from hfkv.kernels.reserve import count_appends, reserve_slots
     from hfkv.quant.formats import QuantFormat
-    from hfkv.storage import PagedTiers, RecordLayout
+    from hfkv.quant.record import RecordLayout
+    from hfkv.storage import PagedTiers
 
     calls: list = []
     for key, value, dtype, dim, ratio, qlens in CASES:
@@ -275,7 +276,8 @@ def decode_instances(sizes: tuple[int, ...] = (1, 3, 16, 17, 33, 64, 100), arch:
 
     from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention
     from hfkv.quant.formats import QuantFormat
-    from hfkv.storage import PagedTiers, RecordLayout
+    from hfkv.quant.record import RecordLayout
+    from hfkv.storage import PagedTiers
     from hfkv.storage.window import PendingWrite
 
     dim, dtype = 128, torch.bfloat16

@@ -1,13 +1,16 @@
 """Is hfkv ready on this GPU? One command: compiled-kernel tests, decode-kernel bandwidth, end to end.
 
-    python -m hfkv.kernels.gpu_check --out DIR              # a CUDA machine: <= 9 minutes on one H100
-    python -m hfkv.kernels.gpu_check --out DIR --dry-run    # a CPU: every part, toy sizes, Triton's interpreter
+    python -m eval.gpu.check --out DIR              # a CUDA machine: <= 9 minutes on one H100
+    python -m eval.gpu.check --out DIR --dry-run    # a CPU: every part, toy sizes, Triton's interpreter
+
+Run from the repository root: the check imports ``tests`` (the kernel tests' helpers) and ``eval.kernel_bench``
+as packages of this checkout, and runs pytest there.
 
 A GPU lease is short and starts bare, so everything worth knowing comes out of one call, in three
 parts, each with a deadline inside ``--budget-s``:
 
 1. **tests**: the kernel tests and the ``generate`` equality tests, run by pytest in a subprocess
-   without ``TRITON_INTERPRET``; the tests build CPU tensors, and ``hfkv.kernels.gpu_offload`` runs
+   without ``TRITON_INTERPRET``; the tests build CPU tensors, and the plugin ``tests/gpu_offload.py`` runs
    every Triton launch on the GPU (compiled) with the tests' own comparisons. Then on-device checks
    with the model itself on the GPU: ``generate`` with ``backend="triton"`` gives the tokens and
    statistics of ``backend="torch"`` (Llama and Qwen3 tiny random models as the tests build them, a
@@ -17,7 +20,7 @@ parts, each with a deadline inside ``--budget-s``:
 2. **bandwidth**: ``eval/kernel_bench.py``'s functions: bytes the decode kernel must read over its
    time against the measured copy bandwidth and flash SDPA over a dense cache, for ``full``,
    ``quant`` and ``hfkv`` storage at 4k/16k/32k tokens x batch 1/8 (one layer of Llama-3.1-8B).
-3. **e2e**: :mod:`hfkv.kernels.gpu_check_e2e`: a random-weight Llama-3.1-8B in bf16, prefill and
+3. **e2e**: :mod:`eval.gpu.e2e`: a random-weight Llama-3.1-8B in bf16, prefill and
    decode steps of DynamicCache, hfkv at two budgets and QuantizedCache, peaks, largest batch.
 
 Writes ``DIR/gpu_check.json``, ``DIR/gpu_check.png`` and ``DIR/summary.txt`` (also printed); the
@@ -29,7 +32,6 @@ nothing is cut off half-way except the pytest run, whose finished tests are kept
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shlex
@@ -43,7 +45,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hfkv.kernels.gpu_check_report import error_text
+from eval.gpu import report
+from eval.gpu.report import error_text
 
 PARTS = ("tests", "bandwidth", "e2e")
 # Cumulative deadlines as shares of the budget: a part that ends early leaves its time to the next.
@@ -105,14 +108,7 @@ class Budget:
         self.skipped.append({"part": part, "item": item, "reason": reason})
 
 
-def repo_root() -> Path | None:
-    """The checkout holding ``tests/`` and ``eval/`` (the working directory, or the one hfkv was imported from)."""
-    import hfkv
-
-    for cand in (Path.cwd(), Path(hfkv.__file__).resolve().parents[1]):
-        if (cand / "tests" / "test_backend_triton.py").is_file() and (cand / "eval" / "kernel_bench.py").is_file():
-            return cand
-    return None
+REPO = Path(__file__).resolve().parents[2]  # the checkout this module is in: its tests/ run in the tests part
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -137,7 +133,7 @@ def decode_path_failures(result: dict[str, Any]) -> list[str]:
 
 
 def pytest_outcomes(lines: Sequence[str]) -> dict[str, Any]:
-    """Counts and failures from ``hfkv.kernels.gpu_offload``'s report (one JSON line per test phase, and one of the
+    """Counts and failures from ``tests/gpu_offload.py``'s report (one JSON line per test phase, and one of the
     selected tests), and the selected tests that reported nothing (``not_run``: a run stopped at its deadline)."""
     rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
     final: dict[str, tuple[str, str]] = {}
@@ -176,17 +172,16 @@ def pytest_workers(dry_run: bool) -> int:
     return min(14, cpus - 2)  # two cores for the GPU's driver threads and the parent
 
 
-def run_pytest(
-    repo: Path, device: str, selection: str, timeout_s: float, interpret: bool, workers: int = 0
-) -> dict[str, Any]:
-    """The kernel tests in a subprocess, their Triton launches on ``device`` (``hfkv.kernels.gpu_offload``).
+def run_pytest(device: str, selection: str, timeout_s: float, interpret: bool, workers: int = 0) -> dict[str, Any]:
+    """The kernel tests in a subprocess in :data:`REPO`, their Triton launches on ``device`` (the pytest plugin
+    ``tests/gpu_offload.py``).
 
     The run gets its own process group, so at its deadline the workers go with it; the tests that
     finished by then are in the report file all the same.
     """
     import signal
 
-    from hfkv.kernels.gpu_offload import ENV_DEVICE, ENV_REPORT
+    from tests.gpu_offload import ENV_DEVICE, ENV_REPORT
 
     fd, report = tempfile.mkstemp(prefix="hfkv_gpu_check_", suffix=".jsonl")
     os.close(fd)
@@ -195,13 +190,13 @@ def run_pytest(
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env.update({ENV_DEVICE: device, ENV_REPORT: report, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hfkv.kernels.gpu_offload"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.gpu_offload"]
     cmd += ["-n", str(workers)] if workers else []
     cmd += ["-k", selection, *KERNEL_TESTS]
     out: dict[str, Any] = {"command": shlex.join(cmd[1:]), "device": device, "interpreter": interpret}
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         tail, _ = proc.communicate(timeout=max(1.0, timeout_s))
@@ -431,11 +426,12 @@ def _checked(check: Callable[..., tuple[bool, str]], args: tuple) -> tuple[bool,
         return False, error_text(exc)
 
 
-def _graph_check_in(repo: str, device: str, mode: str) -> tuple[bool, str]:
-    """:func:`_graph_check` where the repository's tests' helpers are importable (a spawned process)."""
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    return _graph_check(importlib.import_module("tests.models"), device, mode)
+def _graph_check_in(device: str, mode: str) -> tuple[bool, str]:
+    """:func:`_graph_check` with the tests' model helpers, imported in the process it runs in (a spawned one, whose
+    import path is its parent's)."""
+    from tests import models
+
+    return _graph_check(models, device, mode)
 
 
 def _graph_check(models, device: str, mode: str, new_tokens: int = 40) -> tuple[bool, str]:
@@ -474,27 +470,20 @@ def _graph_check(models, device: str, mode: str, new_tokens: int = 40) -> tuple[
     return True, f"{new_tokens} tokens and token states equal; steps {decoder.counts}"
 
 
-def run_tests(
-    repo: Path | None, device: str, budget: Budget, dry_run: bool, new_tokens: int, out: dict, save: Callable
-) -> dict[str, Any]:
+def run_tests(device: str, budget: Budget, dry_run: bool, new_tokens: int, out: dict, save: Callable) -> dict[str, Any]:
     """The tests part (module docstring), filling ``out`` as it goes; ``save()`` after each result."""
     out["checks"] = []
-    if repo is None:
-        budget.skip("tests", "everything", "tests/ and eval/ not found: run from the repository root")
-        return out
     left = budget.left("tests")
     pytest_s = max(left * PYTEST_SHARE, left - CHECKS_RESERVE_S)
     if budget.allows("tests", "pytest", 30.0):
         selection = DRY_SELECTION if dry_run else SELECTION
-        out["pytest"] = run_pytest(repo, device, selection, pytest_s, dry_run, pytest_workers(dry_run))
+        out["pytest"] = run_pytest(device, selection, pytest_s, dry_run, pytest_workers(dry_run))
         if out["pytest"]["timed_out"]:
             budget.skip("tests", "pytest (the rest)", f"stopped at its share of the budget ({pytest_s:.0f} s)")
         save()
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
     try:
-        tb = importlib.import_module("tests.test_backend_triton")
-        models = importlib.import_module("tests.models")
+        from tests import models
+        from tests import test_backend_triton as tb
     except Exception as exc:  # noqa: BLE001 - the checks need the tests' helpers; say why they did not run
         budget.skip("tests", "on-device checks", f"tests' helpers did not import: {error_text(exc)}")
         return out
@@ -511,7 +500,7 @@ def run_tests(
                      lambda: _run_ahead_no_sync_check(models, device)))  # fmt: skip
         for mode in _graph_modes():
             plan.append((f"CUDA graph replay of decode steps ({mode}) == eager on {device}",
-                         lambda m=mode: isolated(_graph_check_in, str(repo), device, m)))  # fmt: skip
+                         lambda m=mode: isolated(_graph_check_in, device, m)))  # fmt: skip
     else:
         budget.skip("tests", "CUDA graph replay check", "CUDA graphs need a CUDA device")
         budget.skip("tests", "run-ahead sync check", "the copy it checks (pinned memory, an event) is CUDA's")
@@ -532,14 +521,6 @@ def run_tests(
 
 
 # ------------------------------------------------------------------------------------------ bandwidth
-def load_kernel_bench(repo: Path):
-    """``eval/kernel_bench.py`` as a module (a script folder: its directory goes on ``sys.path``)."""
-    folder = str(repo / "eval")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module("kernel_bench")
-
-
 def _cpu_copy_bandwidth(kb, nbytes: int = 64 << 20) -> dict[str, Any]:
     import torch
 
@@ -565,15 +546,13 @@ def _cpu_sdpa(context: int, batch: int, shape, repeats: int, kb) -> dict[str, An
     return {"layout": "gqa (cpu math)", "timing": t, "read_bytes": b["read_total"], "write_bytes": b["write_total"]}
 
 
-def run_bandwidth(repo: Path | None, args, budget: Budget, cuda: bool, out: dict, save: Callable) -> dict[str, Any]:
+def run_bandwidth(args, budget: Budget, cuda: bool, out: dict, save: Callable) -> dict[str, Any]:
     """Decode-kernel rows of eval/kernel_bench.py (its functions, this budget) and the targets read off them."""
     import torch
 
+    from eval import kernel_bench as kb
+
     out["rows"] = []
-    if repo is None:
-        budget.skip("bandwidth", "everything", "eval/kernel_bench.py not found: run from the repository root")
-        return out
-    kb = load_kernel_bench(repo)
     shape = kb.AttnShape.like("llama-3.1-8b") if cuda else kb.AttnShape(4, 2, 32, torch.bfloat16)
     out["shape"] = {"heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype": "bf16"}
     out["copy_bandwidth"] = kb.measure_copy_bandwidth() if cuda else _cpu_copy_bandwidth(kb)
@@ -650,9 +629,10 @@ def _ints(what: str, example: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from hfkv import cli_args as ca
+    from hfkv.evaluation.methods import method_specs
 
     p = ca.ArgumentParser(
-        prog="python -m hfkv.kernels.gpu_check",
+        prog="python -m eval.gpu.check",
         description=__doc__.splitlines()[0],
         epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -703,7 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--e2e-extra",
         nargs="+",
-        type=ca.method_specs,
+        type=method_specs,
         default=[],
         metavar="SPEC",
         help="more caches for the end-to-end part, as hfkv bench's method specs (hfkv ones on the Triton backend "
@@ -789,8 +769,6 @@ def main(argv: list[str] | None = None) -> int:
                       {**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
     import torch
 
-    from hfkv.kernels import gpu_check_report as report
-
     cuda = torch.cuda.is_available() and not args.dry_run
     if not args.dry_run and os.environ.get("TRITON_INTERPRET") == "1":
         print(
@@ -809,14 +787,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run and not _interpreted():
         print(
             f"{parser.prog}: --dry-run: triton was imported before TRITON_INTERPRET=1 was set; set it in the "
-            "environment (TRITON_INTERPRET=1 python -m hfkv.kernels.gpu_check --dry-run ...)",
+            "environment (TRITON_INTERPRET=1 python -m eval.gpu.check --dry-run ...)",
             file=sys.stderr,
         )
         return 2
     device = "cuda" if cuda else "cpu"
     budget = Budget(args.budget_s)
-    repo = repo_root()
-    result = report.header(args, device, budget)
+    result = report.header(args, device, budget, DEADLINES)
     out_dir = Path(args.out)
 
     def save() -> None:
@@ -832,11 +809,11 @@ def main(argv: list[str] | None = None) -> int:
         result["parts"][part] = body
         try:
             if part == "tests":
-                run_tests(repo, device, budget, args.dry_run, 3 if args.dry_run else 10, body, save)
+                run_tests(device, budget, args.dry_run, 3 if args.dry_run else 10, body, save)
             elif part == "bandwidth":
-                run_bandwidth(repo, args, budget, cuda, body, save)
+                run_bandwidth(args, budget, cuda, body, save)
             else:
-                from hfkv.kernels.gpu_check_e2e import run_e2e
+                from eval.gpu.e2e import run_e2e
 
                 run_e2e(args, budget, device, body, save)
             body["status"] = "ok"

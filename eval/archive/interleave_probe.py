@@ -14,8 +14,13 @@ and per step the caching allocator's device allocations and frees (``num_device_
 ``num_device_free``: each a cudaMalloc / cudaFree, which synchronise) and its retries, plus a
 ``torch.profiler`` table of one round in turns. Nothing is asserted: evidence for the bench's design.
 
-    python eval/interleave_probe.py --out DIR             # a CUDA machine: Llama-3.1-8B shape, 8k x 8
-    python eval/interleave_probe.py --out DIR --dry-run   # a CPU: the small shape, seconds
+    python -m eval.archive.interleave_probe --out DIR             # a CUDA machine: Llama-3.1-8B shape, 8k x 8
+    python -m eval.archive.interleave_probe --out DIR --dry-run   # a CPU: the small shape, seconds
+
+Archived (eval/archive/README.md): it answered its question on the tenth lease (docs/kernels.md, "Runs on a GPU":
+cuDNN attention plans every new key length on the host), which is why the GPU check and ``hfkv bench`` limit
+DynamicCache's SDPA to flash, efficient and math (``hfkv.evaluation.bench.BASELINE_SDPA``). Its results:
+``eval/archive/results/interleave_probe_h200_default_sdpa*.json``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from hfkv.atomic import write_atomic
 from hfkv.evaluation.bench import Clock, decode_step, fill_cache, random_prompt, sdpa_backends
 from hfkv.evaluation.methods import parse_method
-from hfkv.evaluation.results import write_text_atomic
 from hfkv.evaluation.shapes import build_random_like
 
 COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
@@ -65,9 +70,7 @@ def timed(model, live: Live, clock: Clock, cuda: bool, log: dict) -> None:
     times: list[float] = []
     clock.stop(t, times)
     after = _counters(cuda)
-    log.setdefault(live.name, []).append(
-        {"ms": 1e3 * times[0], **{k: after[k] - before[k] for k in COUNTERS}}
-    )
+    log.setdefault(live.name, []).append({"ms": 1e3 * times[0], **{k: after[k] - before[k] for k in COUNTERS}})
 
 
 def summary(log: dict) -> dict:
@@ -125,7 +128,7 @@ def probe(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        write_text_atomic(out / "interleave_probe.json", json.dumps(result, indent=1))
+        write_atomic(out / "interleave_probe.json", json.dumps(result, indent=1))
 
     for section in ("alone", "turns", "turns_gc_off", "blocks", "alone_again"):
         log: dict = {}

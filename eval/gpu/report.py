@@ -1,4 +1,4 @@
-"""gpu_check's outputs: the JSON, a one-screen summary and a figure, from the parts' results.
+"""The GPU check's outputs (eval/gpu/check.py): the JSON, a one-screen summary and a figure, from the parts' results.
 
 A lease's output is read once, quickly, often from the tail of a log: the summary puts what failed
 or was skipped next to the figures it concerns, and the JSON (rewritten after every result, so a
@@ -33,14 +33,14 @@ JSON_NAME, PNG_NAME, SUMMARY_NAME = "gpu_check.json", "gpu_check.png", "summary.
 MAX_LISTED = 6  # failures and skipped items named in the summary; the JSON has them all
 
 
-def header(args, device: str, budget) -> dict[str, Any]:
-    """What ran, where and how: the fields every gpu_check.json starts with."""
+def header(args, device: str, budget, deadlines: dict[str, float]) -> dict[str, Any]:
+    """What ran, where and how: the fields every gpu_check.json starts with (``deadlines``: the check's
+    :data:`~eval.gpu.check.DEADLINES`, passed in: this module is below the check and imports nothing of it)."""
     import torch
     import triton
 
     from hfkv.evaluation.results import provenance
     from hfkv.kernels.decode_attention import launch_defaults
-    from hfkv.kernels.gpu_check import DEADLINES
 
     cuda = device == "cuda"
     name = torch.cuda.get_device_name(0) if cuda else "cpu (dry run: Triton's interpreter)"
@@ -52,7 +52,7 @@ def header(args, device: str, budget) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
         "budget_s": budget.total_s,
-        "deadlines": dict(DEADLINES),
+        "deadlines": dict(deadlines),
         "decode_launch": launch_defaults(),  # the defaults every decode call here used
         "parts": {},
         **provenance(machine=name),
@@ -221,7 +221,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hfkv.evaluation.results import write_bytes_atomic
+    from hfkv.atomic import write_atomic
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), squeeze=False)
     bw = result["parts"].get("bandwidth") or {}
@@ -282,7 +282,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def _tokens(n: int) -> str:
@@ -297,7 +297,8 @@ def _peak_title(rows: list[dict[str, Any]]) -> str:
 
 def write(out_dir: Path, result: dict[str, Any], budget, final: bool) -> str:
     """Rewrite the JSON and the summary (and, at the end, the figure); returns the summary text."""
-    from hfkv.evaluation.results import json_safe, write_text_atomic
+    from hfkv.atomic import write_atomic
+    from hfkv.evaluation.results import json_safe
 
     out_dir.mkdir(parents=True, exist_ok=True)
     result["elapsed_s"] = round(budget.elapsed(), 1)
@@ -310,6 +311,6 @@ def write(out_dir: Path, result: dict[str, Any], budget, final: bool) -> str:
             result["plot_error"] = f"{type(exc).__name__}: {exc}"
     text = summarize(result)
     result["summary"] = text
-    write_text_atomic(out_dir / JSON_NAME, json.dumps(json_safe(result), indent=1, sort_keys=True, default=str) + "\n")
-    write_text_atomic(out_dir / SUMMARY_NAME, text)
+    write_atomic(out_dir / JSON_NAME, json.dumps(json_safe(result), indent=1, sort_keys=True, default=str) + "\n")
+    write_atomic(out_dir / SUMMARY_NAME, text)
     return text

@@ -13,8 +13,11 @@ The bytes held are the same; what changes is the error each format leaves. The c
 ``TriStateConfig.rotate``, does the same around the layer, bit for bit (tests/test_eval_scripts.py); this study
 rotates methods whatever their config says, which is how it was measured before the option existed.
 
-    OMP_NUM_THREADS=2 python eval/rotation_fidelity.py --docs 4 --budgets 128,256 --threads 2 \
-        --out eval/results/rotation_fidelity_smollm2.json   # the committed file; without --out: hfkv-out/eval/
+    OMP_NUM_THREADS=2 python -m eval.archive.rotation_fidelity --docs 4 --budgets 128,256 --threads 2 \
+        --out eval/archive/results/rotation_fidelity_smollm2.json   # the committed file; without --out: hfkv-out/eval/
+
+Archived (eval/archive/README.md): its answer is docs/generate.md's rotation section, and the cache's own
+``TriStateConfig.rotate`` (``hfkv:rotate=True``, measured by the sweeps) replaced this study's wrapper.
 """
 
 from __future__ import annotations
@@ -28,13 +31,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
-
 from hfkv.quant.rotation import hadamard, rotate  # noqa: E402
 
-# a run's default output, under the working directory; the committed eval/results/ only by --out
+# a run's default output, under the working directory; the committed eval/archive/results/ only by --out
 DEFAULT_OUT = Path("hfkv-out/eval/rotation_fidelity_smollm2.json")
 
 
@@ -115,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                      **m.to_dict()})  # fmt: skip
     result = {
         "what": "teacher-forced KL / top-1 against the full cache on human-written documents, each method as it is "
-        "and with keys, values and queries rotated by an orthonormal Walsh-Hadamard matrix (eval/rotation_fidelity.py)",
+        "and with keys, values and queries rotated by an orthonormal Walsh-Hadamard matrix "
+        "(eval/archive/rotation_fidelity.py)",
         "model": args.model,
         "dtype": args.dtype,
         "texts": "human",
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "wall_s": round(time.perf_counter() - t_all, 1),
         "rows": rows,
-        "command": script_command("eval/rotation_fidelity.py", argv),
+        "command": script_command("eval/archive/rotation_fidelity.py", argv),
         **provenance(),
     }
     write_result_json(args.out, result)

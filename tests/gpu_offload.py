@@ -13,10 +13,10 @@ storage back, so in-place writes (pool bytes, score sums) land in the tests' ten
 Returned tensors come back to the CPU. The cache's backend check lets ``backend="triton"`` run on CPU tensors for the
 same reason.
 
-    HFKV_KERNEL_DEVICE=cuda python -m pytest -p hfkv.kernels.gpu_offload tests/test_kernel_encode.py
+    HFKV_KERNEL_DEVICE=cuda python -m pytest -p tests.gpu_offload tests/test_kernel_encode.py   # repository root
 
 ``HFKV_TEST_REPORT=<file>`` appends one JSON line per finished test phase, so a run cut short by a
-time limit still says what it ran (``hfkv.kernels.gpu_check`` reads it). Without
+time limit still says what it ran (``eval/gpu/check.py`` reads it). Without
 ``HFKV_KERNEL_DEVICE`` the plugin changes nothing. ``HFKV_KERNEL_DEVICE=cpu`` copies too (each call
 works on fresh CPU storages), which checks the round trip itself in Triton's interpreter; set
 ``TRITON_INTERPRET=1`` in the environment then, since loading this plugin imports hfkv (and with it
@@ -143,7 +143,7 @@ def install(device: torch.device | str) -> list[str]:
     """Route the Triton entry points and the cache's backend check through ``device``; what was wrapped."""
     import importlib
 
-    import hfkv.cache
+    import hfkv.layer.layer
 
     done = []
     for module_name, name in WRAPPED:
@@ -152,7 +152,7 @@ def install(device: torch.device | str) -> list[str]:
         if not hasattr(fn, "__wrapped_for_device__"):
             setattr(module, name, offloaded(fn, device))
             done.append(f"{module_name}.{name}")
-    resolve = hfkv.cache.resolve_backend
+    resolve = hfkv.layer.layer.resolve_backend  # where a layer resolves its backend
     if not hasattr(resolve, "__wrapped_for_device__"):
 
         def resolve_on_cpu(requested: str, dev: torch.device | str) -> str:
@@ -161,8 +161,8 @@ def install(device: torch.device | str) -> list[str]:
             return resolve(requested, dev)
 
         resolve_on_cpu.__wrapped_for_device__ = device  # type: ignore[attr-defined]
-        hfkv.cache.resolve_backend = resolve_on_cpu
-        done.append("hfkv.cache.resolve_backend")
+        hfkv.layer.layer.resolve_backend = resolve_on_cpu
+        done.append("hfkv.layer.layer.resolve_backend")
     return done
 
 
@@ -180,7 +180,7 @@ def pytest_report_header(config) -> str | None:
     device = os.environ.get(ENV_DEVICE)
     if not device:
         return None
-    return f"hfkv.kernels.gpu_offload: Triton launches run on {device} ({', '.join(_INSTALLED)})"
+    return f"tests.gpu_offload: Triton launches run on {device} ({', '.join(_INSTALLED)})"
 
 
 def pytest_collection_finish(session) -> None:
