@@ -120,7 +120,7 @@ class GraphedDecoder:
             raise ValueError(f"GraphedDecoder: CUDA graphs need a CUDA device; tokens are on {tokens.device}")
         if not all(layer.is_initialized for layer in self.layers):
             raise ValueError("GraphedDecoder: prefill the cache first (generate() does)")
-        if self.mode == "steps" and self.cache.backend != "triton":
+        if self.mode == "steps" and not all(layer.ops.graph_steps for layer in self.layers):
             raise ValueError(
                 f"GraphedDecoder: the cache's backend is {self.cache.backend!r}; graphs replay the Triton decode "
                 "kernels (backend='triton', or 'auto' on CUDA)"

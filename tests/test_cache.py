@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import hfkv
+from hfkv.layer.policy_runner import PolicyRunner
 from hfkv.states import MID, ORIGINAL, QUANTIZED
 from hfkv.storage import held_bytes
 from tests.models import FAMILIES, left_padded_batch, tiny_model
@@ -251,13 +252,13 @@ def test_policy_runs_once_per_interval_and_window_stays_bounded(monkeypatch):
     cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=200, window=window, obs_window=8, interval=interval)
     cache = hfkv.TriStateCache(model, cfg)
     runs = []
-    real = hfkv.cache.TriStateLayer.run_policy
+    real = PolicyRunner.run
 
-    def counted(layer):
-        runs.append(layer.layer_idx)
-        real(layer)
+    def counted(runner):
+        runs.append(runner.layer.layer_idx)
+        real(runner)
 
-    monkeypatch.setattr(hfkv.cache.TriStateLayer, "run_policy", counted)
+    monkeypatch.setattr(PolicyRunner, "run", counted)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     out = model(input_ids=ids, past_key_values=cache)
     tok = out.logits[:, -1:].argmax(-1)
@@ -509,7 +510,7 @@ def test_torch_compile_of_the_model_runs_with_a_tristate_cache():
 
 def test_tier_members_sort_equals_nonzero():
     """The GPU's one-read split of a state map by tier gives each tier's (b, h, i) exactly as nonzero does."""
-    from hfkv.cache import _members_by_nonzero, _members_by_sort
+    from hfkv.storage.moves import _members_by_nonzero, _members_by_sort
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(1, 1, 1), (2, 3, 17), (3, 2, 64)]:
@@ -531,19 +532,21 @@ def test_exact_cap_is_kept_while_the_ratios_hold_and_recomputed_when_they_change
     layer = cache.layers[0]
     heads = layer.tiers.counts.shape[1]
 
+    budget = layer.budget
+
     def formula(rho):
-        room = layer.room * (heads if layer.cfg.head_adaptive else 1)
-        cap = torch.floor(rho.float() * (room / layer.cost[ORIGINAL])).long()
+        room = budget.room * (heads if layer.cfg.head_adaptive else 1)
+        cap = torch.floor(rho.float() * (room / budget.cost[ORIGINAL])).long()
         return cap if layer.cfg.head_adaptive else cap.view(-1, 1).expand(-1, heads)
 
     assert cache.rho(0) is cache.rho(0)  # the layer's row is kept while the ratios hold
-    cap = layer._exact_cap(cache.rho(0), heads)
+    cap = budget.exact_cap(cache.rho(0), heads)
     assert torch.equal(cap, formula(cache.rho(0))) and cap.is_contiguous()  # the allocation takes it without a copy
-    assert layer._exact_cap(cache.rho(0), heads) is cap  # the same ratios: no new tensor
-    for i, other in enumerate(cache._tri_layers()):  # new statistics: other ratios
+    assert budget.exact_cap(cache.rho(0), heads) is cap  # the same ratios: no new tensor
+    for i, other in enumerate(cache.compressed_layers()):  # new statistics: other ratios
         other.oq = torch.tensor([0.2 + 0.1 * i, 0.9 - 0.05 * i])
     cache.invalidate_rho()
-    new = layer._exact_cap(cache.rho(0), heads)
+    new = budget.exact_cap(cache.rho(0), heads)
     assert torch.equal(new, formula(cache.rho(0))) and not torch.equal(new, cap)
 
 
@@ -559,17 +562,18 @@ def test_staggered_policy_runs_spread_the_layers_over_the_interval(stagger):
     prompt = ids.shape[1]
     runs: dict[int, list[int]] = {}
     for layer in cache.layers:
-        run = layer.run_policy
+        run = layer.policy.run
 
         def logged(*args, layer=layer, run=run, **kwargs):
             if layer.length > prompt:  # decode steps' runs (the prompt's own run comes first)
                 runs.setdefault(layer.layer_idx, []).append(layer.length)
             return run(*args, **kwargs)
 
-        layer.run_policy = logged
+        layer.policy.run = logged  # this layer's runner only
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=17, do_sample=False)
     assert out.shape[1] == prompt + 17 and sorted(runs) == [0, 1, 2, 3]
-    assert [layer._phase for layer in cache.layers] == ([0, 1, 2, 3] if stagger else [0] * 4)  # ranks mod interval
+    phases = [layer.policy.phase for layer in cache.layers]
+    assert phases == ([0, 1, 2, 3] if stagger else [0] * 4)  # ranks mod interval
     for idx, lengths in runs.items():
         assert len(lengths) >= 3 and all(b - a == interval for a, b in zip(lengths, lengths[1:], strict=False))
         if stagger:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def test_several_thread_counts_are_refused_by_name(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("cpu_step_sections", REPO / "eval" / "cpu_step_sections.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _module()
     with pytest.raises(SystemExit) as exc:
         mod.main(["--threads", "1,2", "--out", str(tmp_path / "x.json")])
     assert exc.value.code == 2
@@ -23,10 +16,9 @@ def test_several_thread_counts_are_refused_by_name(tmp_path, capsys):
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("cpu_step_sections", REPO / "eval" / "cpu_step_sections.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eval import cpu_step_sections
+
+    return cpu_step_sections
 
 
 def test_sections_land_where_each_cache_spends_them_and_give_the_models_floor(tmp_path):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import hfkv
-from hfkv.attention.slots import factored_pays, slot_attention, slot_attention_received
+from hfkv.kernels.slots import factored_pays, slot_attention, slot_attention_received
 from hfkv.policy import reduce_gqa
 from hfkv.quant.formats import ChunkCodes, QuantFormat, chunks_to_natural
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 from tests.models import tiny_model
 
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}

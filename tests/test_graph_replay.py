@@ -6,7 +6,7 @@ is a launch argument: the position and ring slot come from the device), (2) re-r
 launches on the next token's inputs, plus the host bookkeeping ``replayed_step()`` does, leaves the layer
 exactly where an eager step leaves it, and (3) the host knows how many steps a graph may replay before a
 policy run (``decode_steps_before_policy``). Launches run in Triton's interpreter here; on a GPU,
-``hfkv.kernels.gpu_check`` replays real graphs against eager decoding.
+the GPU check (``eval/gpu/check.py``) replays real graphs against eager decoding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from hfkv import TriStateCache
 from hfkv.attention.interface import set_pending
-from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.environment import interpreter_on
 from tests.models import tiny_model
 
 pytestmark = pytest.mark.skipif(not interpreter_on(), reason="launches are recorded in Triton's interpreter (CPU)")
@@ -100,7 +100,7 @@ def test_consecutive_decode_steps_launch_with_the_same_arguments(monkeypatch):
             _step(layer, *bufs)
             continue
         rec = _Recorder(monkeypatch, run=False)
-        before = {t.data_ptr() for t in (*bufs, *layer.held_tensors(), layer._step_dev)}
+        before = {t.data_ptr() for t in (*bufs, *layer.held_tensors(), layer.cursor.dev)}
         _step(layer, *bufs)
         steps.append((rec.take(), before))
         monkeypatch.undo()

@@ -7,19 +7,10 @@ ops, no policy run in a timed step) and refuses what it must (a busy machine, se
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from hfkv.kernels.backend import interpreter_on
-
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("host_overhead", REPO / "eval" / "host_overhead.py")
-ho = importlib.util.module_from_spec(_spec)
-sys.modules["host_overhead"] = ho
-_spec.loader.exec_module(ho)
+from eval import host_overhead as ho
+from hfkv.kernels.environment import interpreter_on
 
 
 @pytest.mark.skipif(not interpreter_on(), reason="launches are recorded in Triton's interpreter (CPU)")

@@ -337,7 +337,7 @@ def test_load_sweep_filters_and_labels(tmp_path):
 def test_testbed_sweep_rows_are_what_evaluate_measures():
     from hfkv.loading import load_model
     from hfkv.testbed import load_test_set
-    from hfkv.testbed.demo import evaluate
+    from hfkv.testbed.protocol import evaluate
 
     model, tok = load_model("testbed")
     frame = hi.testbed_sweep(model, tok, "kv_recall", [("evict", 48)], limit=4, batch_size=4)

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from hfkv.kernels.backend import backend_ops
 from hfkv.storage import PagedTiers
 from tests.test_kernel_decode_attention import _layout, _storage
 
@@ -30,9 +31,9 @@ def _state(t: PagedTiers) -> tuple:
 def test_compaction_kernels_equal_the_torch_path(backend, dim, dtype, page_bytes, counts, p_keep):
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
     ref: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim)
-    assert ref.backend == "torch"
+    assert ref.ops.name == "torch"
     got = copy.deepcopy(ref)
-    got.backend = backend
+    got.ops = backend_ops(backend)
     g = torch.Generator().manual_seed(dim)
     for round_ in range(3):  # removals on top of removals: holes filled before, tags already cleared
         for tier in range(len(layouts)):
@@ -60,7 +61,7 @@ def test_triton_removals_of_a_run_in_two_launches_equal_one_removal_after_anothe
                _layout("int4", "int2", dim, torch.float32))  # fmt: skip
     ref: PagedTiers = _storage(layouts, 3, 2, dim, 200, (40, 30, 70), 2048, seed=len(tiers))
     got = copy.deepcopy(ref)
-    got.backend = "triton"
+    got.ops = backend_ops("triton")
     g = torch.Generator().manual_seed(len(tiers))
     for _ in range(2):
         sizes = [ref.max_slots(t) for t in range(3)]

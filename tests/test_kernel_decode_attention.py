@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfkv.kernels.backend import interpreter_on
 from hfkv.kernels.cpu.paged_decode import paged_attention_cpu
 from hfkv.kernels.decode_attention import DenseSlots, PagedSlots, paged_attention, paged_attention_reference
+from hfkv.kernels.environment import interpreter_on
 from hfkv.quant.formats import QuantFormat
-from hfkv.storage import PagedTiers, RecordLayout
+from hfkv.quant.record import RecordLayout
+from hfkv.storage import PagedTiers
 
 KERNELS = {
     # several splits and blocks; integer fields read in pieces (the default), as rows, per element; the page
@@ -383,8 +384,8 @@ def test_triton_half_dequant_applies_to_16_bit_queries_only(dtype, half):
     """``half_dequant`` (the default) turns the fp16 form on where the products run in a 16-bit type (the cases
     above with fp16 queries run it, "triton-fp32-dequant" the other form), never for fp32 queries, whose products
     stay IEEE fp32."""
-    from hfkv.kernels.backend import inline_ptx_ok
     from hfkv.kernels.decode_attention import ASM_DEQUANT, plan_attention
+    from hfkv.kernels.environment import inline_ptx_ok
 
     layouts = (_layout("model", "model", 64, dtype), _layout("int8", "int4", 64, dtype))
     parts, query, pad_end = _plan_inputs(layouts, dtype, 2, 80, (20, 30), seed=1)
@@ -401,8 +402,8 @@ def test_code_dots_apply_to_16_bit_products_only_and_read_the_table_one_ahead(dt
     """``code_dots`` reaches the kernel where the products run in a 16-bit type (under the interpreter bf16 queries
     keep fp32 products, so there it is off for them too), never for fp32 queries; it brings the page table one block
     ahead unless a table_ahead is given; a value outside 0-3 is named."""
-    from hfkv.kernels.backend import interpreter_on
     from hfkv.kernels.decode_attention import CODE_DOTS, plan_attention
+    from hfkv.kernels.environment import interpreter_on
 
     layouts = (_layout("model", "model", 64, dtype), _layout("int4", "int2", 64, dtype))
     parts, query, pad_end = _plan_inputs(layouts, dtype, 2, 80, (20, 30), seed=1)
@@ -470,7 +471,7 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     them). The fence's default is on for the Triton versions whose operand-width heuristic halves at a join (before
     3.8; docs/kernels.md)."""
     from hfkv.kernels import decode_attention as da
-    from hfkv.kernels.backend import triton_version
+    from hfkv.kernels.environment import triton_version
 
     parts, query, pad_end = _plan_inputs((_layout("int8", "int4", 64, torch.float16),), torch.float16, 1, 40, (20,), 2)
     assert da.plan_attention(query, parts, pad_end, operand_fence=True).constants["FENCE"] is (not interpreter_on())
@@ -484,7 +485,7 @@ def test_operand_fence_is_compiled_code_only_and_follows_the_triton_version():
     assert half(asm_dequant=True, half_dequant=False) == 0
     assert da.OPERAND_FENCE is (triton_version() < (3, 8)) and da.launch_defaults()["operand_fence"] is da.OPERAND_FENCE
     # ROCm builds of torch compile for AMD GPUs: no PTX there either
-    from hfkv.kernels.backend import inline_ptx_ok
+    from hfkv.kernels.environment import inline_ptx_ok
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)

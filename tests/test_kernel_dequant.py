@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import inline_ptx_ok
 from hfkv.kernels.dequant import load_int_pieces, piece_columns, piece_width
+from hfkv.kernels.environment import inline_ptx_ok
 from hfkv.quant.formats import QuantFormat
 
 

@@ -17,7 +17,7 @@ import hfkv.kernels.encode as encode_mod
 from hfkv.kernels.encode import encode_write, encode_write_reference
 from hfkv.kernels.move import clear_tags, clear_tags_reference, move_records, move_records_reference
 from hfkv.quant.formats import INT_BITS, QuantFormat
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ROW_KINDS = 10

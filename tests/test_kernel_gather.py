@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfkv.kernels.backend import backend_ops
 from hfkv.kernels.cpu.gather import gather_decode_cpu
 from hfkv.kernels.gather import gather_decode
 from hfkv.storage import PagedTiers
@@ -32,18 +33,18 @@ def test_gather_decode_equals_the_torch_twin(backend, key, value, dim, dtype):
             as_tuple=True
         )
         assert s.numel() > 0
-        assert tiers.backend == "torch"
+        assert tiers.ops.name == "torch"
         want = tiers.gather_decoded(tier, b, h, s)
         got = fn(tiers.pool.data, tiers.tables[tier], tiers.tpp[tier], lay, b, h, s)
         for x, y in zip(got, want, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert torch.equal(x, y)
         assert torch.equal(got[2], lay.positions(tiers.gather(tier, b, h, s)).long())
-        tiers.backend = backend  # and through the storage's dispatch
+        tiers.ops = backend_ops(backend)  # and through the storage's dispatch
         try:
             through = tiers.gather_decoded(tier, b, h, s)
         finally:
-            tiers.backend = "torch"
+            tiers.ops = backend_ops("torch")
         assert all(torch.equal(x, y) for x, y in zip(through, tiers.gather_decoded(tier, b, h, s), strict=True))
     empty = torch.zeros(0, dtype=torch.long)
     none = fn(tiers.pool.data, tiers.tables[0], tiers.tpp[0], layouts[0], empty, empty, empty)

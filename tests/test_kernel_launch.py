@@ -229,6 +229,7 @@ def test_a_cache_decode_step_launches_as_triton_would(fake, monkeypatch):
     import hfkv.kernels.decode_attention as da
     from hfkv import TriStateCache
     from hfkv.attention.interface import set_pending
+    from hfkv.kernels.backend import backend_ops
     from tests.models import tiny_model
 
     _, _, calls, compiled = fake
@@ -236,11 +237,11 @@ def test_a_cache_decode_step_launches_as_triton_would(fake, monkeypatch):
     cache = TriStateCache(model, "hfkv", backend="torch", budget=16, window=4)
     model(torch.randint(3, 128, (1, 30)), past_key_values=cache)  # the prompt's writes by the torch backend
     layer = cache.layers[0]
-    layer.backend = layer.tiers.backend = "triton"  # decode steps take the Triton path from here (host_overhead's way)
+    layer.ops = layer.tiers.ops = backend_ops("triton")  # decode steps take the Triton path from here
     layer.steps_since_policy = -(10**6)  # no policy run in these steps
     for name in ("_partial_kernel", "_combine_kernel", "_score_kernel"):
         monkeypatch.setattr(da, name, _stand_in(getattr(da, name).fn, monkeypatch, calls, compiled))
-    layer._plan = None  # rebuilt with the stand-ins
+    layer.reads.plan = None  # rebuilt with the stand-ins
     original, checked_calls = KernelLaunch.__call__, []
 
     def checked(self, *args):
@@ -257,7 +258,7 @@ def test_a_cache_decode_step_launches_as_triton_would(fake, monkeypatch):
         layer.update(k, v)
         set_pending(None)
         layer.attend(None, q, k, v, None, 32**-0.5)
-    sites = layer._plan.launches[True]
+    sites = layer.reads.plan.launches[True]
     assert len(checked_calls) == 12 and len(compiled) == 3
     assert [(s.triton_launches, s.bound_launches) for s in sites] == [(1, 3)] * 3
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfkv.kernels.backend import backend_ops
 from hfkv.kernels.cpu.meta import read_meta_cpu
 from hfkv.kernels.meta import read_meta_triton
 from hfkv.storage import PagedTiers
@@ -22,7 +23,7 @@ from tests.test_kernel_decode_attention import _layout, _storage
 def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, page_bytes, counts):
     layouts = (_layout("model", "model", dim, dtype), _layout("int4", "int2", dim, dtype))
     tiers: PagedTiers = _storage(layouts, 3, 2, dim, 160, counts, page_bytes, seed=dim)
-    assert tiers.backend == "torch"
+    assert tiers.ops.name == "torch"
     for tier, lay in enumerate(layouts):
         top = tiers.max_count(tier)
         for m in {top, top + 7, max(0, top - 3), 0}:
@@ -31,11 +32,11 @@ def test_read_meta_kernels_equal_the_torch_path(backend, read_meta, dim, dtype, 
             for a, b in zip(got, want, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.equal(a, b)
-        tiers.backend = backend  # and through the storage's own dispatch
+        tiers.ops = backend_ops(backend)  # and through the storage's own dispatch
         try:
             got = tiers.read_meta(tier)
         finally:
-            tiers.backend = "torch"
+            tiers.ops = backend_ops("torch")
         assert all(torch.equal(a, b) for a, b in zip(got, tiers.read_meta(tier), strict=True))
 
 
@@ -60,12 +61,12 @@ def test_policy_candidates_from_kernels_equal_the_torch_composition(backend, dim
     pad_end = torch.tensor([0, 152, 400])  # row 1: two exits are padding; row 2: every exit
     want = tiers.candidates(exit_pos, exit_score, pad_end)
     means = tiers.candidates(exit_pos, exit_score, pad_end, (170, 40))  # sums over the queries since 40 of 170
-    tiers.backend = backend
+    tiers.ops = backend_ops(backend)
     try:
         got = tiers.candidates(exit_pos, exit_score, pad_end)
         got_means = tiers.candidates(exit_pos, exit_score, pad_end, (170, 40))
     finally:
-        tiers.backend = "torch"
+        tiers.ops = backend_ops("torch")
     assert torch.equal(got_means[1], means[1]) and not torch.equal(means[1], want[1])
     assert torch.equal(means[1], want[1] / (170 - want[0].clamp(min=40)).clamp_min(1))
     assert got[4] == want[4] and sum(want[4]) + m_exit == want[0].shape[-1]

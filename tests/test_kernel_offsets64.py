@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.environment import interpreter_on
 
 pytestmark = pytest.mark.skipif(
     not interpreter_on() or not sys.platform.startswith("linux"),
@@ -62,7 +62,7 @@ def _wrap32(x: int) -> int:
 
 def _layout(key: str, value: str, dim: int = 32, dtype: torch.dtype = torch.float32):
     from hfkv.quant.formats import QuantFormat
-    from hfkv.storage.record import RecordLayout
+    from hfkv.quant.record import RecordLayout
 
     return RecordLayout(QuantFormat(key, dim, 32, dtype), QuantFormat(value, dim, 32, dtype))
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from hfkv.kernels.backend import backend_ops
 from hfkv.storage import PagedTiers
 from tests.test_kernel_decode_attention import _layout, _storage
 
@@ -40,7 +41,7 @@ def test_reserve_equals_the_torch_path(backend, page_bytes, counts, rounds):
     # Dirty the free pages: a reused page must come back zeroed.
     base.pool.data[base.pool.free_stack[: base.pool.n_free].long()] = 0xAB
     torch_side, triton_side = copy.deepcopy(base), copy.deepcopy(base)
-    triton_side.backend = backend
+    triton_side.ops = backend_ops(backend)
     planned = copy.deepcopy(triton_side)  # told the pages and each head's count and appends (a planned run's)
     for per_head in rounds:
         for tier in range(len(layouts)):

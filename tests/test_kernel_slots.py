@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfkv.attention.slots import slot_attention
+from hfkv.kernels.slots import slot_attention
 
 
 def _reference(query, parts, pos, mask, scaling):

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from hfkv import TriStateCache
-from hfkv.cache import TriStateLayer
+from hfkv.layer.budget import Budget
+from hfkv.layer.padding import Padding
 from hfkv.states import EVICTED
+from hfkv.storage.moves import Moves
 from tests.models import left_padded_batch, tiny_model
 
 
@@ -23,7 +25,7 @@ def _state(cache: TriStateCache) -> list:
 
 
 def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
-    original, admit_exits = TriStateLayer._nothing_competes, TriStateLayer._admit_exits
+    original, admit_exits = Budget.nothing_competes, Moves.admit_exits
     answers: list[bool] = []
 
     def spy(self, exit_pos, padded=True):
@@ -34,8 +36,8 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
         answers.append("exits")
         return admit_exits(self, *args)
 
-    monkeypatch.setattr(TriStateLayer, "_nothing_competes", spy)
-    monkeypatch.setattr(TriStateLayer, "_admit_exits", spy_exits)
+    monkeypatch.setattr(Budget, "nothing_competes", spy)
+    monkeypatch.setattr(Moves, "admit_exits", spy_exits)
     overrides = dict(overrides)
     if overrides.pop("half_oq", False):  # OQ ratios of 0.5: the cap on exact tokens binds before the bytes do
         monkeypatch.setattr(TriStateCache, "rho", lambda self, i: torch.full((ids.shape[0],), 0.5))
@@ -58,8 +60,8 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
 )
 @pytest.mark.parametrize("lengths", [(12, 7), (12, 12)], ids=["padded", "unpadded"])
 def test_admit_only_runs_end_where_full_runs_end(overrides, lengths, monkeypatch):
-    """An admit-only run takes the exits as they are (_admit_exits) where none is padding: every decode-time run here
-    (the longest padding, 5 tokens, is older than the window's oldest token after the prompt)."""
+    """An admit-only run takes the exits as they are (Moves.admit_exits) where none is padding: every decode-time run
+    here (the longest padding, 5 tokens, is older than the window's oldest token after the prompt)."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=lengths)
     fast_out, fast_state, answers = _generate(model, ids, mask, overrides, False, monkeypatch)
@@ -91,7 +93,7 @@ def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
             Count.ops += 1
             return func(*args, **(kwargs or {}))
 
-    original = TriStateLayer._nothing_competes
+    original = Budget.nothing_competes
     seen = []
 
     def spy(self, exit_pos, padded=True):
@@ -103,7 +105,7 @@ def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
         seen.append((padded, fast, slow, ops))
         return fast
 
-    monkeypatch.setattr(TriStateLayer, "_nothing_competes", spy)
+    monkeypatch.setattr(Budget, "nothing_competes", spy)
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
     cache = TriStateCache(model, "hfkv", budget=40, window=4, oq_ratios=False)
@@ -119,7 +121,7 @@ def test_runs_past_the_longest_padding_take_the_unpadded_paths(monkeypatch):
     padding (known on the host from the ring's positions and the longest padding, read once): the same tokens and
     storage as runs that always treat them so, and both kinds of run happen here (a window of 16 tokens holds 10 of
     the short row's 22 padding tokens after the prompt)."""
-    original = TriStateLayer._exits_padded
+    original = Padding.exits_padded
     seen: list[tuple[int | None, bool]] = []
 
     def spy(self, first):
@@ -131,9 +133,9 @@ def test_runs_past_the_longest_padding_take_the_unpadded_paths(monkeypatch):
     results = []
     for always in (False, True):
         if always:  # every run as if some exit may be padding: the paths before the host knew better
-            monkeypatch.setattr(TriStateLayer, "_exits_padded", lambda self, first: self._padded)
+            monkeypatch.setattr(Padding, "exits_padded", lambda self, first: self.padded)
         else:
-            monkeypatch.setattr(TriStateLayer, "_exits_padded", spy)
+            monkeypatch.setattr(Padding, "exits_padded", spy)
         cache = TriStateCache(model, "hfkv", budget=40, window=16)
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
         results.append((out, _state(cache)))

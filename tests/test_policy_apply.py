@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hfkv import TriStateCache
-from hfkv.cache import TriStateLayer
 from hfkv.states import EVICTED
+from hfkv.storage.moves import Moves
 from tests.models import left_padded_batch, tiny_model
 
 
@@ -23,7 +23,7 @@ def _apply_tier_by_tier(self, news, valids, changes, exits=None):
         if bool(demote.any()):
             b, h, s = demote.nonzero(as_tuple=True)
             rec = tiers.gather(tier, b, h, s)
-            lay = self.layouts[tier]
+            lay = tiers.layouts[tier]
             k, v = lay.decode_kv(rec, torch.float32)
             moved.append((new[b, h, s], (b, h, k, v, lay.positions(rec), lay.scores(rec))))
     for tier, (new, valid) in enumerate(zip(news, valids, strict=True)):
@@ -35,14 +35,14 @@ def _apply_tier_by_tier(self, news, valids, changes, exits=None):
             tiers.append_tokens(tier, *(x[sel] for x in fields))
     if exits is not None:
         ek, ev, epos, escore, new_exits = exits
-        self._admit(ek, ev, epos, escore, new_exits, check_finite=False)
+        self.admit(ek, ev, epos, escore, new_exits, check_finite=False)
 
 
 def _run(model, ids, mask, overrides, reference: bool, monkeypatch):
     if reference:
-        monkeypatch.setattr(TriStateLayer, "_apply", _apply_tier_by_tier)
+        monkeypatch.setattr(Moves, "apply", _apply_tier_by_tier)
     moves = []
-    apply = TriStateLayer._apply
+    apply = Moves.apply
 
     def spy(self, news, valids, changes, exits=None):
         pairs = list(enumerate(zip(news, valids, strict=True)))
@@ -50,7 +50,7 @@ def _run(model, ids, mask, overrides, reference: bool, monkeypatch):
         assert [c[0] for c in changes] == [int((v & (n > t) & (n != EVICTED)).sum()) for t, (n, v) in pairs]
         return apply(self, news, valids, changes, exits)
 
-    monkeypatch.setattr(TriStateLayer, "_apply", spy)
+    monkeypatch.setattr(Moves, "apply", spy)
     cache = TriStateCache(model, "hfkv", **overrides)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
     monkeypatch.undo()
@@ -82,22 +82,24 @@ def test_relocation_leaves_the_storage_of_tier_by_tier_appends(overrides, monkey
             assert torch.equal(a, b)  # every record's bytes, slot by slot
 
 
-
-def _apply_unplanned(self, new, valid, sizes, exits, plan=None):
-    """The Triton backend's relocation before its moves were planned on the device: :meth:`TriStateLayer._apply`
-    with what changed asked per tier (a plan made a step ahead left unused)."""
+def _apply_unplanned(self, new, valid, sizes, exits, weights, plan=None):
+    """The Triton backend's relocation before its moves were planned on the device: :meth:`Moves.apply` with what
+    changed asked per tier (a plan made a step ahead left unused), and the tier peak read from the counts after it
+    (``weights``: each tier's cost and the heads that share a room, as ``Budget.refresh_peak`` weighs them)."""
     m = exits[2].numel()
     news = torch.split(new, [*sizes, m], dim=-1)[: len(sizes)]
     valids = torch.split(valid, [*sizes, m], dim=-1)[: len(sizes)]
     new_exits = torch.split(new, [*sizes, m], dim=-1)[-1]
-    self._apply(news, valids, self._tier_changes(new, valid, sizes), (*exits, new_exits) if m else None)
-    self._refresh_tier_peak()
-    return self._tier_peak
+    self.apply(news, valids, self.tier_changes(new, valid, sizes), (*exits, new_exits) if m else None)
+    cost, per = weights
+    held = (self.tiers.counts * torch.tensor(cost, device=self.tiers.counts.device)).sum(-1)
+    held = held.sum(-1) if per > 1 else held
+    return int(held.max()) if held.numel() else 0
 
 
 def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatch):
     """The Triton backend plans a run's moves on the device (hfkv.kernels.moves): the same pool, byte for byte
-    (records, page tables, counts), as :meth:`TriStateLayer._apply`, over runs that demote tokens and admit exits."""
+    (records, page tables, counts), as :meth:`Moves.apply`, over runs that demote tokens and admit exits."""
     import hfkv.kernels.moves
 
     model = tiny_model("llama")
@@ -115,16 +117,16 @@ def test_triton_planned_moves_leave_the_storage_of_the_unplanned_ones(monkeypatc
     monkeypatch.setattr(hfkv.kernels.moves, "finish_plan_moves", spy)
     for unplanned in (False, True):
         if unplanned:
-            monkeypatch.setattr(TriStateLayer, "_apply_planned", _apply_unplanned)
+            monkeypatch.setattr(Moves, "apply_planned", _apply_unplanned)
         # (Triton's interpreter is slow: a budget that demotes at the first run, runs every 4 steps, a short
         # generation that still makes two of them)
         cache = TriStateCache(model, "hfkv", backend="triton", budget=20, window=4, head_adaptive=True, interval=4)
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=9, do_sample=False)
         tiers = [layer.tiers for layer in cache.layers]
         for layer in cache.layers:  # the tier peak the last run left (the plan's, when planned) is the counts'
-            peak = layer._tier_peak
-            layer._refresh_tier_peak()
-            assert layer._tier_peak == peak
+            peak = layer.budget.tier_peak
+            layer.budget.refresh_peak()
+            assert layer.budget.tier_peak == peak
         results.append((out, [(t.counts.clone(), [x.clone() for x in t.tables], t.pool.data.clone(),
                                t.pool.n_free, t.pool.free_stack[: t.pool.n_free].clone()) for t in tiers]))  # fmt: skip
     (out, state), (ref_out, ref_state) = results

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _policy_profile():
-    spec = importlib.util.spec_from_file_location("policy_profile", REPO / "eval" / "policy_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eval import policy_profile
+
+    return policy_profile
 
 
 def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
@@ -29,9 +24,10 @@ def test_policy_profile_dry_run_labels_the_policy_sections(tmp_path):
     assert {"candidates", "classify", "apply"} <= set(sections)
     assert sections["classify"]["host_ms_per_policy_run"] <= sections["run_policy"]["host_ms_per_policy_run"]
     # the labels are taken off again
-    from hfkv.cache import TriStateLayer
+    from hfkv.layer.policy_runner import PolicyRunner
+    from hfkv.storage.moves import Moves
 
-    assert TriStateLayer.run_policy.__qualname__ == "TriStateLayer.run_policy"
+    assert PolicyRunner.run.__qualname__ == "PolicyRunner.run" and Moves.apply.__qualname__ == "Moves.apply"
 
 
 def test_section_kernels_follow_their_launch_not_the_device_clock():

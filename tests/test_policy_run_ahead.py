@@ -1,4 +1,4 @@
-"""A policy run prepared a step ahead (``TriStateLayer._prepare_run_ahead``) decides and stores what a run made whole
+"""A policy run prepared a step ahead (``PolicyRunner.prepare_ahead``) decides and stores what a run made whole
 at its own step does: the same tokens, the same tiers, the same statistics, and a prepared run whose step never
 comes (a new turn, rows reordered) is dropped, not used.
 
@@ -13,6 +13,7 @@ import torch
 
 from hfkv import TriStateCache
 from hfkv.cache import TriStateLayer
+from hfkv.layer.policy_runner import PolicyRunner
 from tests.models import left_padded_batch, tiny_model
 
 # budgets small enough that runs demote and evict, windows short enough that they run every interval
@@ -30,13 +31,13 @@ class WholeRuns:
 
     def __init__(self, monkeypatch) -> None:
         self.n = 0
-        whole = TriStateLayer._run_policy
+        whole = PolicyRunner.run_whole
 
-        def counted(layer, *args):
+        def counted(runner, *args):
             self.n += 1
-            return whole(layer, *args)
+            return whole(runner, *args)
 
-        monkeypatch.setattr(TriStateLayer, "_run_policy", counted)
+        monkeypatch.setattr(PolicyRunner, "run_whole", counted)
 
 
 def _runs_ahead(cache: TriStateCache) -> int:
@@ -50,7 +51,7 @@ def _state(cache: TriStateCache):
         st.kv_bytes,
         [(ls.window, ls.original, ls.quantized, ls.evicted) for ls in st.layers],
         [layer.token_states() for layer in layers],
-        [layer._tier_peak for layer in layers],
+        [layer.budget.tier_peak for layer in layers],
     )
 
 
@@ -96,7 +97,7 @@ def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
 
 
 def _prepared(cache: TriStateCache) -> bool:
-    return any(getattr(layer, "_ahead", None) is not None for layer in cache.layers)
+    return any(layer.policy.ahead is not None for layer in cache.layers)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hfkv.quant.formats import QuantFormat
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 HEAD_DIMS = (8, 16, 32, 64, 128)
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hfkv.evaluation.methods import parse_method
-from hfkv.evaluation.shared_prefill import fill_cache, greedy, run_prefill
+from hfkv.evaluation.shared_prefill import fill_from_prefill, greedy, run_prefill
 from tests.models import tiny_model
 
 SPECS = [
@@ -43,7 +43,7 @@ def test_shared_prefill_decodes_like_generate(family):
         method = parse_method(spec)
         ref_cache = method.make_cache(model)
         ref = model.generate(ids, past_key_values=ref_cache, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
-        cache = fill_cache(method.make_cache(model), prefill)
+        cache = fill_from_prefill(method.make_cache(model), prefill)
         assert _state(cache) is None or cache.get_seq_length() == ids.shape[1]
         got = greedy(model, cache, prefill, max_new_tokens=12)
         assert got == ref.tolist(), spec
@@ -60,12 +60,18 @@ def test_greedy_stops_at_eos_and_on_request():
     model = tiny_model()
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
     prefill = run_prefill(model, ids)
-    full = greedy(model, fill_cache(parse_method("dynamic").make_cache(model), prefill), prefill, 10)
+    full = greedy(model, fill_from_prefill(parse_method("dynamic").make_cache(model), prefill), prefill, 10)
     assert len(full) == 10
-    cut = greedy(model, fill_cache(parse_method("dynamic").make_cache(model), prefill), prefill, 10, eos_ids=[full[3]])
+    cut = greedy(
+        model, fill_from_prefill(parse_method("dynamic").make_cache(model), prefill), prefill, 10, eos_ids=[full[3]]
+    )
     assert cut == full[: full.index(full[3]) + 1]  # generate keeps the EOS token
     early = greedy(
-        model, fill_cache(parse_method("dynamic").make_cache(model), prefill), prefill, 10, stop=lambda t: len(t) == 4
+        model,
+        fill_from_prefill(parse_method("dynamic").make_cache(model), prefill),
+        prefill,
+        10,
+        stop=lambda t: len(t) == 4,
     )
     assert early == full[:4]
 
@@ -75,7 +81,7 @@ def test_prefill_in_fp32_fills_a_bf16_cache():
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(7))
     prefill = run_prefill(model, ids)
     bf16 = tiny_model(dtype=torch.bfloat16)
-    cache = fill_cache(parse_method("hfkv@30:window=4").make_cache(bf16), prefill, dtype=torch.bfloat16)
+    cache = fill_from_prefill(parse_method("hfkv@30:window=4").make_cache(bf16), prefill, dtype=torch.bfloat16)
     assert cache.layers[0].window.k.dtype == torch.bfloat16
     assert len(greedy(bf16, cache, prefill, 5)) == 5
 
@@ -84,7 +90,7 @@ def test_ingest_prefill_refuses_a_filled_layer_and_too_few_queries():
     model = tiny_model()
     ids = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(8))
     prefill = run_prefill(model, ids)
-    cache = fill_cache(parse_method("hfkv@30:window=4").make_cache(model), prefill)
+    cache = fill_from_prefill(parse_method("hfkv@30:window=4").make_cache(model), prefill)
     with pytest.raises(ValueError, match="already holds 50 tokens"):
         cache.layers[0].ingest_prefill(prefill.keys[0], prefill.values[0], prefill.queries[0], 0.125)
     fresh = parse_method("hfkv@30:window=4").make_cache(model)

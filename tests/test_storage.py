@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hfkv.quant.formats import QuantFormat
-from hfkv.storage import PagedTiers, PagePool, RecordLayout, WindowRing, dense_kv_bytes, held_bytes
+from hfkv.quant.record import RecordLayout
+from hfkv.storage import PagedTiers, PagePool, WindowRing, dense_kv_bytes, held_bytes
 from hfkv.storage.pool import GROWTH, NULL_PAGE, RESERVED_PAGES
 
 D = 16

@@ -1,8 +1,8 @@
 """Hooking hfkv into transformers' attention and mask registries.
 
 transformers never passes the cache to the attention function, so a compressing cache layer
-announces itself in ``update()`` through a context variable and the ``"hfkv"`` attention
-function of the same layer consumes it. Anything else — DynamicCache, no cache (lm-eval
+announces itself in ``update()`` (hfkv.layer.handoff) and the ``"hfkv"`` attention function of
+the same layer takes it. Anything else — DynamicCache, no cache (lm-eval
 loglikelihood), sliding layers kept uncompressed, the ``full`` preset — finds nothing pending
 and runs the model's previous implementation unchanged, with the mask that implementation
 would have built. That keeps ``full`` token-identical to DynamicCache.
@@ -10,7 +10,6 @@ would have built. That keeps ``full`` token-identical to DynamicCache.
 
 from __future__ import annotations
 
-import contextvars
 import importlib
 from typing import Any
 
@@ -20,28 +19,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hfkv.layer.handoff import pending, set_pending, take_mask_request
+
 NAME = "hfkv"
 
-# The layer whose update() ran last and whose attention call has not happened yet.
-_PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("hfkv_pending_layer", default=None)
-# Set by a compressing layer's get_mask_sizes(): the next mask must be SDPA's boolean mask in logical
-# coordinates, "skippable" (None where it is plain causal without padding) or "materialised".
-_MASK_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("hfkv_mask_request", default=None)
 # id(config) -> the attention implementation the model had before hfkv.enable().
 _DELEGATES: dict[int, str] = {}
-
-
-def set_pending(layer: Any) -> None:
-    _PENDING.set(layer)
-
-
-def pending() -> Any:
-    return _PENDING.get()
-
-
-def request_logical_mask(skippable: bool = False) -> None:
-    """Ask for a boolean mask in logical coordinates; ``skippable``: None is fine where it is plain causal."""
-    _MASK_REQUEST.set("skippable" if skippable else "materialised")
 
 
 def _delegate_name(config: Any) -> str:
@@ -63,12 +46,12 @@ def _delegate_attention(module, query, key, value, attention_mask, **kwargs):
 
 def hfkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``"hfkv"`` attention function: a pending compressing layer computes, else the delegate does."""
-    layer = _PENDING.get()
+    layer = pending()
     if layer is None:
         return _delegate_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    _PENDING.set(None)
+    set_pending(None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return layer.attend(module, query, key, value, attention_mask, scaling), None
@@ -76,9 +59,8 @@ def hfkv_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 def hfkv_mask(*args, **kwargs):
     """The ``"hfkv"`` mask: never skipped, boolean, logical coordinates — only when a compressing layer asks."""
-    request = _MASK_REQUEST.get()
+    request = take_mask_request()
     if request:
-        _MASK_REQUEST.set(None)
         if request == "materialised":
             kwargs["allow_is_causal_skip"] = False
             kwargs["allow_is_bidirectional_skip"] = False

@@ -25,8 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from hfkv.kernels.grid import cdiv
-from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import Sinks, _check_shapes, head_row
+from hfkv.policy.budget import Costs, check_tiers, item_tables
+from hfkv.policy.unified import Sinks, check_shapes, head_row
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate_triton"]
@@ -204,8 +204,8 @@ def _tables(cost: tuple, fidelity: tuple, device: torch.device) -> tuple[Tensor,
     """The twin's item tables on ``device`` (one row per tier state), the rate table with one more row (the
     exact tier's rate for every item of an exact-only token), and each state's bytes (0 for EVICTED and tiers
     that are off)."""
-    on = _check_tiers(cost, fidelity)
-    present, rate, step_cost, target = _item_tables(cost, fidelity, on, device)
+    on = check_tiers(cost, fidelity)
+    present, rate, step_cost, target = item_tables(cost, fidelity, on, device)
     exact = torch.tensor(float(fidelity[ORIGINAL]) / int(cost[ORIGINAL]), dtype=torch.float32, device=device)
     rate = torch.cat([rate, exact.expand(1, rate.shape[1])]).contiguous()
     per_state = [int(c) if c is not None else 0 for c in cost] + [0]  # ..., EVICTED
@@ -235,7 +235,7 @@ def allocate_triton(
     ``fast_path=False``: rank without first reading back whether everything fits (the same states either way),
     for a caller that knows some row does not (a cache over its budget: every run at a long context), so the
     run's allocation waits on nothing."""
-    b, h, n = _check_shapes(scores, state, sink)
+    b, h, n = check_shapes(scores, state, sink)
     device = scores.device
     present_t, rate_t, step_cost_t, target_t, state_cost = _tables(tuple(cost), tuple(fidelity), device)
     k = step_cost_t.numel()

@@ -19,7 +19,7 @@ materialises dense keys. The work is three small kernels (flash-decoding):
    score array): the decode-time significance scores come out of the same pass, with no second
    read of K. Beyond the records, a step moves per slot the logits (written and read back,
    ``4 g q`` bytes each way) and the score's read-modify-write (8 bytes, in sectors shared by a
-   page's slots: ``hfkv.storage.record``).
+   page's slots: ``hfkv.quant.record``).
 
 Masking is by logical position, from the slots' tags (``position + 1``, 0 = empty): a slot is
 visible to query ``i`` iff it is not empty, not left padding (``pos >= pad_end[row]``) and not in
@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import inline_ptx_ok, interpreter_on, triton_version
 from hfkv.kernels.code_products import code_columns, code_products, key_code_queries
 from hfkv.kernels.dequant import (
     format_constants,
@@ -54,13 +53,14 @@ from hfkv.kernels.dequant import (
     piece_width,
     tl_dtype,
 )
+from hfkv.kernels.environment import inline_ptx_ok, interpreter_on, triton_version
 from hfkv.kernels.grid import cdiv
 from hfkv.kernels.launch import KernelLaunch, shortcut_supported
 from hfkv.kernels.parts import DenseSlots, PagedSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call, paged_attention_reference
 
 if TYPE_CHECKING:
-    from hfkv.storage import RecordLayout
+    from hfkv.quant.record import RecordLayout
 
 __all__ = [
     "DecodePlan",
@@ -170,7 +170,7 @@ TABLE_AHEAD = None
 # Slots per program of the score pass (eval/kernel_variants.py --score-block): the pass reads the logits and adds
 # each slot's share to its score. H100, 32k x 8, with the score inside each record (a scattered 4 bytes): 64 /
 # 128 / 256 slots made no difference (full 0.646 / 0.657 / 0.667 ms a call): the pass was bound by those sectors,
-# which is why a page keeps its scores side by side (hfkv.storage.record).
+# which is why a page keeps its scores side by side (hfkv.quant.record).
 SCORE_BLOCK = 64
 
 # Each part's sizes and offsets reach the kernels as a row of a small int64 tensor (the plan's ``meta``),

@@ -28,7 +28,7 @@ import triton.language as tl
 from hfkv.kernels.dequant import format_constants
 from hfkv.kernels.grid import cdiv
 from hfkv.quant.formats import QuantFormat
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 # Model dtypes of the full-precision family (tl.constexpr values; the families are dequant's).
 F32, F16, BF16 = 0, 1, 2

@@ -19,7 +19,7 @@ import triton.language as tl
 from hfkv.kernels.dequant import format_constants, load_field
 from hfkv.kernels.encode import check_pool
 from hfkv.kernels.grid import cdiv
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 __all__ = ["gather_decode"]
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hfkv.kernels.backend import interpreter_on, triton_version
+from hfkv.kernels.environment import interpreter_on, triton_version
 
 ENV_TRITON_BINDING = "HFKV_TRITON_BINDING"
 _I32 = (-(2**31), 2**31)

@@ -19,8 +19,8 @@ import triton.language as tl
 from hfkv.kernels.encode import check_pool
 from hfkv.kernels.grid import cdiv
 from hfkv.kernels.reference import check_candidates
+from hfkv.quant.record import RecordLayout
 from hfkv.states import EVICTED, ORIGINAL
-from hfkv.storage.record import RecordLayout
 
 __all__ = ["read_candidates_triton", "read_meta_triton"]
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from hfkv.kernels.encode import check_offsets, check_pool
 from hfkv.kernels.parts import head_step
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 _MAX_BLOCK = 1024  # words per program; a record is copied by cdiv(words, block) programs
 

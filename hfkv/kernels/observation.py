@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.backend import interpreter_on
+from hfkv.kernels.environment import interpreter_on
 from hfkv.kernels.grid import cdiv
 from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, observation_shape, reduce_gqa
 

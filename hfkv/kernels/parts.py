@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 __all__ = ["DenseSlots", "PagedSlots", "Part", "plan_key"]
 

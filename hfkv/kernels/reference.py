@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hfkv.attention.slots import slot_attention
 from hfkv.kernels.parts import DenseSlots, Part
+from hfkv.kernels.slots import slot_attention
 from hfkv.policy.scores import reduce_gqa
 
 REDUCTIONS = {"max": 0, "mean": 1, "l2": 2}

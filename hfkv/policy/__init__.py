@@ -6,6 +6,7 @@ from hfkv.policy.scores import (
     observation_counts,
     observation_probs,
     reduce_gqa,
+    score_means,
     smooth_scores,
     token_scores,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "oq_score",
     "oq_score_from_mass",
     "reduce_gqa",
+    "score_means",
     "smooth_scores",
     "token_scores",
 ]

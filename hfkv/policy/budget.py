@@ -62,7 +62,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hfkv.policy.unified import Sinks, _check_shapes, _lengths, _ordered_key, _per_head, rows_of, sink_mask
+from hfkv.policy.unified import Sinks, _lengths, _ordered_key, _per_head, check_shapes, rows_of, sink_mask
 from hfkv.states import EVICTED, ORIGINAL, TIER_NAMES
 
 __all__ = ["allocate", "held_bytes_of", "hull_slopes"]
@@ -98,7 +98,7 @@ def hull_slopes(points: Sequence[tuple[float, float]]) -> list[float]:
     return slopes
 
 
-def _check_tiers(cost: Costs, fidelity: Sequence[float | None]) -> list[int]:
+def check_tiers(cost: Costs, fidelity: Sequence[float | None]) -> list[int]:
     """The enabled tiers (state order), after checking that fewer bytes never buy more precision."""
     if len(cost) != len(TIER_NAMES) or len(fidelity) != len(TIER_NAMES):
         raise ValueError(
@@ -121,7 +121,7 @@ def _check_tiers(cost: Costs, fidelity: Sequence[float | None]) -> list[int]:
     return on
 
 
-def _item_tables(cost: Costs, fidelity: Sequence[float | None], on: list[int], device: torch.device):
+def item_tables(cost: Costs, fidelity: Sequence[float | None], on: list[int], device: torch.device):
     """Per current state (rows) and item (columns, cheapest first): present, rate, cost; and the tier each
     item reaches. Built on the host: a handful of numbers per layer."""
     order = on[::-1]  # cheapest first: quantized, mid, original
@@ -183,8 +183,8 @@ def allocate(
     Guarantees: the bytes held (``held_bytes_of``) are at most ``room`` wherever the sinks alone
     fit; no token is promoted.
     """
-    b, h, n = _check_shapes(scores, state, sink)
-    on = _check_tiers(cost, fidelity)
+    b, h, n = check_shapes(scores, state, sink)
+    on = check_tiers(cost, fidelity)
     rows = (b,) if head_adaptive else (b, h)
     device = scores.device
     room = rows_of(room, rows, "room", device)
@@ -215,7 +215,7 @@ def allocate(
         return new
 
     # Items [B, H, N, K], cheapest first; efficiency = value per byte along the token's hull.
-    present_t, rate_t, cost_t, target_t = _item_tables(cost, fidelity, on, device)
+    present_t, rate_t, cost_t, target_t = item_tables(cost, fidelity, on, device)
     k = cost_t.numel()
     if prior:
         scores = scores + prior / length

@@ -305,3 +305,11 @@ def carry_forward(sums: Tensor, count: Tensor, decay: float) -> Tensor:
     for d in range(1, n + 1):  # a few shifts of the whole [B, H, T] tensor, not a loop over tokens
         out[..., d:] = torch.maximum(out[..., d:], mean[..., :-d] * shares[d])
     return out * c
+
+
+def score_means(sums: torch.Tensor, pos: torch.Tensor, mean_over: tuple[int, int] | None) -> torch.Tensor:
+    """Score sums as means over the queries that saw each token (``mean_over=(length, score_start)``), or as is."""
+    if mean_over is None:
+        return sums
+    length, score_start = mean_over
+    return sums / (length - torch.clamp(pos, min=score_start)).clamp_min(1)

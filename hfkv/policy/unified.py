@@ -148,7 +148,7 @@ def _apply_lowest(
     return torch.where(sel, torch.full_like(new, to_state), new)
 
 
-def _check_shapes(scores: Tensor, state: Tensor, sink: Tensor | Sinks) -> tuple[int, int, int]:
+def check_shapes(scores: Tensor, state: Tensor, sink: Tensor | Sinks) -> tuple[int, int, int]:
     """``(B, H, N)`` of ``scores``, after checking that ``state`` and ``sink`` (or its positions) share it."""
     if scores.dim() != 3:
         raise ValueError(f"scores must be [B, H, N], got shape {tuple(scores.shape)}")
@@ -234,7 +234,7 @@ def classify(
 
     See the module docstring for the rules and the tie-break.
     """
-    b, h, n = _check_shapes(scores, state, sink)
+    b, h, n = check_shapes(scores, state, sink)
     device = scores.device
     state = state.to(torch.int8)
     if n == 0:

@@ -23,7 +23,7 @@ costs memory traffic: in chunk order the shift and mask run on 8-byte words over
 with no interleave (natural order needs one over rows of ``P`` elements, as costly as the rest
 of the decode), the codes stay uint8 until attention converts one chunk at a time, and scale
 and zero are applied at the size of the logits and outputs
-(:func:`hfkv.attention.slots.slot_attention`) instead of in passes over the tier.
+(:func:`hfkv.kernels.slots.slot_attention`) instead of in passes over the tier.
 :meth:`QuantFormat.decode_at` dequantizes with the formula it always used (``code`` to fp32,
 ``* scale``, then ``+ zero``) and interleaves once, for callers that want values.
 

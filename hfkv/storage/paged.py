@@ -24,21 +24,15 @@ from collections.abc import Sequence
 
 import torch
 
+from hfkv.kernels.backend import BackendOps, backend_ops
+from hfkv.policy.scores import score_means
+from hfkv.quant.record import RecordLayout
 from hfkv.states import EVICTED, ORIGINAL
 from hfkv.storage.pool import GROWTH, NULL_PAGE, PagePool
-from hfkv.storage.record import RecordLayout
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return (a + b - 1) // b
-
-
-def score_means(sums: torch.Tensor, pos: torch.Tensor, mean_over: tuple[int, int] | None) -> torch.Tensor:
-    """Score sums as means over the queries that saw each token (``mean_over=(length, score_start)``), or as is."""
-    if mean_over is None:
-        return sums
-    length, score_start = mean_over
-    return sums / (length - torch.clamp(pos, min=score_start)).clamp_min(1)
 
 
 # Pages start on a DRAM sector (32 bytes) where that costs at most PAGE_GROWTH more page: a page size that is not a
@@ -100,12 +94,12 @@ class PagedTiers:
         device: torch.device | str = "cpu",
         initial_pages: int = 0,
         growth: float = GROWTH,
-        backend: str = "torch",
+        ops: BackendOps | None = None,
     ) -> None:
         self.layouts = tuple(layouts)
-        # "triton": records are encoded, moved and cleared by the kernels of hfkv.kernels (same bytes);
-        # "cpu": encoded by the C++ of hfkv.kernels.cpu (same bytes), moved and cleared by torch.
-        self.backend = backend
+        # The kernels that encode, move, clear and read records (same bytes on every backend; None entries: the
+        # torch code here). Default: the torch backend's.
+        self.ops = backend_ops("torch") if ops is None else ops
         if page_bytes is None:
             page_bytes = auto_page_bytes([lay.nbytes for lay in self.layouts])
         self.tpp = []
@@ -212,18 +206,11 @@ class PagedTiers:
         if b.numel() == 0:
             return
         lay = self.layouts[tier]
-        if self.backend == "triton":
-            from hfkv.kernels.encode import encode_write
-        elif self.backend == "cpu":
-            from hfkv.kernels.cpu.encode import encode_write_cpu as encode_write
-        else:
+        if self.ops.encode_write is None:
             self.append_flat(tier, b, h, lay.encode(k, v, pos, score, check_finite=False))
             return
         offsets = self._reserve_offsets(tier, b, h, pages, heads)
-        if self.backend == "cpu":  # slots just reserved here: nothing to validate
-            encode_write(self.pool.data, offsets, lay, k, v, pos, score, checked=False)
-        else:
-            encode_write(self.pool.data, offsets, lay, k, v, pos, score)
+        self.ops.encode_write(self.pool.data, offsets, lay, k, v, pos, score)
 
     def _take_pages(self, tier: int, b: torch.Tensor, h: torch.Tensor):
         """What appending one record to each head ``(b[j], h[j])`` needs: ``(bh, k, old, old_pages, need, ids)``
@@ -271,20 +258,15 @@ class PagedTiers:
         """:meth:`_reserve`'s slots as byte offsets into the pool: two calls and one host read on the Triton and CPU
         backends (``count_appends``, which sets the new counts, then ``reserve_slots``), in place of the torch
         path's dozens of operations; one call and no read on the Triton one given ``pages`` and ``heads``."""
-        lay, tpp = self.layouts[tier], self.tpp[tier]
-        if self.backend == "torch":
+        lay, tpp, ops = self.layouts[tier], self.tpp[tier], self.ops
+        if ops.reserve_slots is None:
             page, off = self._reserve(tier, b, h)
             return page * self.pool.page_bytes + off * lay.stride
-        if self.backend == "cpu":
-            from hfkv.kernels.cpu.reserve import count_appends_cpu as count_appends
-            from hfkv.kernels.cpu.reserve import reserve_slots_cpu as reserve_slots
-        else:
-            from hfkv.kernels.reserve import count_appends, reserve_slots
         counts = self.counts[..., tier]
-        if heads is not None and pages is not None and self.backend == "triton":
+        if heads is not None and pages is not None and ops.reserve_sets_counts:
             (total, widest), (old, k), set_counts = pages, heads, counts  # the reservation sets the counts
         else:
-            k, old, total, widest = count_appends(b, h, counts, tpp, pages)
+            k, old, total, widest = ops.count_appends(b, h, counts, tpp, pages)
             set_counts = None
         ids = self.pool.free_stack[:0]
         if total:
@@ -292,7 +274,7 @@ class PagedTiers:
             ids = self.pool.take(total)  # read by reserve_slots below, before any release can overwrite them
         self.versions[tier] += 1
         extra = () if set_counts is None else (set_counts,)  # the C++ twin takes no counts (it is never told heads)
-        return reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel(), *extra)
+        return ops.reserve_slots(self.pool.data, self.tables[tier], old, k, ids, tpp, lay.stride, b.numel(), *extra)
 
     def _count_appended(self, tier: int, new: torch.Tensor) -> None:
         self.counts[..., tier] = new.view(self.batch, self.heads)
@@ -307,23 +289,19 @@ class PagedTiers:
         them (two launches, not two a tier); elsewhere :meth:`remove` for each, in order: the same storage either
         way."""
         cols = [sum(sizes[:t]) for t in range(len(sizes))]
-        if self.backend != "triton" or not tiers:
+        if self.ops.remove_tiers is None or not tiers:
             for tier, known in zip(tiers, pages, strict=True):
                 self.remove(tier, states[..., cols[tier] : cols[tier] + sizes[tier]] == tier, known)
             return
-        from hfkv.kernels.move import remove_tiers
-
         removing = [t in tiers for t in range(self.num_tiers)]
-        remove_tiers(self.pool.data, self.tables, self.counts, states.contiguous(), sizes, removing, self.tpp,
+        self.ops.remove_tiers(self.pool.data, self.tables, self.counts, states.contiguous(), sizes, removing, self.tpp,
                      self.layouts, self.pool.free_stack, self.pool.n_free)  # fmt: skip
         self.pool.pushed(sum(freed for freed, _ in pages))
         for tier, (_, width) in zip(tiers, pages, strict=True):
             self._set_width(tier, width)
             self.versions[tier] += 1
 
-    def remove(
-        self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None
-    ) -> None:
+    def remove(self, tier: int, keep: torch.Tensor, pages: tuple[int, int] | None = None) -> None:
         """Drop live slots of ``tier`` where ``keep`` is False; ``keep`` is ``[B, H, M]`` with M >= max count.
         ``pages``: the pages it frees and the table's width after it, when the caller knows them (a planned
         policy run's): the kernel backends then read nothing back.
@@ -334,16 +312,11 @@ class PagedTiers:
         """
         tpp = self.tpp[tier]
         cnt = self.counts[..., tier]
-        if self.backend in ("triton", "cpu"):  # two calls and one host read (a GPU's policy run is bound by launches)
-            if self.backend == "cpu":
-                from hfkv.kernels.cpu.compact import compact_cpu as compact
-                from hfkv.kernels.cpu.compact import release_pages_cpu as release_pages
-            else:
-                from hfkv.kernels.move import compact, release_pages
-
-            new = compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
-            n_freed, width = release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack, self.pool.n_free,
-                                           pages)  # fmt: skip
+        ops = self.ops
+        if ops.compact is not None:  # two calls and one host read (a GPU's policy run is bound by launches)
+            new = ops.compact(self.pool.data, self.tables[tier], cnt, keep, tpp, self.layouts[tier])
+            n_freed, width = ops.release_pages(self.tables[tier], cnt, new, tpp, self.pool.free_stack,
+                                               self.pool.n_free, pages)  # fmt: skip
             self.pool.pushed(n_freed)
             self._set_width(tier, width)
             self.versions[tier] += 1
@@ -445,13 +418,9 @@ class PagedTiers:
         ``m`` slots a head (default: the table's pages, known on the host; the largest count would be a
         device read, a wait on a GPU at every policy run); slots past a head's count are not valid."""
         lay = self.layouts[tier]
-        if self.backend in ("cpu", "triton"):  # one pass over the tables (the torch path below is the twin)
-            if self.backend == "cpu":
-                from hfkv.kernels.cpu.meta import read_meta_cpu as read_meta
-            else:
-                from hfkv.kernels.meta import read_meta_triton as read_meta
+        if self.ops.read_meta is not None:  # one pass over the tables (the torch path below is the twin)
             m = self.max_slots(tier) if m is None else m
-            return read_meta(self.pool.data, self.tables[tier], self.counts[..., tier], self.tpp[tier], lay, m)
+            return self.ops.read_meta(self.pool.data, self.tables[tier], self.counts[..., tier], self.tpp[tier], lay, m)
         page, off = self._slot_pages(tier, self.max_slots(tier) if m is None else m)
         valid = page >= 0
         page = torch.where(valid, page, NULL_PAGE)
@@ -476,17 +445,10 @@ class PagedTiers:
         On the CPU backend one C++ pass (a dozen tensor operations here, a tenth of a policy run at 8k), on the Triton
         one a launch per tier and one for the exits, the means taken in them."""
         sizes = [self.max_slots(t) for t in range(self.num_tiers)]
-        if self.backend in ("cpu", "triton"):
+        if self.ops.read_candidates is not None:
             args = (self.pool.data, self.tables, self.counts, self.tpp, self.layouts, sizes, exit_pos, exit_score,
-                    pad_end)  # fmt: skip
-            if self.backend == "triton":
-                from hfkv.kernels.meta import read_candidates_triton
-
-                return (*read_candidates_triton(*args, mean_over), sizes)
-            from hfkv.kernels.cpu.meta import read_candidates_cpu
-
-            pos, score, valid, state = read_candidates_cpu(*args)
-            return pos, score_means(score, pos, mean_over), valid, state, sizes
+                    pad_end, mean_over)  # fmt: skip
+            return (*self.ops.read_candidates(*args), sizes)
         metas = [self.read_meta(t, m) for t, m in enumerate(sizes)]
         bsz, heads, m = exit_score.shape
         exit_valid = (exit_pos.view(1, 1, m) >= pad_end.view(-1, 1, 1)).expand(bsz, heads, m)
@@ -529,12 +491,8 @@ class PagedTiers:
         """``(k, v [n, D] fp32, pos [n] int64, score [n] fp32)`` of the given live slots (one launch on the Triton
         backend, one C++ call on the CPU one; equal values)."""
         lay = self.layouts[tier]
-        if self.backend in ("triton", "cpu"):
-            if self.backend == "cpu":
-                from hfkv.kernels.cpu.gather import gather_decode_cpu as gather_decode
-            else:
-                from hfkv.kernels.gather import gather_decode
-            return gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s)
+        if self.ops.gather_decode is not None:
+            return self.ops.gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s)
         page, off = self._locate(tier, b, h, s)
         k, v = lay.decode_kv(self.pool.bodies(lay)[page, off], torch.float32)
         return k, v, self.pool.tags(lay)[page, off].long() - 1, self.pool.scores(lay)[page, off]
@@ -545,11 +503,9 @@ class PagedTiers:
         """:meth:`gather_decoded` of the rows whose ``source`` is ``tier`` (a move plan's), written into ``out``
         (``(k, v [n, D], pos [n], score [n])``) at those rows; the others keep what they hold. One launch on the
         Triton backend, no host read."""
-        if self.backend == "triton":
-            from hfkv.kernels.gather import gather_decode
-
+        if self.ops.plans_moves:  # the Triton gather writes the rows of its source in place
             lay = self.layouts[tier]
-            gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s, (source, tier), out)
+            self.ops.gather_decode(self.pool.data, self.tables[tier], self.tpp[tier], lay, b, h, s, (source, tier), out)
             return
         sel = source == tier
         for o, x in zip(out, self.gather_decoded(tier, b[sel], h[sel], s[sel]), strict=True):

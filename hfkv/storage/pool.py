@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 NULL_PAGE = 0
 RESERVED_PAGES = 1

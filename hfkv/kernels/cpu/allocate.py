@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from hfkv.kernels.cpu.build import library
-from hfkv.policy.budget import Costs, _check_tiers, _item_tables
-from hfkv.policy.unified import Sinks, _check_shapes, head_row, rows_of, sink_mask
+from hfkv.policy.budget import Costs, check_tiers, item_tables
+from hfkv.policy.unified import Sinks, check_shapes, head_row, rows_of, sink_mask
 from hfkv.states import ORIGINAL
 
 __all__ = ["allocate_cpu"]
@@ -33,8 +33,8 @@ def _kernel():
 
 @cache
 def _tables(cost: tuple, fidelity: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-    on = _check_tiers(cost, fidelity)
-    present, rate, step_cost, target = _item_tables(cost, fidelity, on, torch.device("cpu"))
+    on = check_tiers(cost, fidelity)
+    present, rate, step_cost, target = item_tables(cost, fidelity, on, torch.device("cpu"))
     exact_rate = float(fidelity[ORIGINAL]) / int(cost[ORIGINAL])
     return (
         present.to(torch.uint8).contiguous(),
@@ -60,7 +60,7 @@ def allocate_cpu(
     prior: float = 0.0,
 ) -> Tensor:
     """:func:`hfkv.policy.budget.allocate` (same arguments, same result) for CPU tensors."""
-    b, h, n = _check_shapes(scores, state, sink)
+    b, h, n = check_shapes(scores, state, sink)
     present, rate, step_cost, target, exact_rate = _tables(tuple(cost), tuple(fidelity))
     rows = (b,) if head_adaptive else (b, h)
     room = rows_of(room, rows, "room")

@@ -10,7 +10,7 @@ import torch
 
 from hfkv.kernels.cpu.build import function
 from hfkv.kernels.parts import head_step
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 __all__ = ["compact_cpu", "release_pages_cpu"]
 

@@ -12,7 +12,7 @@ import torch
 
 from hfkv.kernels.cpu.build import library
 from hfkv.quant.formats import INT_BITS, QuantFormat
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 __all__ = ["encode_write_cpu"]
 

@@ -16,7 +16,7 @@ import torch
 from hfkv.kernels.cpu.build import library
 from hfkv.kernels.cpu.paged_decode import _describe, _Part
 from hfkv.kernels.parts import PagedSlots
-from hfkv.storage.record import RecordLayout
+from hfkv.quant.record import RecordLayout
 
 __all__ = ["gather_decode_cpu"]
 

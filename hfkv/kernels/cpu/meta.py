@@ -12,8 +12,8 @@ import torch
 
 from hfkv.kernels.cpu.build import library
 from hfkv.kernels.reference import check_candidates
+from hfkv.quant.record import RecordLayout
 from hfkv.states import EVICTED, ORIGINAL
-from hfkv.storage.record import RecordLayout
 
 __all__ = ["read_candidates_cpu", "read_meta_cpu", "tier_changes_cpu"]
 

@@ -1,0 +1,97 @@
+"""What a layer holds, as people and reports read it: per-position states and scores, statistics, held tensors.
+
+Why a module of its own: none of this is on the decode path. It rebuilds maps over the logical sequence from the
+storage (window positions, tier slot positions, score sums) for hfkv.inspect, notebooks and ``cache.stats()``,
+and it counts from exactly what the layer holds, so the maps and the statistics agree with each other (padding
+still in the window is WINDOW in both). Functions of the layer: they read it and change nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, WINDOW
+from hfkv.stats import LayerStats
+from hfkv.storage import dense_kv_bytes, held_bytes
+
+
+def describe(layer) -> str:
+    """The layer's ``repr``: its counts per place."""
+    if not layer.is_initialized:
+        return f"TriStateLayer({layer.layer_idx}, empty)"
+    c = layer.tiers.counts.sum((0, 1)).tolist()
+    mid = f"mid={c[MID]}, " if layer.cfg.uses_mid_tier() else ""
+    return (
+        f"TriStateLayer({layer.layer_idx}, len={layer.length}, window={layer.window.count}, "
+        f"original={c[ORIGINAL]}, {mid}quantized={c[QUANTIZED]}, backend={layer.backend})"
+    )
+
+
+def held_tensors(layer) -> list[torch.Tensor]:
+    if not layer.is_initialized:
+        return []
+    return [*layer.window.held_tensors(), *layer.tiers.held_tensors()]
+
+
+def token_states(layer) -> torch.Tensor:
+    """``[B, H, logical length]`` int8 state of every logical position (``hfkv.states``; WINDOW = -1).
+
+    Built from what the layer holds (window positions, tier slot positions), so its counts are
+    the counts of :func:`layer_stats`: padding still in the window is WINDOW, like there.
+    """
+    if not layer.is_initialized:
+        return torch.zeros(0, 0, 0, dtype=torch.int8)
+    tiers, window = layer.tiers, layer.window
+    bsz, heads = tiers.counts.shape[:2]
+    out = torch.full((bsz, heads, layer.length), EVICTED, dtype=torch.int8, device=layer.device)
+    for tier in range(tiers.num_tiers):
+        pos, _, valid = tiers.read_meta(tier)
+        b, h, s = valid.nonzero(as_tuple=True)
+        out[b, h, pos[b, h, s].long()] = tier
+    wpos = window.pos[window.pos >= 0]
+    out[:, :, wpos] = WINDOW
+    return out.cpu()
+
+
+def token_scores(layer) -> torch.Tensor:
+    """``[B, H, logical length]`` fp32 significance the policy sees for every held token (NaN: evicted).
+
+    The policy's own measure: score sums divided by observation counts (``score_mode='mean'``).
+    """
+    if not layer.is_initialized:
+        return torch.zeros(0, 0, 0)
+    tiers, window, mean_scores = layer.tiers, layer.window, layer.policy.mean_scores
+    bsz, heads = tiers.counts.shape[:2]
+    out = torch.full((bsz, heads, layer.length), float("nan"), device=layer.device)
+    for tier in range(tiers.num_tiers):
+        pos, sums, valid = tiers.read_meta(tier)
+        b, h, s = valid.nonzero(as_tuple=True)
+        p = pos[b, h, s].long()
+        out[b, h, p] = mean_scores(sums[b, h, s], p)
+    live = window.pos >= 0
+    wpos = window.pos[live]
+    out[:, :, wpos] = mean_scores(window.score[:, :, live], wpos)
+    return out.cpu()
+
+
+def layer_stats(layer) -> LayerStats:
+    if not layer.is_initialized:
+        return LayerStats(layer.layer_idx, 0, 0, 0)
+    bsz, heads, _, dim = layer.window.k.shape
+    counts = layer.tiers.counts
+    win = torch.full((bsz, heads), layer.window.count, dtype=torch.int64)
+    # Padding inside the window is not a kept token; it sits in the window until it leaves.
+    evicted = layer.length - win - counts.sum(-1).cpu()
+    budget = layer.budget
+    return LayerStats(
+        layer=layer.layer_idx,
+        kv_bytes=held_bytes(layer.held_tensors()),
+        dense_bytes=dense_kv_bytes(bsz, heads, layer.length, dim, layer.dtype),
+        logical_length=layer.length,
+        window=win.tolist(),
+        original=counts[..., ORIGINAL].tolist(),
+        mid=counts[..., MID].tolist(),
+        quantized=counts[..., QUANTIZED].tolist(),
+        evicted=evicted.tolist(),
+        budget_bytes=budget.cap * bsz * heads if budget.memory_budget else None,
+    )

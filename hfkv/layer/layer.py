@@ -1,0 +1,296 @@
+"""TriStateLayer: one compressed model layer's cache, a thin container in the spirit of transformers' DynamicLayer.
+
+The layer keeps the state every part shares (its config, length, window ring, paged tiers, record layouts and
+backend operations) and answers transformers' cache-layer protocol (``update``, ``get_seq_length``,
+``get_mask_sizes``, batch surgery, ``reset``) and hfkv's attention function (``attend``). Each other job is a part
+with its own state, holding a reference to the layer for what they share:
+
+- ``budget`` (:mod:`hfkv.layer.budget`): costs, room and the host-side budget questions;
+- ``padding`` (:mod:`hfkv.layer.padding`): the rows' left padding and sinks;
+- ``policy`` (:mod:`hfkv.layer.policy_runner`): when the policy runs, a run, and a run prepared a step ahead;
+- ``moves`` (:mod:`hfkv.storage.moves`): tokens written to, moved between and dropped from the tiers;
+- ``reads`` (:mod:`hfkv.layer.reads`): attention over the held slots and the kept launch plan;
+- ``cursor`` (:mod:`hfkv.layer.step_cursor`): the device-side step a CUDA graph replays;
+- :mod:`hfkv.layer.prefill` and :mod:`hfkv.layer.introspection`: a prompt's admission, and what the layer holds.
+
+What it needs of its cache is :class:`hfkv.layer.owner.LayerOwner` (the layer sits below ``hfkv.cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from hfkv.kernels.backend import backend_ops, resolve_backend
+from hfkv.layer import introspection, prefill
+from hfkv.layer.budget import Budget
+from hfkv.layer.handoff import pending, request_logical_mask, set_pending
+from hfkv.layer.owner import LayerOwner
+from hfkv.layer.padding import Padding
+from hfkv.layer.policy_runner import PolicyRunner
+from hfkv.layer.reads import Reads
+from hfkv.layer.step_cursor import StepCursor
+from hfkv.quant.formats import QuantFormat
+from hfkv.quant.record import RecordLayout
+from hfkv.quant.rotation import hadamard, rotate
+from hfkv.states import TIER_NAMES
+from hfkv.stats import LayerStats
+from hfkv.storage import PagedTiers, WindowRing
+from hfkv.storage.moves import Moves
+from hfkv.storage.pool import GROWTH
+
+
+class TriStateLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: LayerOwner, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.cfg = cache.config
+        self.layer_idx = layer_idx
+        self.length = 0  # logical: every token seen, padding included
+        self.window: WindowRing | None = None
+        self.tiers: PagedTiers | None = None
+        self.score_start = 0  # logical position of the first query whose attention was observed
+        self.oq: torch.Tensor | None = None  # [B] this layer's OQ score from prefill
+        # cfg.rotate: the orthonormal Hadamard matrix every key, value and query of this layer is rotated by
+        # (hfkv.quant.rotation), set with the layer's shapes; None: nothing is rotated.
+        self.rotation: torch.Tensor | None = None
+        # update()'s keys, values and start, for attend() (the prompt's are attended densely)
+        self._chunk: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # Tokens a multi-token chunk pushed out of the window: attended densely by the chunk's queries,
+        # classified (with those scores) right after, so they are written once, to the tier they end in.
+        self._exits: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.padding = Padding(self)
+        self.policy = PolicyRunner(self)
+        self.reads = Reads(self)
+        self.cursor = StepCursor(self)
+        self.budget: Budget | None = None  # these three are made for the layer's shapes (lazy_initialization)
+        self.moves: Moves | None = None
+
+    def __repr__(self) -> str:
+        return introspection.describe(self)
+
+    # ------------------------------------------------------------ set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bsz, heads, _, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        cfg = self.cfg
+        self.backend = resolve_backend(cfg.backend, self.device)
+        self.ops = backend_ops(self.backend)
+        self.rotation = hadamard(dim, self.device) if cfg.rotate else None
+
+        def layout(name: str) -> RecordLayout:
+            if name == "mid" and not cfg.uses_mid_tier():
+                name = "original"  # an empty tier: never written, so its layout only has to be valid
+            tier, group = getattr(cfg, name), cfg.group_for(name, dim)
+            return RecordLayout(
+                QuantFormat(tier.key, dim, group, self.dtype), QuantFormat(tier.value, dim, group, self.dtype)
+            )
+
+        self.layouts = tuple(layout(name) for name in TIER_NAMES)  # indexed by state
+        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
+        self.budget = Budget(self, dim)
+        # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
+        growth = 0.0 if cfg.budget is not None else GROWTH
+        self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth, ops=self.ops)
+        self.moves = Moves(self.tiers)
+        self.policy.initialize(next(i for i, layer in enumerate(self.cache.compressed_layers()) if layer is self))
+        self.is_initialized = True
+
+    # ------------------------------------------------------ Cache protocol
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Called once per forward before any layer runs: a forward that raised half-way must not
+        # leave its pending layer behind for this one.
+        set_pending(None)
+        # Slots are read by logical position: a boolean mask in logical coordinates. An empty layer's prompt
+        # is ordinary causal attention, so there it may be skipped as for DynamicCache (SDPA's causal path
+        # instead of a materialised T x T mask, which cost a one-shot prefill 40% of its time).
+        request_logical_mask(skippable=not self.length)
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "TriStateCache cannot be cropped: evicted and quantized tokens cannot be restored "
+            "(is_croppable is False). Use the 'full' preset or DynamicCache for assisted/speculative decoding."
+        )
+
+    def offload(self):
+        raise NotImplementedError("TriStateCache does not support offloading=True")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.cache.attention_ready():
+            raise RuntimeError(
+                f"TriStateCache is used on a model whose attention implementation is "
+                f"{self.cache.model_config._attn_implementation!r}, not 'hfkv', so compressed tokens would be "
+                "ignored. Call hfkv.enable(model) (TriStateCache(model, cfg) does it) and do not switch the "
+                "attention implementation afterwards."
+            )
+        if pending() is not None:
+            raise RuntimeError(
+                "hfkv: a cache layer's update() was not followed by the hfkv attention function: the model using "
+                f"this cache does not run hfkv attention (the cache was built for {self.cache.model_shape.describe()}; "
+                "TriStateCache(model, ...) switches the model it is given, and a cache serves that model only), or "
+                "its attention does not call past_key_values.update with standard K/V."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.rotation is not None:  # stored rotated; attend() rotates the query alike and its output back
+            key_states, value_states = rotate(key_states, self.rotation), rotate(value_states, self.rotation)
+        q = key_states.shape[2]
+        self._chunk = (key_states, value_states, self.length)
+        if self.length > 0:
+            # Triton writes a decode step's token into the ring in its attention launch (push_deferred).
+            slot = None
+            if self.ops.deferred_window_write and q == 1:
+                slot = self.window.push_deferred(key_states, value_states, self.length)
+            if slot is not None:
+                self._exits = None
+            else:
+                exits = self.window.push(key_states, value_states, self.length)
+                self._exits = exits if exits[2].numel() else None
+        self.length += q
+        if self.length > q and self._exits is None:
+            self.policy.step()
+        set_pending(self)
+        return key_states, value_states
+
+    # ------------------------------------------------------------ attention
+    def attend(self, module, query, key, value, mask, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Called by the hfkv attention function right after this layer's update(). ``out``: the tensor to write
+        the result to (hfkv.graphs: where a replayed graph reads it), one this layer's attention returned for
+        the same query shape; a Triton decode step writes it in place, any other path copies."""
+        if self.rotation is not None:  # (Hq).(Hk) = q.k: the keys and values were stored rotated (update())
+            query = rotate(query, self.rotation)
+        (k, v, _), self._chunk = self._chunk, None
+        exits, self._exits = self._exits, None
+        if self.length == k.shape[2]:
+            res = prefill.attend_prompt(self, module, query, k, v, mask, scaling)
+        else:
+            res = self.reads.attend(query, mask, scaling, exits, out)
+        if self.rotation is not None:  # sum p (Hv) = H (sum p v): rotated back (H is its own inverse)
+            res = rotate(res, self.rotation)
+        if out is None or res is out:
+            return res
+        return out.copy_(res)
+
+    def ingest_prefill(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+        """Fill an empty layer from a prompt's keys/values ``[B, H, T, D]`` (after RoPE) and its last queries
+        ``[B, Hq, w', D]`` (``w' >= obs_window`` of the prompt's final positions; plain causal, no padding),
+        leaving it exactly as a prefill forward through this cache would.
+
+        Why: the prompt's attention output does not depend on the cache (prefill is dense), so an evaluation
+        that compares many caches on one long prompt runs the model over it once and fills each cache from
+        the captured tensors (``hfkv.evaluation.shared_prefill``).
+        """
+        prefill.ingest(self, key, value, query, scaling)
+
+    # ------------------------------------------------------------ policy runs and CUDA graphs
+    def run_policy(self, exits: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Run the policy now (``exits``: a chunk's window exits), as a step that is due runs it (PolicyRunner.run)."""
+        self.policy.run(exits)
+
+    @property
+    def steps_since_policy(self) -> int:
+        return self.policy.steps
+
+    @steps_since_policy.setter
+    def steps_since_policy(self, steps: int) -> None:
+        self.policy.steps = steps
+
+    @property
+    def policy_runs(self) -> int:
+        """Every policy run of the layer: what a benchmark compares ``runs_ahead`` with."""
+        return self.policy.runs
+
+    @property
+    def runs_ahead(self) -> int:
+        """Policy runs finished from a plan prepared a step ahead."""
+        return self.policy.runs_ahead
+
+    @property
+    def step_fills(self) -> int:
+        """How many times the device step was set from the host (hfkv.graphs checks it)."""
+        return self.cursor.fills
+
+    def decode_steps_before_policy(self, limit: int = 4096) -> int:
+        """How many of the next one-token steps run no policy run (at most ``limit``): the steps a CUDA graph of
+        one of them can replay (hfkv.graphs)."""
+        return self.policy.steps_before(limit)
+
+    def replayed_step(self, checked: bool = True) -> None:
+        """The host side of a one-token step whose launches a CUDA graph replayed: what update() and attend()
+        change on the host for a step between policy runs. ``checked=False``: the caller counted the policy-free
+        steps already."""
+        self.cursor.replayed(checked)
+
+    def launch_signature(self) -> tuple:
+        """What this layer's decode launches depend on: the launch plan (compare it by identity) and the storage
+        it was made for. A policy run that grows or shrinks no table and no pool leaves both as they were, so
+        a CUDA graph captured before the run replays after it (hfkv.graphs)."""
+        return self.reads.signature()
+
+    def plan_kept(self) -> bool:
+        """Whether the last step's decode launch plan (built and compiled for the storage as it is now) serves
+        the next step: no policy run or chunk changed the storage after that step's attention (hfkv.graphs)."""
+        return self.reads.kept()
+
+    # ------------------------------------------------------- batch surgery
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        self.policy.ahead = None  # prepared for rows that are no longer these
+        self.window.select_rows(index)
+        self.tiers.select_rows(index)
+        self.budget.refresh_peak()
+        self.padding.select_rows(index)
+        if self.oq is not None:
+            self.oq = self.oq[index]
+        self.cache.invalidate_rho()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.window.shape[0]).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.tiers.reset()
+            bsz, heads, _, dim = self.window.shape
+            self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
+            self.budget.tier_peak = 0
+        self.reads.reset()
+        self.policy.reset()
+        self.length, self.score_start = 0, 0
+        self.padding.reset()
+        self.oq = None
+        self.cache.invalidate_rho()
+
+    # ------------------------------------------------------------- what it holds
+    def held_tensors(self) -> list[torch.Tensor]:
+        return introspection.held_tensors(self)
+
+    def token_states(self) -> torch.Tensor:
+        """``[B, H, logical length]`` int8 state of every logical position (``hfkv.states``; WINDOW = -1)."""
+        return introspection.token_states(self)
+
+    def token_scores(self) -> torch.Tensor:
+        """``[B, H, logical length]`` fp32 significance the policy sees for every held token (NaN: evicted)."""
+        return introspection.token_scores(self)
+
+    def layer_stats(self) -> LayerStats:
+        return introspection.layer_stats(self)

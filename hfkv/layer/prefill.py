@@ -1,0 +1,87 @@
+"""A prompt entering an empty layer: its attention, its scores and OQ statistics, and the tiers of its tokens.
+
+Why a module of its own: a prompt is attended densely (it is all there, as DynamicCache would hold it), but what it
+leaves behind is the layer's whole starting state: the observation window's attention gives every prompt token a
+score (on kernels where the backend has them, else from the probabilities), ARKV's OQ statistic for this layer's
+ratio, the rows' padding and sinks, the newest ``window`` tokens in the ring, and every older token classified and
+written once, straight into the tier it ends in. An evaluation that compares many caches on one prompt fills each
+from captured tensors instead of a forward (``ingest``, hfkv.evaluation.shared_prefill), to the same state.
+These are functions of the layer, not an object: a prompt leaves nothing of its own behind.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hfkv.policy import observation_probs, oq_score, smooth_scores, token_scores
+from hfkv.quant.rotation import rotate
+from hfkv.states import EVICTED, ORIGINAL
+
+
+def attend_prompt(layer, module, query, k: torch.Tensor, v: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """The prompt's attention (``k, v``: its keys and values as update() stored them), then its admission."""
+    if k.device.type == "cpu":
+        # The projections leave [B, H, T, D] keys and values as a transposed view; torch's CPU flash attention
+        # reads them 7-9% faster in bf16 when contiguous (DynamicCache's concatenation leaves them so), which
+        # repays the copy 8 times over at 8k (SmolLM2's shape, 1 and 2 threads; no difference in fp32).
+        k, v = k.contiguous(), v.contiguous()
+    out = sdpa_attention_forward(module, query, k, v, mask, scaling=scaling)[0]
+    admit_prompt(layer, k, v, query, mask, scaling)
+    return out
+
+
+def ingest(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+    """Fill an empty ``layer`` from a prompt's tensors (``TriStateLayer.ingest_prefill``, which says what they are)."""
+    if layer.is_initialized and layer.length:
+        raise ValueError(f"ingest_prefill: layer {layer.layer_idx} already holds {layer.length} tokens")
+    if query.shape[2] < min(layer.cfg.obs_window, key.shape[2]):
+        raise ValueError(
+            f"ingest_prefill: {query.shape[2]} queries given, the observation window needs "
+            f"min(obs_window={layer.cfg.obs_window}, T={key.shape[2]})"
+        )
+    if not layer.is_initialized:
+        layer.lazy_initialization(key, value)
+    if layer.rotation is not None:  # as update() and attend() rotate a prompt's
+        key, value, query = (rotate(x, layer.rotation) for x in (key, value, query))
+    layer.length = key.shape[2]
+    admit_prompt(layer, key, value, query, None, scaling)
+
+
+def admit_prompt(layer, k, v, query, mask, scaling) -> None:
+    """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows)."""
+    bsz, heads, t, _ = k.shape
+    pos = torch.arange(t, device=layer.device)
+    cfg, ops, window = layer.cfg, layer.ops, layer.window
+    w = min(cfg.obs_window, t)
+    probs = mass = None
+    observe = ops.observation_scores
+    if observe is not None and mask is None and cfg.gamma == 0:  # without the [B, Hq, w, T] probabilities
+        sums, mass = observe(query, k, scaling, cfg.obs_window, cfg.score_reduction)
+        sums = smooth_scores(sums, w, cfg.pool_kernel, cfg.carry)  # [B, H, T]
+    else:
+        probs = observation_probs(query, k, scaling, mask, cfg.obs_window)  # [B, Hq, w, T]
+        sums = token_scores(probs, heads, cfg.score_reduction, cfg.gamma, cfg.pool_kernel, cfg.carry)
+    key_valid = mask[:, 0, -1, :t].to(torch.bool) if mask is not None else torch.ones(bsz, t, dtype=torch.bool)
+    key_valid = key_valid.to(layer.device)
+    layer.padding.set_prompt(key_valid, unpadded=mask is None, sink_tokens=cfg.sink_tokens)
+    layer.score_start = t - w
+    nw = min(cfg.window, t)
+    rest = t - nw
+    if cfg.oq_ratios:
+        considered = key_valid & (torch.arange(t, device=layer.device) < rest)
+        if mass is None:
+            layer.oq = oq_score(probs, considered, cfg.tau)
+        else:
+            layer.oq = ops.oq_score_from_mass(mass, considered, cfg.tau)
+        layer.cache.invalidate_rho()
+    window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
+    window.score[:, :, :nw] = sums[..., rest:]
+    if rest > 0:
+        p = pos[:rest].view(1, 1, rest).expand(bsz, heads, rest)
+        valid = key_valid[:, None, :rest].expand(bsz, heads, rest)
+        state = torch.where(valid, ORIGINAL, EVICTED).to(torch.int8)
+        sc = sums[..., :rest]
+        new = layer.policy.classify(layer.policy.mean_scores(sc, p), state, p, nw, None)
+        layer.moves.admit(k[:, :, :rest], v[:, :, :rest], pos[:rest], sc, new, check_finite=True)
+    layer.budget.refresh_peak()
