@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv clean gpu-check aot-compat results results-demo results-bench
+.PHONY: demo test test-fast golden lint architecture-graph venv clean gpu-check aot-compat results results-demo results-bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,17 +30,23 @@ FAST_TESTS ?= tests/test_cache.py tests/test_policy_unified.py tests/test_policy
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -n 2 -m "not slow" $(FAST_TESTS)
 
-# On a lent GPU machine (docs/kernels.md, "Validating on a GPU"): its python3 with the carried wheels, no venv.
+# Every recorded golden output (tests/golden.py): what each preset generates and holds on torch, the CPU kernel and
+# Triton's interpreter; the default suite compares all but the slow Triton cases. Run after every refactoring step.
+golden: $(STAMP)
+	HFKV_GOLDEN_ALL=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -n 2 tests/test_golden_outputs.py
+
+# On a lent GPU machine (docs/kernels.md, "Validating on a GPU"): its python3 with the carried wheels, no venv; from
+# the repository root (eval/gpu/check.py imports tests/ and eval/ as packages of this checkout).
 # The files go to $OUT (the run tool's output folder) or gpu_check_out; GPU_CHECK_ARGS=--dry-run rehearses on a CPU.
 gpu-check:
-	$(PYTHON) -m hfkv.kernels.gpu_check --out $${OUT:-gpu_check_out} $(GPU_CHECK_ARGS)
+	$(PYTHON) -m eval.gpu.check --out $${OUT:-gpu_check_out} $(GPU_CHECK_ARGS)
 
 # The GPU image's Triton (3.6) compiles what the venv's does not always: compile every kernel configuration
 # with it too, on this CPU machine, before a lease (docs/kernels.md, "Before a lease").
 AOT_TRITON ?= triton==3.6.0
 aot-compat: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target .aot-triton $(AOT_TRITON)
-	env -u TRITON_INTERPRET PYTHONPATH=.aot-triton $(PY) -m hfkv.kernels.aot_check
+	env -u TRITON_INTERPRET PYTHONPATH=.aot-triton $(PY) -m eval.gpu.aot
 
 # Regenerating the committed results. A plain `hfkv demo/bench/eval` writes under the working directory's hfkv-out/
 # (gitignored) and never over eval/results/; these targets write there on purpose, with the arguments the
@@ -51,9 +57,9 @@ results: results-demo results-bench
 results-demo: $(STAMP)
 	$(VENV)/bin/hfkv demo --no-progress --out eval/results/demo.json
 
-# RESULTS_BENCH: which of eval/results/bench/<name>.json to re-measure (default: the current figures, not the
-# snapshots of past commits: *_before, *_observation, *_policy_cpp, *_repeat, *_final, *_session11, which
-# `make results-bench RESULTS_BENCH=<name>` re-measures on the checked-out code). --force: every group again.
+# RESULTS_BENCH: which of eval/results/bench/<name>.json to re-measure (default: all of them, the current figures;
+# the snapshots of past commits, *_before, *_observation, *_policy_cpp, *_repeat, *_final, *_session11, are in
+# eval/archive/results/bench/ and not re-measured: eval/archive/README.md gives their commands). --force: every group.
 RESULTS_BENCH ?= cpu_small_fp32 cpu_small_fp32_prefill cpu_small_fp32_chunked \
 	smollm2_bf16_cpu smollm2_bf16_cpu_prefill smollm2_bf16_cpu_chunked
 BENCH_RANDOM := --random-like cpu-small --dtype fp32 --methods dynamic evict@1024 hfkv@1024 --budgets "" \
@@ -64,19 +70,11 @@ bench_args.cpu_small_fp32 := --random-like cpu-small --dtype fp32 \
 	--methods dynamic,static,quanto-int4,evict@1024,quant,hfkv@1024,hfkv@256 --budgets "" \
 	--contexts 512,2048,8192 --batch-sizes 1 --decode-steps 32 --prefill-chunk 1024 --wait-quiet 600
 bench_args.cpu_small_fp32_prefill := $(BENCH_RANDOM)
-bench_args.cpu_small_fp32_prefill_final := $(BENCH_RANDOM)
 bench_args.cpu_small_fp32_chunked := $(BENCH_RANDOM) --prefill-chunk 1024
-bench_args.cpu_small_fp32_chunked_final := $(BENCH_RANDOM) --prefill-chunk 1024
-bench_args.cpu_small_fp32_chunked_policy_cpp := $(BENCH_RANDOM) --prefill-chunk 1024
-bench_args.cpu_small_fp32_chunked_repeat := $(BENCH_RANDOM) --prefill-chunk 1024
 bench_args.smollm2_bf16_cpu := $(BENCH_SMOLLM2) --contexts 512,8192 --decode-steps 32
-bench_args.smollm2_bf16_cpu_session11 := $(BENCH_SMOLLM2) --contexts 512,8192 --decode-steps 32 --prefill-repeats 2
-bench_args.smollm2_bf16_cpu_final := $(BENCH_SMOLLM2) --contexts 8192 --decode-steps 32
 bench_args.smollm2_bf16_cpu_prefill := $(BENCH_SMOLLM2) --contexts 8192 --decode-steps 16 --prefill-repeats 2
 bench_args.smollm2_bf16_cpu_chunked := $(BENCH_SMOLLM2) --contexts 8192 --decode-steps 16 --prefill-repeats 2 \
 	--prefill-chunk 1024
-bench_args.smollm2_bf16_cpu_512_before := $(BENCH_SMOLLM2) --contexts 512 --decode-steps 16 --prefill-repeats 5
-bench_args.smollm2_bf16_cpu_512_observation := $(BENCH_SMOLLM2) --contexts 512 --decode-steps 16 --prefill-repeats 5
 
 results-bench: $(STAMP)
 	$(foreach n,$(RESULTS_BENCH),$(if $(bench_args.$(n)),,$(error RESULTS_BENCH: no arguments recorded for '$(n)'; \
@@ -86,6 +84,11 @@ results-bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfkv tests eval configs calibration
+	$(VENV)/bin/lint-imports
+
+# docs/architecture.md's import graph of hfkv's parts, drawn from the code (tests/test_import_graph.py checks it)
+architecture-graph: $(STAMP)
+	$(PY) -m eval.import_graph --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .aot-triton

@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere in the checkout
     sys.path.insert(0, str(REPO))
 
+from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.calibration.objectives import METRICS  # noqa: E402
-from hfkv.calibration.report import atomic_write, dump_json, save_figure  # noqa: E402
+from hfkv.calibration.report import dump_json, save_figure  # noqa: E402
 
 SHARED = ("model", "gguf_file", "dtype", "objective", "data", "evaluation")
 DEFAULT_OUT = Path("hfkv-out/compare_granularity/granularity")  # a user's folder, never calibration/results
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     objective = next(iter(summaries.values()))["spec"]["objective"]
     metrics = ["kl", "top1"] if objective == "fidelity" else ["accuracy"]
     result = compare(summaries, metrics, a.levels)
-    atomic_write(a.out.with_suffix(".json"), dump_json(result))
-    atomic_write(a.out.with_suffix(".md"), table(result))
+    write_atomic(a.out.with_suffix(".json"), dump_json(result))
+    write_atomic(a.out.with_suffix(".md"), table(result))
     plot(result, a.out.with_suffix(".png"))
     print(table(result))
     return 0

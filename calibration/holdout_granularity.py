@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.calibration.data import load_jsonl, select  # noqa: E402
 from hfkv.calibration.objectives import FidelityObjective  # noqa: E402
-from hfkv.calibration.report import atomic_write, dump_json  # noqa: E402
+from hfkv.calibration.report import dump_json  # noqa: E402
 from hfkv.config import TriStateConfig  # noqa: E402
 
 DEFAULT_OUT = Path("hfkv-out/holdout_granularity/granularity-holdout")  # a user's folder, never calibration/results
@@ -77,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"config": name, **m})
         print(f"{name}: kl={m['kl']:.4f} top1={m['top1']:.4f} memory={m['memory_ratio']:.4f}", flush=True)
     out = {"held_out": {"n": len(held), "seed": a.seed, "after": n_cal}, "evaluation": ev, "results": results}
-    atomic_write(a.out.with_suffix(".json"), dump_json(out))
+    write_atomic(a.out.with_suffix(".json"), dump_json(out))
     lines = ["| config | kl | top1 | memory |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['kl']:.4f} | {r['top1']:.4f} | {r['memory_ratio']:.4f} |" for r in results]
-    atomic_write(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_atomic(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
     return 0
 
 

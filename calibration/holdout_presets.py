@@ -20,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from hfkv.atomic import write_atomic  # noqa: E402
 from hfkv.calibration.data import load_jsonl, select  # noqa: E402
 from hfkv.calibration.objectives import FidelityObjective  # noqa: E402
-from hfkv.calibration.report import atomic_write, dump_json  # noqa: E402
+from hfkv.calibration.report import dump_json  # noqa: E402
 from hfkv.evaluation.methods import build_config, parse_budget  # noqa: E402
 
 DEFAULT_OUT = Path("hfkv-out/holdout_presets/holdout-presets")  # a user's folder, never calibration/results
@@ -61,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         m = obj.evaluate(_config(name)).to_dict()
         results.append({"config": name, **m})
         print(f"{name}: kl={m['kl']:.4f} top1={m['top1']:.4f} memory={m['memory_ratio']:.4f}", flush=True)
-    atomic_write(a.out.with_suffix(".json"), dump_json({"held_out": len(held), "evaluation": ev, "results": results}))
+    write_atomic(a.out.with_suffix(".json"), dump_json({"held_out": len(held), "evaluation": ev, "results": results}))
     lines = ["| config | kl | top1 | memory |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['kl']:.4f} | {r['top1']:.4f} | {r['memory_ratio']:.4f} |" for r in results]
-    atomic_write(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_atomic(a.out.with_suffix(".md"), "\n".join(lines) + "\n")
     return 0
 
 

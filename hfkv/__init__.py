@@ -26,7 +26,7 @@ _LAZY = {
     "is_enabled": "hfkv.attention.interface",
     "TriStateCache": "hfkv.cache",
     "TriStateLayer": "hfkv.cache",
-    "PRESETS": "hfkv.config",
+    "PRESETS": "hfkv.presets",
     "TierFormat": "hfkv.config",
     "TriStateConfig": "hfkv.config",
     "CacheStats": "hfkv.stats",
@@ -48,7 +48,8 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports them
     from hfkv.attention.interface import enable, is_enabled
     from hfkv.cache import TriStateCache, TriStateLayer
-    from hfkv.config import PRESETS, TierFormat, TriStateConfig
+    from hfkv.config import TierFormat, TriStateConfig
+    from hfkv.presets import PRESETS
     from hfkv.stats import CacheStats, LayerStats
 
 

@@ -7,7 +7,10 @@ subcommand) shows the traceback instead.
 
 The parser is built for the subcommand being run only: ``hfkv --help`` and ``hfkv --version`` import no
 subcommand module (nor torch, transformers, lm-eval or Optuna), ``hfkv <cmd> --help`` imports that command's
-module alone, and each module imports its heavy dependencies when it runs.
+module alone, and each module imports its heavy dependencies when it runs. This module is the top floor: it
+imports the subcommands' modules (by name, when one runs), none of them imports it; demo, bench and eval also
+run as ``python -m <module>`` through :func:`hfkv.cli_args.command_main`, with the same parser, errors and exit
+status.
 """
 
 from __future__ import annotations
@@ -17,14 +20,23 @@ import importlib
 import sys
 from collections.abc import Iterable
 
-from hfkv.cli_args import ArgumentParser, UsageError, did_you_mean
+from hfkv.cli_args import (
+    COMMAND_HELP,
+    DEBUG_HELP,
+    ArgumentParser,
+    add_options,
+    exit_status,
+    refuse_extra,
+    run_parsed,
+)
 
-# subcommand -> (module, help). Modules expose add_arguments(parser) and run(args) -> int.
+# subcommand -> (module, help). Modules expose add_arguments(parser) and run(args) -> int; those also run as
+# `python -m <module>` have main(argv) = hfkv.cli_args.command_main(<subcommand>, add_arguments, run, argv).
 SUBCOMMANDS = {
-    "demo": ("hfkv.testbed.demo", "run the testbed tasks with DynamicCache and each preset; print a table"),
-    "eval": ("hfkv.evaluation.lm_eval_cli", "run lm-eval with the 'hfkv' model registered (all lm-eval options)"),
-    "bench": ("hfkv.evaluation.bench", "memory and speed of presets and baselines, as ratios to DynamicCache"),
-    "calibrate": ("hfkv.calibration.cli", "Optuna study of alpha_h / alpha_l (and more) on MATH-style data"),
+    "demo": ("hfkv.evaluation.demo", COMMAND_HELP["demo"]),
+    "eval": ("hfkv.evaluation.lm_eval_cli", COMMAND_HELP["eval"]),
+    "bench": ("hfkv.evaluation.bench", COMMAND_HELP["bench"]),
+    "calibrate": ("hfkv.calibration.cli", COMMAND_HELP["calibrate"]),
 }
 
 
@@ -32,7 +44,6 @@ EPILOG = """\
 exit status: 0 done; 2 bad arguments (one line on stderr naming the option, nothing was run);
 1 an error while running (one line on stderr). --debug shows the traceback of either.
 """
-DEBUG_HELP = "show the traceback of an error instead of one line"
 
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -54,16 +65,9 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         if name in wanted:
-            _add_options(p, module)
+            add_options(p, lambda parser, module=module: importlib.import_module(module).add_arguments(parser))
         p.add_argument("--debug", dest="_debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
-
-
-def _add_options(parser: argparse.ArgumentParser, module: str) -> None:
-    try:
-        importlib.import_module(module).add_arguments(parser)
-    except ModuleNotFoundError as exc:  # an optional extra is missing: say which when the command runs
-        parser.set_defaults(_missing=str(exc))
 
 
 def requested_command(argv: list[str]) -> str | None:
@@ -84,56 +88,25 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if not isinstance(exc, (ValueError, OSError, RuntimeError)):
-        text = f"{type(exc).__name__}: {text}"
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run ``hfkv <argv>``; returns the exit status (``--help`` / ``--version`` exit through SystemExit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
     command = requested_command(argv)
     parser = build_parser([command] if command else [])
     prog = "hfkv"
-    try:
+
+    def work() -> int:
+        nonlocal prog
         args, extra = parser.parse_known_args(argv)
-        command = args.command
-        prog = f"hfkv {command}" if command else "hfkv"
-        if extra:
-            sub = _subparser(parser, command)
-            options = [o for a in sub._actions for o in a.option_strings]
-            hint = did_you_mean(extra[0], options) if extra[0].startswith("-") else ""
-            raise UsageError(None, f"unrecognized arguments: {' '.join(extra)}{hint}", prog=prog)
-        if not command:
+        prog = f"hfkv {args.command}" if args.command else "hfkv"
+        refuse_extra(_subparser(parser, args.command), extra, prog)
+        if not args.command:
             parser.print_help()
             return 0
-        if getattr(args, "_missing", None):
-            print(f"{prog}: {args._missing}; install the matching extra (pip install 'hfkv[all]')", file=sys.stderr)
-            return 2
-        return int(importlib.import_module(args._module).run(args) or 0)
-    except UsageError as exc:
-        if debug:
-            raise
-        print(f"{exc.prog or prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except SystemExit as exc:
-        if isinstance(exc.code, str) and not debug:  # raise SystemExit("message") inside a command
-            print(f"{prog}: {' '.join(exc.code.split())}", file=sys.stderr)
-            return 1
-        raise
-    except Exception as exc:
-        if debug:
-            raise
-        print(f"{prog}: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
-        return 1
+        # the subcommand's module, imported by name when it runs (the lazy per-subcommand loading above)
+        return run_parsed(args, prog, lambda a: importlib.import_module(a._module).run(a))
+
+    return exit_status(work, lambda: prog, debug="--debug" in argv)
 
 
 if __name__ == "__main__":

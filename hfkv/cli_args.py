@@ -1,16 +1,19 @@
-"""Argument checking shared by the ``hfkv`` subcommands: one-line errors, validated lists and method specs.
+"""Argument checking shared by the ``hfkv`` subcommands: one-line errors, validated lists and names.
 
 Every subcommand checks its whole command line before it loads a model, builds data or runs a row.
 The ``type=`` callables here turn one option's text into what the command uses (``"80,160"`` ->
 ``[80, 160]``) or refuse it; a refusal that needs several options (``diffkv`` at ``--budgets 48``) is a
-:class:`UsageError` raised by the subcommand's own check before any work. :func:`hfkv.cli.main` prints
+:class:`UsageError` raised by the subcommand's own check before any work. :func:`exit_status` prints
 either as one line, ``hfkv <cmd>: error: <option>: <message>``, and exits with status 2 (``--debug``:
-with the traceback). Names close to a known one get a "did you mean" (presets, TriStateConfig fields,
+with the traceback), for :func:`hfkv.cli.main` and for a subcommand run as ``python -m <module>``
+(:func:`command_main`). Names close to a known one get a "did you mean" (presets, TriStateConfig fields,
 tasks, choices).
 
-This module sits above :mod:`hfkv.config` and :mod:`hfkv.evaluation.methods` (it imports them, they never
-import it), and imports them only when a value is checked: ``hfkv --help`` builds its parser from this module
-without loading torch (:mod:`hfkv.config` imports it).
+This module is the vocabulary the applications share (``hfkv.evaluation``, ``hfkv.calibration``, ``hfkv.cli``
+import it; it imports none of them). It sits above :mod:`hfkv.loading` and :mod:`hfkv.presets`, and imports them
+only when a value is checked: ``hfkv --help`` builds its parser from this module without loading torch. A check
+that needs an application's own vocabulary is that application's, passed in through :func:`validated` (method
+specs: :data:`hfkv.evaluation.methods.method_specs`).
 """
 
 from __future__ import annotations
@@ -26,26 +29,32 @@ from hfkv.suggest import did_you_mean  # re-exported (__all__): torch-free, unli
 
 __all__ = [
     "BUDGETS_TEXT",
+    "COMMAND_HELP",
+    "DEBUG_HELP",
     "ArgumentParser",
     "UsageError",
+    "add_options",
     "check_model",
+    "command_main",
     "device",
     "did_you_mean",
     "dtype",
+    "exit_status",
     "integer",
     "integer_list",
-    "method_specs",
     "names",
     "one_of",
     "preset_or_yaml",
+    "refuse_extra",
+    "run_parsed",
     "split_list",
     "usage_from",
     "validated",
 ]
 
 
-# PRESETS, kept for callers that read it here, on first use: hfkv.config imports torch
-__getattr__, __dir__ = lazy_names(__name__, {"PRESETS": "hfkv.config"}, globals(), __all__)
+# PRESETS, kept for callers that read it here, on first use: hfkv.presets imports torch
+__getattr__, __dir__ = lazy_names(__name__, {"PRESETS": "hfkv.presets"}, globals(), __all__)
 
 
 #: What a ``--budgets`` value counts, for the help of every command that takes one: the presets differ
@@ -227,25 +236,8 @@ def validated(check: Callable[[str], Any], name: str = "value") -> Callable[[str
     return _named(parse, name)
 
 
-def _check_specs(text: str) -> None:
-    import re
-
-    from hfkv.evaluation.methods import check_spec, split_specs, split_top_level
-
-    pieces = split_top_level(text)
-    while pieces and "=" in re.split(r"[@:]", pieces[0], maxsplit=1)[0]:
-        pieces.pop(0)  # overrides of the spec in the previous word (--methods hfkv:alpha_h=1 window=8)
-    for spec in split_specs(",".join(pieces)):
-        check_spec(spec)
-
-
-#: ``type=`` for method specs (``dynamic,hfkv@80:alpha_h=0.8,evict``): names, budgets and override keys are
-#: checked (did-you-mean on presets and TriStateConfig fields); the text is kept for the command's own check.
-method_specs = validated(_check_specs, "method specs")
-
-
 def _check_preset_or_yaml(text: str) -> None:
-    from hfkv.config import PRESETS
+    from hfkv.presets import PRESETS  # when a value is checked: hfkv.presets imports torch (see the docstring)
 
     if text in PRESETS:
         return
@@ -266,7 +258,7 @@ def dtype(allow_auto: bool = True) -> Callable[[str], str]:
     """``type=`` for a model dtype name (bf16, fp16, fp32, bfloat16, ...; ``auto`` when allowed); kept as text."""
 
     def parse(text: str) -> str:
-        from hfkv.loading import _DTYPES
+        from hfkv.loading import _DTYPES  # when a value is checked: hfkv.loading imports torch
 
         known = [*_DTYPES, *(["auto"] if allow_auto else [])]
         if text not in known:
@@ -284,7 +276,7 @@ def device(allow_auto: bool = False) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if allow_auto and text == "auto":
             return text
-        import torch
+        import torch  # when a value is checked (hfkv --help loads no torch)
 
         try:
             dev = torch.device(text)
@@ -304,9 +296,106 @@ def device(allow_auto: bool = False) -> Callable[[str], str]:
 
 def check_model(option: str, spec: str, gguf_file: str | None = None) -> None:
     """:class:`UsageError` for a model spec that cannot load (:func:`hfkv.loading.check_model_spec`)."""
-    from hfkv.loading import check_model_spec
+    from hfkv.loading import check_model_spec  # when a value is checked: hfkv.loading imports torch
 
     try:
         check_model_spec(spec, gguf_file)
     except ValueError as exc:
         raise UsageError(option, str(exc)) from None
+
+
+# ------------------------------------------------------------------------------------------ running a command
+DEBUG_HELP = "show the traceback of an error instead of one line"
+
+#: Each subcommand's one-line help: ``hfkv --help`` lists them (:data:`hfkv.cli.SUBCOMMANDS`), and the
+#: subcommand's own parser shows it, under ``hfkv <cmd>`` as under ``python -m <module>`` (:func:`command_main`).
+COMMAND_HELP = {
+    "demo": "run the testbed tasks with DynamicCache and each preset; print a table",
+    "eval": "run lm-eval with the 'hfkv' model registered (all lm-eval options)",
+    "bench": "memory and speed of presets and baselines, as ratios to DynamicCache",
+    "calibrate": "Optuna study of alpha_h / alpha_l (and more) on MATH-style data",
+}
+
+
+def add_options(parser: argparse.ArgumentParser, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+    """A subcommand's options on its parser (``add_arguments(parser)``); when an optional extra is missing
+    (ModuleNotFoundError) the parser keeps the message, for :func:`run_parsed` to say which when the command runs."""
+    try:
+        add_arguments(parser)
+    except ModuleNotFoundError as exc:
+        parser.set_defaults(_missing=str(exc))
+
+
+def refuse_extra(parser: argparse.ArgumentParser, extra: list[str], prog: str) -> None:
+    """:class:`UsageError` for arguments ``parser`` (a subcommand's) left over, with the closest of its options."""
+    if extra:
+        options = [o for a in parser._actions for o in a.option_strings]
+        hint = did_you_mean(extra[0], options) if extra[0].startswith("-") else ""
+        raise UsageError(None, f"unrecognized arguments: {' '.join(extra)}{hint}", prog=prog)
+
+
+def run_parsed(args: argparse.Namespace, prog: str, run: Callable[[argparse.Namespace], int | None]) -> int:
+    """``run(args)``'s exit status, or 2 with one line naming the missing extra (:func:`add_options`)."""
+    if getattr(args, "_missing", None):
+        print(f"{prog}: {args._missing}; install the matching extra (pip install 'hfkv[all]')", file=sys.stderr)
+        return 2
+    return int(run(args) or 0)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, (ValueError, OSError, RuntimeError)):
+        text = f"{type(exc).__name__}: {text}"
+    return text
+
+
+def exit_status(work: Callable[[], int], prog: Callable[[], str], debug: bool) -> int:
+    """Run a command (``work()``: parse, check, run) and return its exit status, every error as one line on stderr
+    under the name ``prog()`` gives at that moment: a :class:`UsageError` ``<prog>: error: <option>: <message>``
+    and 2 (nothing was run), an error while running ``<prog>: <message>`` and 1, an interrupt 130. ``debug``
+    (``--debug``) raises instead, for the traceback. ``--help`` exits through SystemExit, as argparse does."""
+    try:
+        return work()
+    except UsageError as exc:
+        if debug:
+            raise
+        print(f"{exc.prog or prog()}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog()}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if isinstance(exc.code, str) and not debug:  # raise SystemExit("message") inside a command
+            print(f"{prog()}: {' '.join(exc.code.split())}", file=sys.stderr)
+            return 1
+        raise
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"{prog()}: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def command_main(
+    command: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int | None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """``python -m <module> <argv>`` of a subcommand = ``hfkv <command> <argv>``: the parser ``hfkv <command>``
+    gets (its options, ``--debug``, the same help), the same checks, errors and exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = f"hfkv {command}"
+    parser = ArgumentParser(prog=prog, description=COMMAND_HELP[command])
+    parser.set_defaults(command=command)  # as hfkv.cli's parser sets it: commands record their options
+    add_options(parser, add_arguments)
+    parser.add_argument("--debug", dest="_debug", action="store_true", help=DEBUG_HELP)
+
+    def work() -> int:
+        args, extra = parser.parse_known_args(argv)
+        refuse_extra(parser, extra, prog)
+        return run_parsed(args, prog, run)
+
+    return exit_status(work, lambda: prog, debug="--debug" in argv)

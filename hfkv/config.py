@@ -5,6 +5,9 @@ checked when it is built (a typo must fail before a long run, not in the middle 
 round-trips exactly through YAML (a calibrated file must reproduce the run that produced it).
 Checks that need the model (layer/head counts of alpha tables, group sizes vs ``head_dim``)
 are in :meth:`TriStateConfig.validate_for_model`, which the cache calls at first use.
+
+The named presets (their values and the papers behind them) are in :mod:`hfkv.presets`; a config as the
+key of stored results (sweep rows, calibration studies) in :mod:`hfkv.result_keys`.
 """
 
 from __future__ import annotations
@@ -21,19 +24,18 @@ from typing import Any
 import torch
 import yaml
 
+from hfkv import result_keys
 from hfkv.atomic import write_atomic
+from hfkv.kernels.backend import BACKENDS  # the backends a config may name: the table that runs them
+from hfkv.policy.oq import ARKV_TAU
+from hfkv.presets import PRESET_VALUES, PRESETS, STREAMING_TOTAL
+from hfkv.quant.formats import FORMAT_NAMES, INT_BITS
 from hfkv.suggest import did_you_mean  # also imported from here by older callers
 
-# Kept here rather than imported so that reading a config never pulls in the quantisation code;
-# hfkv.quant.formats exports the same tuple and the two are reconciled by the lead.
-FORMAT_NAMES: tuple[str, ...] = ("model", "int8", "int4", "int2", "fp8")
-INT_FORMATS: tuple[str, ...] = ("int8", "int4", "int2")
-
-PRESETS: tuple[str, ...] = ("full", "evict", "quant", "streaming", "arkv", "diffkv", "hfkv")
+INT_FORMATS: tuple[str, ...] = tuple(INT_BITS)  # ("int8", "int4", "int2")
 
 SCORE_REDUCTIONS: tuple[str, ...] = ("max", "mean", "l2")
 SCORE_MODES: tuple[str, ...] = ("mean", "sum")
-BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "cpu")
 TIER_FIELDS: tuple[str, ...] = ("original", "mid", "quantized")  # the storage tiers, most precise first
 # "tokens": the budget counts tokens per KV head (ARKV, paper-faithful); "fp_tokens": it caps the bytes a
 # head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per
@@ -92,11 +94,6 @@ class TierFormat:
 
 
 _TIER_KEYS = tuple(f.name for f in fields(TierFormat))
-# Config fields added after results keyed by a config were stored, with the value that behaves as before they
-# existed (TriStateConfig.key_dict).
-_LATER_FIELDS = {"stagger": False, "run_ahead": True, "rotate": False}
-# Fields added before that rule, which key_dict writes at every value: rows stored before them ran at this value.
-_PREDATED_FIELDS = {"carry": 0.0}
 _DEFAULT_TIERS = {
     "original": TierFormat("model", "model", 32),
     "mid": TierFormat("int8", "int4", 32),
@@ -202,7 +199,7 @@ class TriStateConfig:
     # reading each right after the one before (hfkv.policy.scores.carry_forward). 0: off.
     carry: float = 0.8
     oq_ratios: bool = True
-    tau: tuple[float, float, float] = (7.774, 5.407, 5.528)
+    tau: tuple[float, float, float] = ARKV_TAU  # OQ temperatures: ARKV's tuned values (section V-E)
     # Under a memory budget a finite alpha_h makes a token above alpha_h / N exact-or-nothing, which costs
     # coverage: on the testbed at budget 64, alpha_h 4 / 2 take kv_recall from 1.0 to 0.0 (docs/generate.md).
     # Off by default; calibration may turn it on per layer or head.
@@ -480,22 +477,14 @@ class TriStateConfig:
     # ------------------------------------------------------------------ (de)serialisation
     def key_dict(self) -> dict[str, Any]:
         """:meth:`to_dict` as a key of stored results (sweep rows, hold-out evaluations, a calibration study's
-        base): a field added after such files were written is left out at the value that behaves as before it
-        existed (``_LATER_FIELDS``), so the files stay valid and the sweeps and studies resumable."""
-        return self.stored_key(self.to_dict())  # to_dict holds every field: the predated ones are kept as they are
+        base): :func:`hfkv.result_keys.key_dict`."""
+        return result_keys.key_dict(self)
 
     @staticmethod
     def stored_key(stored: Mapping[str, Any]) -> dict[str, Any]:
-        """A config key stored by earlier code (:meth:`key_dict`) as today's code writes the same config: a row
-        written before a field existed ran at the value that behaved as before it (``_PREDATED_FIELDS``), so
-        its key gets that value, and a resumed sweep sees it done where today's config is the same."""
-        out = dict(stored)
-        for name, before in _PREDATED_FIELDS.items():
-            out.setdefault(name, before)
-        for name, inert in _LATER_FIELDS.items():
-            if out.get(name) == inert:
-                del out[name]
-        return out
+        """A config key stored by earlier code (:meth:`key_dict`) as today's code writes the same config:
+        :func:`hfkv.result_keys.stored_key`."""
+        return result_keys.stored_key(stored)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -551,17 +540,17 @@ class TriStateConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TriStateConfig:
-        """A named preset with field overrides. For ``streaming``, ``budget=`` is the total cache
-        size (sinks + window) and sets ``window = budget - sink_tokens``; its stored budget stays None
+        """A named preset (:mod:`hfkv.presets`) with field overrides. For ``streaming``, ``budget=`` is the total
+        cache size (sinks + window) and sets ``window = budget - sink_tokens``; its stored budget stays None
         because nothing outside the window survives, so there is nothing left to tailor."""
-        if name not in _PRESET_VALUES:
+        if name not in PRESET_VALUES:
             raise ValueError(f"preset={name!r} must be one of {PRESETS}{did_you_mean(name, PRESETS)}")
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             hint = did_you_mean(unknown[0], allowed)
             raise ValueError(f"unknown TriStateConfig field(s) {unknown}{hint}; allowed: {sorted(allowed)}")
-        values: dict[str, Any] = {"name": name, **copy.deepcopy(_PRESET_VALUES[name])}
+        values: dict[str, Any] = {"name": name, **copy.deepcopy(PRESET_VALUES[name])}
         if name == "streaming":
             overrides = dict(overrides)
             sinks = overrides.get("sink_tokens", values["sink_tokens"])
@@ -581,10 +570,12 @@ class TriStateConfig:
                     )
                 overrides["window"] = total - sinks
             elif "window" not in overrides:
-                overrides["window"] = _STREAMING_TOTAL - sinks if _is_int(sinks) else values["window"]
+                overrides["window"] = STREAMING_TOTAL - sinks if _is_int(sinks) else values["window"]
         for f in TIER_FIELDS:
             if isinstance(overrides.get(f), Mapping):
                 base = values.get(f) or _DEFAULT_TIERS[f]
+                if isinstance(base, Mapping):  # a preset's tier is a plain mapping (hfkv.presets)
+                    base = _tier_from(f"TriStateConfig.{f}", base, _DEFAULT_TIERS[f])
                 overrides[f] = _tier_from(f"TriStateConfig.{f}", overrides[f], base)
         values.update(overrides)
         return cls(**values)
@@ -661,101 +652,10 @@ def _alpha_str(v: Alpha) -> str:
     return f"[{len(v)}x{len(v[0])} table]"
 
 
-# Preset values. Everything not listed is the dataclass default (= the `hfkv` preset).
-# Sources: ARKV = papers/003 (section IV, V-C, V-E, Algorithm 1) and its public artifact
-# (github.com/Large-scale-Sustainable-Computing-LSC/ARKV, arkv/calculator.py); DiffKV = papers/000
-# (sections 4 and 7.2).
-# Section V-E; the artifact's configs carry more digits (7.77438..., 5.40702..., 5.52770...; 263.8108...).
-_ARKV_TAU = (7.774, 5.407, 5.528)
-_ARKV_GAMMA = 263.81
-# ARKV scores tokens by mean + gamma * variance over the observing queries, averages the query heads of
-# a GQA group and smooths with avg_pool1d(kernel_size=5) ("averaged across heads, smoothed,
-# GQA-aligned", Algorithm 1; kernel size from arkv/calculator.py). Its baselines share that scorer.
-_ARKV_SCORING: dict[str, Any] = dict(
-    score_reduction="mean", score_mode="mean", gamma=_ARKV_GAMMA, pool_kernel=5, window=32, obs_window=32
-)
-# ARKV's tailor: a hard budget in tokens per head, evicting down to 75% of it when exceeded (IV-F).
-# prior and the mid tier: memory budgets only; carry (prompt scores flowing forward) is an hfkv addition.
-_TOKEN_BUDGET: dict[str, Any] = dict(budget_unit="tokens", slack=0.75, score_prior=0.0, mid=None, carry=0.0)
-_STREAMING_TOTAL = 1024
-
-_PRESET_VALUES: dict[str, dict[str, Any]] = {
-    # Never compress: the cache must be token-identical to DynamicCache. Policy fields are inert.
-    "full": dict(_TOKEN_BUDGET, compress=False, budget=None, oq_ratios=False, head_adaptive=False),
-    # ARKV's "origin" baseline (V-C): budgeted heavy-hitter eviction, everything kept in full precision.
-    # Deviation from a plain H2O-style evictor: it uses ARKV's scorer (gamma, pool 5, GQA mean) as in ARKV.
-    "evict": dict(
-        _ARKV_SCORING, **_TOKEN_BUDGET, alpha_h=0.0, alpha_l=0.0, budget=1024, oq_ratios=False, head_adaptive=False
-    ),
-    # Everything outside the window quantised, nothing evicted unless a budget is given (KIVI-style).
-    # With budget=B it is ARKV's "quant" baseline, which the paper runs in fp8 (V-C: "all tokens are in
-    # fp8 form"); we keep the K4V2 default tier and document that ARKV's exact baseline is
-    # from_preset("quant", budget=B, quantized={"key": "fp8", "value": "fp8"}).
-    "quant": dict(
-        _ARKV_SCORING, **_TOKEN_BUDGET, alpha_h=math.inf, alpha_l=0.0, budget=None, oq_ratios=False, head_adaptive=False
-    ),
-    # StreamingLLM: 4 attention sinks + the recent window, everything else evicted (alpha_l = inf).
-    # `budget=` passed to from_preset sets the total size (window = budget - sink_tokens).
-    # interval 1: without a budget nothing else would stop the ring from holding `interval` extra tokens.
-    "streaming": dict(
-        _TOKEN_BUDGET,
-        sink_tokens=4,
-        pool_kernel=1,
-        window=_STREAMING_TOTAL - 4,
-        alpha_h=math.inf,
-        alpha_l=math.inf,
-        budget=None,
-        oq_ratios=False,
-        head_adaptive=False,
-        interval=1,
-    ),
-    # Paper-faithful ARKV: thresholds off (alpha 0: every token is a candidate for `original`), hard
-    # per-head budget with slack 0.75 (IV-F), per-layer OQ ratios with the tuned tau, fp8 tier
-    # (V-H: "fp8 occupied half the memory of bfloat16"), W = observation window = 32 (V-E).
-    # Budgets evaluated in the paper: 512, 1024, 2048.
-    "arkv": dict(
-        _ARKV_SCORING,
-        **_TOKEN_BUDGET,
-        alpha_h=0.0,
-        alpha_l=0.0,
-        budget=1024,
-        oq_ratios=True,
-        tau=_ARKV_TAU,
-        quantized=TierFormat("fp8", "fp8", 32),
-        head_adaptive=False,
-    ),
-    # Paper-faithful DiffKV (section 4, 7.2): max over the query heads of a GQA group, mean received
-    # attention, W = 64, thresholds of Llama3-8B (alpha_h 1, alpha_l 0.02), K8V4 / K4V2 tiers, no budget.
-    # Deviation: DiffKV quantises each key/value vector as one group (group = head_dim = 128 for the
-    # models it evaluates); we keep group 32 so the preset runs on any head_dim divisible by 32
-    # (configs/papers/diffkv/*.yaml use 128).
-    "diffkv": dict(
-        _TOKEN_BUDGET,
-        alpha_h=1.0,
-        alpha_l=0.02,
-        budget=None,
-        oq_ratios=False,
-        head_adaptive=False,
-        window=64,
-        obs_window=64,
-        score_reduction="max",
-        score_mode="mean",
-        pool_kernel=1,
-        original=TierFormat("int8", "int4", 32),
-        quantized=TierFormat("int4", "int2", 32),
-        interval=1,
-    ),  # DiffKV re-evaluates significance every step
-    # The unified policy: a memory budget (tiers chosen by value per byte), the rest are the dataclass defaults.
-    "hfkv": dict(),
-}
-assert tuple(_PRESET_VALUES) == PRESETS
-
 __all__ = [
     "BACKENDS",
     "TIER_FIELDS",
-    "FORMAT_NAMES",
     "INT_FORMATS",
-    "PRESETS",
     "SCORE_MODES",
     "SCORE_REDUCTIONS",
     "TierFormat",

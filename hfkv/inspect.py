@@ -6,15 +6,17 @@ can plot directly, per layer / KV head / position, without knowing the cache's i
 module is that translation, and nothing here reads a private attribute. It also holds the helpers
 the accuracy-memory figure needs (Pareto front, a small testbed sweep). See ``docs/notebooks.md``.
 
-It sits above the cache (it imports ``hfkv.cache``). The HTML summaries that ``TriStateCache`` and
-``CacheStats`` render themselves with live below it, in ``hfkv.stats_html``, and are re-exported here
-(``cache_html``, ``stats_html``, ``STATE_COLORS``), as are the state names (``hfkv.states``).
+It sits with the applications, above the cache and the testbed (it imports ``hfkv.cache`` and, for the sweep,
+``hfkv.testbed``). The HTML summaries that ``TriStateCache`` and ``CacheStats`` render themselves with live below
+it, in ``hfkv.stats_html``, and are re-exported here (``cache_html``, ``stats_html``, ``STATE_COLORS``), as are the
+state names (``hfkv.states``).
 
 pandas is imported lazily: the HTML summaries and the memory trace work without it.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Sequence
@@ -22,11 +24,16 @@ from collections.abc import Sequence
 import torch
 from transformers import LogitsProcessor
 
+from hfkv.atomic import write_atomic
 from hfkv.cache import TriStateCache, TriStateLayer
+from hfkv.config import TriStateConfig
+from hfkv.presets import PRESETS
 from hfkv.states import STATE_LABELS, STATE_ORDER
 from hfkv.stats_html import STATE_COLORS, stats_html
 from hfkv.stats_html import cache_html as _cache_html
 from hfkv.storage import cache_bytes
+from hfkv.testbed import tasks as testbed_tasks  # read when called (tests replace load_test_set)
+from hfkv.testbed.protocol import evaluate
 
 # Every figure and summary uses the same names, order and colours for the states (STATE_LABELS,
 # STATE_ORDER from hfkv.states, STATE_COLORS from hfkv.stats_html).
@@ -266,17 +273,13 @@ def testbed_sweep(
 ):
     """Accuracy vs memory of DynamicCache and each ``(preset, budget)`` of ``configs`` (budget None:
     the preset's own) on the first ``limit`` examples of a testbed test set
-    (``hfkv.testbed.demo.evaluate``: greedy, exact match, bytes read from the tensors). Columns as
+    (``hfkv.testbed.protocol.evaluate``: greedy, exact match, bytes read from the tensors). Columns as
     ``eval/results/testbed_sweep.jsonl``: ``memory_ratio`` = KV bytes held / what a DynamicCache holds
     for the same tokens, ``compression`` its inverse."""
     import pandas as pd
 
-    from hfkv.config import PRESETS, TriStateConfig
-    from hfkv.testbed.demo import evaluate
-    from hfkv.testbed.tasks import TASKS, load_test_set
-
-    if task not in TASKS:
-        raise ValueError(f"testbed_sweep: task={task!r}; allowed: {sorted(TASKS)}")
+    if task not in testbed_tasks.TASKS:
+        raise ValueError(f"testbed_sweep: task={task!r}; allowed: {sorted(testbed_tasks.TASKS)}")
     for preset, budget in configs:
         if preset not in PRESETS:
             raise ValueError(f"testbed_sweep: configs has preset={preset!r}; allowed: {list(PRESETS)}")
@@ -285,7 +288,7 @@ def testbed_sweep(
         raise ValueError(f"testbed_sweep: limit={limit!r} must be an integer >= 1")
     from tqdm.auto import tqdm
 
-    data = load_test_set(task)[:limit]
+    data = testbed_tasks.load_test_set(task)[:limit]
     rows = []
     bar = tqdm(total=len(data) * (1 + len(configs)), desc=task, leave=False, disable=not progress)
     for preset, budget in [(None, None), *configs]:
@@ -311,22 +314,17 @@ def testbed_sweep(
 
 # ------------------------------------------------------------------------------- figures
 def save_figure(fig, folder: str | os.PathLike | None, name: str, dpi: int = 110) -> str | None:
-    """Write ``fig`` as ``folder/name.png`` atomically (temp file + ``os.replace``) when ``folder`` is
+    """Write ``fig`` as ``folder/name.png`` atomically (:func:`hfkv.atomic.write_atomic`) when ``folder`` is
     set; None otherwise. The notebook calls it for every figure, so a test run leaves PNGs behind
     (``HFKV_FIGURES_DIR``) and an interrupted run never leaves a truncated one."""
     if not folder:
         return None
     if not name or os.sep in name or name != os.path.basename(name):
         raise ValueError(f"save_figure: name={name!r} must be a plain file name without a folder")
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{name}.png")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, bbox_inches="tight", format="png")
+    write_atomic(path, buf.getvalue())
     return path
 
 

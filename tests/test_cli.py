@@ -92,23 +92,23 @@ def test_a_mistyped_command_is_answered_without_torch():
 
 def test_did_you_mean_has_one_definition_for_config_and_cli():
     """cli_args once kept a copy of config's did_you_mean (config imports torch): two rules that could drift."""
-    from hfkv import cli_args, config, suggest
+    from hfkv import cli_args, config, presets, suggest
 
     assert cli_args.did_you_mean is suggest.did_you_mean and config.did_you_mean is suggest.did_you_mean
-    assert suggest.did_you_mean("hfvk", config.PRESETS) == " (did you mean 'hfkv'?)"
+    assert suggest.did_you_mean("hfvk", presets.PRESETS) == " (did you mean 'hfkv'?)"
     assert suggest.did_you_mean("bugdet", ["budget", "window"]) == " (did you mean 'budget'?)"
     assert suggest.did_you_mean("zzz", ["a", "b"]) == ""
     assert suggest.did_you_mean(3, [1, 3]) == " (did you mean '3'?)"  # non-strings compared as text
-    assert cli_args.PRESETS == config.PRESETS
+    assert cli_args.PRESETS == presets.PRESETS
 
 
 def test_lazy_public_names_are_the_modules_own():
     import hfkv
     import hfkv.cache
-    import hfkv.config
+    import hfkv.presets
     import hfkv.stats
 
-    assert hfkv.TriStateCache is hfkv.cache.TriStateCache and hfkv.PRESETS is hfkv.config.PRESETS
+    assert hfkv.TriStateCache is hfkv.cache.TriStateCache and hfkv.PRESETS is hfkv.presets.PRESETS
     assert hfkv.CacheStats is hfkv.stats.CacheStats and callable(hfkv.enable) and callable(hfkv.is_enabled)
     assert set(hfkv.__all__) <= set(dir(hfkv))
     with pytest.raises(AttributeError):
@@ -147,7 +147,7 @@ class _Loads:
 
 def _watch(monkeypatch, readings, threads: int = 2, step_s: float = 60.0):
     from hfkv.evaluation import quiet
-    from hfkv.testbed.demo import LoadWatch
+    from hfkv.evaluation.demo import LoadWatch
 
     fake = _Loads(readings, step_s)
     monkeypatch.setattr(quiet, "load_average", fake.load)
@@ -182,7 +182,7 @@ def test_demo_speed_not_comparable_says_why(monkeypatch, readings, reason):
 
 
 def test_demo_table_marks_the_speed_column():
-    from hfkv.testbed.demo import format_table
+    from hfkv.evaluation.demo import format_table
 
     rows = [{"task": "kv_recall", "cache": "hfkv@80", "n": 2, "accuracy": 1.0, "compression": 7.2, "kv_kib": 175.5}]
     rows[0]["decode_tok_s"] = 9477.0

@@ -13,7 +13,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hfkv.config import FORMAT_NAMES, PRESETS, TierFormat, TriStateConfig
+from hfkv.config import TierFormat, TriStateConfig
+from hfkv.presets import PRESETS
+from hfkv.quant.formats import FORMAT_NAMES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 INF = math.inf

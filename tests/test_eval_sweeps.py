@@ -12,7 +12,7 @@ import pytest
 
 from hfkv.evaluation.results import read_rows
 from hfkv.testbed import load_testbed
-from hfkv.testbed.demo import evaluate
+from hfkv.testbed.protocol import evaluate
 from hfkv.testbed.tasks import load_test_set
 
 REPO = Path(__file__).resolve().parents[1]

@@ -320,7 +320,7 @@ def test_demo_runs_presets_on_a_testbed_model(toy_model_dir, capsys, tmp_path):
 
     import torch
 
-    from hfkv.testbed import demo
+    from hfkv.evaluation import demo
 
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
@@ -369,7 +369,7 @@ def test_shipped_model_loads_offline_within_limits(shipped):
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_shipped_model_full_cache_accuracy(shipped, name):
     """The claim of the model card: >= 90% exact match on each shipped test set with a full cache."""
-    from hfkv.testbed.demo import evaluate
+    from hfkv.testbed.protocol import evaluate
 
     model, tok = shipped
     r = evaluate(model, tok, name, T.load_test_set(name))
@@ -379,7 +379,7 @@ def test_shipped_model_full_cache_accuracy(shipped, name):
 
 def test_small_evict_budget_costs_accuracy(shipped):
     """The testbed discriminates: keeping 48 tokens of ~520 loses the early records."""
-    from hfkv.testbed.demo import evaluate
+    from hfkv.testbed.protocol import evaluate
 
     model, tok = shipped
     rows = T.load_test_set("kv_recall")[:50]

@@ -414,6 +414,7 @@ def _check_trials(args: argparse.Namespace, n_base: int, budget_searched: bool) 
 def run(args: argparse.Namespace) -> int:
     import optuna
 
+    from hfkv.atomic import write_atomic
     from hfkv.calibration import compare as cp
     from hfkv.calibration import report as rp
     from hfkv.calibration.data import DataUnavailableError
@@ -487,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
         "base_rule": "a base point at least as good at equal or lower memory is written instead",
     }
     imp = rp.importances(study, trials, metric)
-    rp.atomic_write(
+    write_atomic(
         out / "summary.json",
         rp.dump_json(
             rp.summary(
@@ -495,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
             )
         ),
     )
-    rp.atomic_write(out / "trials.csv", rp.trials_csv(study, shown))
+    write_atomic(out / "trials.csv", rp.trials_csv(study, shown))
     rp.plot_pareto(trials, front, selected, reference, shown, out / "pareto.png")
     rp.plot_importances(imp, out / "importance.png")
     print(
@@ -585,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
             )
             result["holdout"] = {"n": len(ctx.selection.holdout), "sha256": ctx.selection.holdout_hash}
             result["key"] = key
-            rp.atomic_write(previous, rp.dump_json(result))
+            write_atomic(previous, rp.dump_json(result))
         cp.plot(result, out / "holdout.png")
         print(
             f"\nheld-out problems ({len(ctx.selection.holdout)}), the selected config ({choice.verdict}) against the "

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from hfkv.calibration.objectives import METRICS, Evaluation
 from hfkv.calibration.search import least_valid_budget
-from hfkv.config import PRESETS, TriStateConfig
+from hfkv.config import TriStateConfig
+from hfkv.presets import PRESETS
 
 
 def _row(label: str, kind: str, ev: Evaluation, budget: int | None = None) -> dict:

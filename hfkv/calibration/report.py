@@ -1,7 +1,7 @@
 """After the trials: the Pareto front, the selected config, plots and exports beside the study.
 
-Selection rule (DESIGN section 7): the smallest-memory trial whose quality is within
-``--tolerance`` of the full cache's (measured once per study). With ``--max-memory-ratio`` the
+Selection rule (docs/calibration.md, "How a study works", **Selection.**): the smallest-memory trial whose
+quality is within ``--tolerance`` of the full cache's (measured once per study). With ``--max-memory-ratio`` the
 best-quality trial under that memory; with ``--min-quality`` the smallest-memory trial reaching it.
 Under every rule a trial that holds more bytes than the full cache is never selected: the full cache
 is exact with fewer (a large sampled budget on short calibration sequences compresses nothing, and
@@ -38,14 +38,10 @@ DEFAULT_TOLERANCE = {"kl": 0.01, "top1": 0.01, "accuracy": 0.01}
 
 
 # --------------------------------------------------------------------------- files
-def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
-    return write_atomic(path, data)
-
-
 def save_figure(fig, path: str | os.PathLike) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    return atomic_write(path, buf.getvalue())
+    return write_atomic(path, buf.getvalue())
 
 
 # --------------------------------------------------------------------------- trials

@@ -1,7 +1,8 @@
 """The Optuna study: search space, objectives' directions, the study's spec and its one-time references.
 
-Search space: ``alpha_h`` in [0, 5] or off (``alpha_h_off``: inf, the ``hfkv`` preset's own choice, which
-no float range holds) and ``alpha_l`` in [0, 0.1] (DESIGN section 7), optionally
+Search space (docs/calibration.md: its opening paragraph, and "How a study works", **Search space and
+granularity.**): ``alpha_h`` in [0, 5] or off (``alpha_h_off``: inf, the ``hfkv`` preset's own choice, which
+no float range holds) and ``alpha_l`` in [0, 0.1], optionally
 ARKV's ``tau1..3`` and ``gamma``, the ``budget``, the ``window`` and the tiers' ``fidelity`` (what a
 memory budget values a mid or quantized token at: per model, since the built-in table is one guess
 for all); ``--granularity layer|head`` adds the three shape parameters of
@@ -30,7 +31,8 @@ from typing import TYPE_CHECKING
 from hfkv.calibration.granularity import GRANULARITIES, alpha_tables
 from hfkv.calibration.objectives import METRICS
 from hfkv.calibration.ranges import CHOICES, DEFAULT_RANGES, Choice, Param, parse_range
-from hfkv.config import PRESETS, TriStateConfig
+from hfkv.config import TriStateConfig
+from hfkv.presets import PRESETS
 from hfkv.suggest import did_you_mean
 
 if TYPE_CHECKING:

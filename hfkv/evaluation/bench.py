@@ -43,6 +43,9 @@ from typing import Any
 
 import torch
 
+from hfkv import cli_args as ca
+from hfkv.evaluation.methods import method_specs
+
 DEFAULT_METHODS = "dynamic,hfkv,evict,quant"
 # A run writes under the working directory's hfkv-out/ (gitignored), never over the committed results: those
 # (RESULTS_DIR) are regenerated only by naming the folder, as `make results-bench` does.
@@ -57,7 +60,7 @@ SDPA_BACKENDS = {
 }  # fmt: skip
 # Without cuDNN: torch 2.11 picks cuDNN attention for a decode step on an H200, and cuDNN builds a plan for
 # every new key length: ~1.3 ms of host time a layer, 42 of DynamicCache's ~70 ms step at 8k x 8 (gpu_check
-# run 12, eval/interleave_probe.py), or nothing where an earlier cache already stepped through those lengths.
+# run 12, eval/archive/interleave_probe.py), or nothing where an earlier cache already stepped through those lengths.
 BASELINE_SDPA = "flash,efficient,math"
 
 
@@ -365,14 +368,14 @@ CSV_FIELDS = (
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    from hfkv.evaluation.results import write_text_atomic
+    from hfkv.atomic import write_atomic
 
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
         w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
-    write_text_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -385,8 +388,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hfkv.atomic import write_atomic
     from hfkv.evaluation.quiet import verdict
-    from hfkv.evaluation.results import write_bytes_atomic
 
     def rows_of(groups):
         return [{**r, "threads": g.get("threads")} for g in groups for r in g["rows"]]
@@ -441,7 +444,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)
-    write_bytes_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[dict[str, Any]]]:
@@ -459,7 +462,6 @@ def _shape_names() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hfkv import cli_args as ca
     from hfkv.evaluation import quiet
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -479,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--methods",
         nargs="+",
-        type=ca.method_specs,
+        type=method_specs,
         default=None,
         metavar="SPEC",
         help="method specs, comma- or space-separated: dynamic, static, quanto-int4, "
@@ -549,7 +551,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args) -> tuple[list, list[tuple[str, str]]]:
     """``(methods, skipped)`` of a checked command line, ``dynamic`` first; :class:`hfkv.cli_args.UsageError`
     on a bad one (a spec no budget of ``--budgets`` makes valid, a model that cannot load...). Loads nothing."""
-    from hfkv import cli_args as ca
     from hfkv.evaluation.methods import expand_methods, parse_budget, split_specs
     from hfkv.evaluation.quiet import parse_threads
 
@@ -636,8 +637,6 @@ def _group_sort(group: dict[str, Any]) -> tuple:
 
 def run(args) -> int:
     """``hfkv bench``: every forward with torch's SDPA limited to ``--sdpa`` (:func:`sdpa_backends`)."""
-    from hfkv import cli_args as ca
-
     try:
         backends = sdpa_backends(args.sdpa)
     except ValueError as exc:
@@ -650,8 +649,9 @@ def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tqdm.auto import tqdm
 
+    from hfkv.atomic import write_atomic
     from hfkv.evaluation import quiet
-    from hfkv.evaluation.results import git_commit, json_safe, machine_name, provenance, write_text_atomic
+    from hfkv.evaluation.results import git_commit, json_safe, machine_name, provenance
     from hfkv.evaluation.shapes import SHAPES
 
     if args.list_shapes:
@@ -707,7 +707,7 @@ def _run(args) -> int:
 
     def save() -> None:
         result["busy"] = any((g.get("quiet") or {}).get("busy") for g in result["groups"])
-        write_text_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
+        write_atomic(json_path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
 
     try:
         for n, context, batch in todo:
@@ -757,9 +757,7 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hfkv.evaluation.bench ...`` = ``hfkv bench ...`` (same checks and errors)."""
-    from hfkv.cli import main as hfkv_main
-
-    return hfkv_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return ca.command_main("bench", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

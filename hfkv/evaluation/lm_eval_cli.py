@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hfkv import cli_args as ca
+
 DEFAULT_MODEL = "hfkv"
 DESCRIPTION = """\
 Run lm-eval tasks with the model 'hfkv': lm-eval's Hugging Face model (HFLM) whose every generate call
@@ -158,7 +160,6 @@ def check_args(ns: argparse.Namespace) -> None:
 
     from lm_eval.api.registry import model_registry
 
-    from hfkv import cli_args as ca
     from hfkv.evaluation.lm_eval_model import check_model_args
 
     try:
@@ -210,7 +211,6 @@ def check_args(ns: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import hfkv.evaluation.lm_eval_model  # noqa: F401  (registers the "hfkv" model)
-    from hfkv.cli_args import UsageError
 
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
     if not getattr(ns, "model", None) and not _model_from_yaml(getattr(ns, "config", None)):
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         ns.func(ns)
     except ValueError as exc:
         if str(exc).startswith("Tasks not found"):  # lm-eval matches task names before it loads the model
-            raise UsageError(
+            raise ca.UsageError(
                 "--tasks", f"{exc}; `lm-eval ls tasks` lists them (local task folders need --include_path)"
             ) from None
         raise
@@ -231,9 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hfkv.evaluation.lm_eval_cli ...`` = ``hfkv eval ...`` (same checks and errors)."""
-    from hfkv.cli import main as hfkv_main
-
-    return hfkv_main(["eval", *(sys.argv[1:] if argv is None else argv)])
+    return ca.command_main("eval", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from typing import Any
 
 import yaml
 
-from hfkv.config import PRESETS, TIER_FIELDS, TierFormat, TriStateConfig, did_you_mean
+from hfkv.cli_args import validated
+from hfkv.config import TIER_FIELDS, TierFormat, TriStateConfig, did_you_mean
+from hfkv.presets import PRESETS
 
 DYNAMIC = "dynamic"
 STATIC = "static"
@@ -151,6 +153,23 @@ def split_specs(items: str | Iterable[str]) -> list[str]:
             else:
                 specs.append(piece)
     return specs
+
+
+def check_specs(text: str) -> None:
+    """Check one command-line word of method specs (ValueError naming the spec at fault): every spec of it as
+    :func:`check_spec` does. A word of overrides only belongs to the spec in the word before it
+    (``--methods hfkv:alpha_h=1 window=8``) and is left to the command's own check."""
+    pieces = split_top_level(text)
+    while pieces and "=" in re.split(r"[@:]", pieces[0], maxsplit=1)[0]:
+        pieces.pop(0)  # overrides of the spec in the previous word (--methods hfkv:alpha_h=1 window=8)
+    for spec in split_specs(",".join(pieces)):
+        check_spec(spec)
+
+
+#: ``type=`` for method specs on a command line (``dynamic,hfkv@80:alpha_h=0.8,evict``): names, budgets and
+#: override keys are checked (did-you-mean on presets and TriStateConfig fields); the text is kept for the
+#: command's own check.
+method_specs = validated(check_specs, "method specs")
 
 
 def parse_value(text: str) -> Any:

@@ -23,15 +23,6 @@ from hfkv.atomic import write_atomic
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` atomically (``hfkv.atomic.write_atomic``)."""
-    return write_atomic(path, text)
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    return write_atomic(path, data)
-
-
 def write_result_json(path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
     """One result dict as indented JSON with sorted keys (values made JSON-safe), written atomically."""
     return write_atomic(path, json.dumps(json_safe(result), indent=1, sort_keys=True) + "\n")
@@ -133,7 +124,7 @@ class ResultFile:
         k = self.key(row)
         self.rows = [r for r in self.rows if self.key(r) != k] + [json.loads(dumps_row(row))]
         self._index[k] = self._match(row)
-        write_text_atomic(self.path, "".join(dumps_row(r) + "\n" for r in self.rows))
+        write_atomic(self.path, "".join(dumps_row(r) + "\n" for r in self.rows))
 
     def append(self, row: dict[str, Any]) -> None:
         """Like ``add`` for a new key, without rewriting the file: one ``write`` of one line in append mode

@@ -24,7 +24,7 @@ import torch
 
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
-from hfkv.evaluation.shared_prefill import Prefill, fill_cache, greedy, run_prefill
+from hfkv.evaluation.shared_prefill import Prefill, fill_from_prefill, greedy, run_prefill
 
 # Tasks whose data lm-eval generates offline (no download); names as lm-eval registers them.
 OFFLINE_TASKS: tuple[str, ...] = (
@@ -148,7 +148,7 @@ class SharedPrefillLM(HFKVLM):
         if generation_kwargs.get("do_sample"):
             raise ValueError("SharedPrefillLM decodes greedily; do_sample must be false")
         pre = self.prefill(context)
-        cache = fill_cache(self.hfkv_method.make_cache(self.model), pre, dtype=self.model.dtype)
+        cache = fill_from_prefill(self.hfkv_method.make_cache(self.model), pre, dtype=self.model.dtype)
         gc = self.model.generation_config.eos_token_id
         eos = {*(gc if isinstance(gc, (list, tuple)) else [gc] if gc is not None else [])}
         if self.tokenizer.eos_token_id is not None:

@@ -4,13 +4,14 @@ A prefill is dense attention whatever the cache (hfkv scores and classifies the 
 its attention exactly), so the prompt's keys, values, last queries and next-token logits are the same for
 every cache. On a CPU a 4k-token prompt costs ~30 s and a decode step ~0.15 s, so comparing twenty caches on
 RULER is twenty times cheaper when the prompt runs once: :func:`run_prefill` captures what each layer's
-attention saw, :func:`fill_cache` puts it into a fresh cache (``TriStateLayer.ingest_prefill`` for hfkv
-layers, ``cache.update`` for DynamicCache / QuantizedCache / sliding layers), and :func:`greedy` decodes.
+attention saw, :func:`fill_from_prefill` puts it into a fresh cache (``TriStateLayer.ingest_prefill`` for
+hfkv layers, ``cache.update`` for DynamicCache / QuantizedCache / sliding layers), and :func:`greedy` decodes.
 ``tests/test_shared_prefill.py`` checks that this is token-identical to ``model.generate`` with the cache.
+(:func:`hfkv.evaluation.bench.fill_cache` is another thing: it runs the model's own prefill into a cache.)
 
 The prefill may run in a different dtype than the decode (``run_prefill(prefill_model, ...)`` then
-``fill_cache(..., dtype=bf16)``): on a CPU without bf16 matrix units a bf16 prefill is ~4x slower than fp32,
-while the cache must hold bf16 tensors for its bytes to mean what they mean on a GPU.
+``fill_from_prefill(..., dtype=bf16)``): on a CPU without bf16 matrix units a bf16 prefill is ~4x slower than
+fp32, while the cache must hold bf16 tensors for its bytes to mean what they mean on a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hfkv.attention.interface import attn_configs
 CAPTURE = "hfkv_capture"
 QUERY_ROWS = 64  # the largest observation window of a preset (diffkv); ingest_prefill checks it suffices
 
-__all__ = ["Prefill", "fill_cache", "greedy", "run_prefill"]
+__all__ = ["Prefill", "fill_from_prefill", "greedy", "run_prefill"]
 
 
 @dataclass
@@ -91,7 +92,7 @@ def run_prefill(model: torch.nn.Module, input_ids: Tensor) -> Prefill:
     )
 
 
-def fill_cache(cache, prefill: Prefill, dtype: torch.dtype | None = None):
+def fill_from_prefill(cache, prefill: Prefill, dtype: torch.dtype | None = None):
     """Put a captured prompt into an empty cache, as the prefill forward of ``generate`` would have."""
     from hfkv.cache import TriStateLayer
 

@@ -1,31 +1,19 @@
 """Accuracy and memory of one cache method on one testbed task (the unit of ``eval/sweep_testbed.py``).
 
-Same protocol as ``hfkv demo`` (greedy, stop at ``"\\n"``, exact match of the extracted answer, a fresh
-cache per batch, bytes read from the tensors held) but for any method spec — baselines such as
-QuantizedCache included — so every row of the accuracy-vs-memory table is measured the same way.
+The protocol of ``hfkv demo`` (:func:`hfkv.testbed.protocol.run_batch`: greedy, stop at ``"\\n"``, exact match of
+the extracted answer, a fresh cache per batch; bytes read from the tensors held) but for any method spec —
+baselines such as QuantizedCache included — so every row of the accuracy-vs-memory table is measured the same way.
 Prompts are batched in order of length (longest first, as lm-eval does) so that left padding, which
 a DynamicCache holds and hfkv evicts, stays small and per-example memory means what it says.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
-
-
-class _StepClock:
-    """Logits processor that timestamps every generation step (the first call ends the prefill)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
 
 
 @torch.inference_mode()
@@ -44,8 +32,8 @@ def evaluate_method(
     memory_ratio (kv / dense), compression (dense / kv) and decode tokens/s (rows x decode steps / s).
     """
     from tqdm.auto import tqdm
-    from transformers import LogitsProcessorList
 
+    from hfkv.testbed.protocol import run_batch
     from hfkv.testbed.tasks import TASKS
 
     if task_name not in TASKS:
@@ -53,34 +41,19 @@ def evaluate_method(
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     task = TASKS[task_name]
-    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
     order = sorted(range(len(data)), key=lambda i: (-len(tok(data[i]["prompt"])["input_ids"]), i))
     correct = kv_total = dense_total = decode_tokens = 0
     decode_s = 0.0
     bar = tqdm(total=len(data), desc=progress, leave=False, disable=progress is None)
     for s in range(0, len(order), batch_size):
         rows = [data[i] for i in order[s : s + batch_size]]
-        enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True).to(model.device)
-        max_len = enc["input_ids"].shape[1] + task.max_new_tokens
-        cache = method.make_cache(model, max_cache_len=max_len)
-        clock = _StepClock()
-        out = model.generate(
-            **enc,
-            past_key_values=cache,
-            max_new_tokens=task.max_new_tokens,
-            do_sample=False,
-            eos_token_id=stop_ids,
-            pad_token_id=tok.pad_token_id,
-            logits_processor=LogitsProcessorList([clock]),
-        )
-        preds = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(bool(task.score(p, r["target"])) for p, r in zip(preds, rows, strict=True))
-        kv, dense = kv_and_dense_bytes(model, cache, batch=len(rows))
+        batch = run_batch(model, tok, task, rows, lambda n: method.make_cache(model, max_cache_len=n))
+        correct += batch.correct
+        kv, dense = kv_and_dense_bytes(model, batch.cache, batch=len(rows))
         kv_total += kv
         dense_total += dense
-        if len(clock.times) > 1:
-            decode_tokens += (len(clock.times) - 1) * len(rows)
-            decode_s += clock.times[-1] - clock.times[0]
+        decode_tokens += batch.decode_tokens
+        decode_s += batch.decode_s
         bar.update(len(rows))
     bar.close()
     n = len(data)

@@ -156,7 +156,8 @@ def ensure_documents(
     continuation_tokens: int = CONTINUATION_TOKENS,
 ) -> list[dict[str, Any]]:
     """The first ``n_docs`` documents of ``path``, generating (and appending) the missing ones."""
-    from hfkv.evaluation.results import dumps_row, write_text_atomic
+    from hfkv.atomic import write_atomic
+    from hfkv.evaluation.results import dumps_row
 
     docs = load_documents(path) if Path(path).exists() else []
     for d in docs:
@@ -167,7 +168,7 @@ def ensure_documents(
             )
     if len(docs) < n_docs:
         docs += generate_documents(model, tok, n_docs - len(docs), prompt_tokens, continuation_tokens, first=len(docs))
-        write_text_atomic(path, "".join(dumps_row(d) + "\n" for d in docs))
+        write_atomic(path, "".join(dumps_row(d) + "\n" for d in docs))
     return docs[:n_docs]
 
 

@@ -3,7 +3,8 @@
 ``TESTBED_PATH`` is the directory of the shipped model and tokenizer (loads offline with
 ``AutoModelForCausalLM.from_pretrained(TESTBED_PATH)`` / ``AutoTokenizer.from_pretrained``).
 The task generators, scorers and test sets are in ``hfkv.testbed.tasks`` (re-exported here
-lazily, so that ``python -m hfkv.testbed.tasks`` runs cleanly). See ``docs/testbed.md``.
+lazily, so that ``python -m hfkv.testbed.tasks`` runs cleanly); how accuracy is measured on them
+(generate, stop, extract, score) in ``hfkv.testbed.protocol``. See ``docs/testbed.md``.
 """
 
 from __future__ import annotations

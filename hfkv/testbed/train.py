@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from hfkv.testbed.protocol import evaluate
 from hfkv.testbed.tasks import TASKS
 from hfkv.testbed.tokenizer import build_tokenizer, pretokenize, vocab
 
@@ -290,8 +291,6 @@ def batch_losses(model, x, y, kind) -> tuple[torch.Tensor, dict]:
 def greedy_accuracy(model, tok, rows, task_name: str) -> float:
     """Exact-match accuracy of greedy generation with a plain DynamicCache, one prompt at a time
     (the demo's evaluation, so the log and ``hfkv demo`` measure the same thing)."""
-    from hfkv.testbed.demo import evaluate
-
     model.eval()
     acc = evaluate(model, tok, task_name, rows, batch_size=1)["accuracy"]
     model.train()

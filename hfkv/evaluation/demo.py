@@ -17,25 +17,35 @@ speed column is printed marked as not comparable, with the reason.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import platform
 import time
 from collections.abc import Callable
+
+import torch
+
+import hfkv
+from hfkv import cli_args as ca
+from hfkv.atomic import write_atomic
+from hfkv.config import TriStateConfig
+from hfkv.evaluation import quiet
+from hfkv.loading import parse_dtype
+from hfkv.presets import PRESETS
+from hfkv.testbed import TESTBED_PATH
+from hfkv.testbed import tasks as testbed_tasks  # read when called (tests replace load_test_set)
+from hfkv.testbed.protocol import evaluate
 
 DEFAULT_PRESETS = "evict,quant,streaming,arkv,diffkv,hfkv"
 DEFAULT_BUDGETS = "80,160"
 
 
 def _task_names() -> list[str]:
-    from hfkv.testbed.tasks import TASKS
-
-    return list(TASKS)
+    return list(testbed_tasks.TASKS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hfkv import cli_args as ca
-    from hfkv.config import PRESETS
-
     parser.add_argument("--model", default=None, help="model directory (default: the shipped testbed)")
     parser.add_argument(
         "--tasks",
@@ -84,9 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args) -> tuple[str, list[str], list[str], list[int]]:
     """``(model path, tasks, presets, budgets)`` of a checked command line; :class:`hfkv.cli_args.UsageError`
     on a bad one (a missing model, an unknown task or preset, a preset refusing a budget). Loads nothing."""
-    from hfkv import cli_args as ca
-    from hfkv.config import PRESETS, TriStateConfig
-    from hfkv.testbed import TESTBED_PATH
 
     def listed(value, parse):  # parsed by add_arguments' types, or a string from a caller of run()
         return parse(value) if isinstance(value, str) else list(value)
@@ -120,8 +127,6 @@ class LoadWatch:
     a load more than ``max_load`` above that means another process ran."""
 
     def __init__(self, threads: int, max_load: float | None = None, clock: Callable[[], float] = time.perf_counter):
-        from hfkv.evaluation import quiet
-
         self._quiet, self._clock = quiet, clock
         self.threads = max(1, int(threads))
         self.max_load = quiet.DEFAULT_MAX_LOAD if max_load is None else float(max_load)
@@ -176,118 +181,15 @@ class LoadWatch:
         }
 
 
-class _StepClock:
-    """A logits processor that timestamps every generation step (first call = end of prefill)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
-        return scores
-
-
-def _generate(model, tok, prompts, cache, max_new_tokens, stop_ids):
-    import torch
-    from transformers import LogitsProcessorList
-
-    enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
-    clock = _StepClock()
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stop_ids,
-            pad_token_id=tok.pad_token_id,
-            logits_processor=LogitsProcessorList([clock]),
-        )
-    new = out[:, enc["input_ids"].shape[1] :]
-    preds = tok.batch_decode(new, skip_special_tokens=True)
-    # Decode throughput: tokens produced by the decode steps (every step after the first) per second.
-    steps = len(clock.times)
-    dt = clock.times[-1] - clock.times[0] if steps > 1 else 0.0
-    return preds, (steps - 1) * len(prompts), dt
-
-
-def evaluate(
-    model,
-    tok,
-    task_name: str,
-    data: list[dict],
-    preset: str | None = None,
-    budget: int | None = None,
-    batch_size: int = 25,
-    bar=None,
-    warmup: bool = True,
-) -> dict:
-    """Greedy exact-match accuracy of ``model`` on ``data`` with a ``DynamicCache`` (``preset`` None)
-    or a fresh ``TriStateCache(preset, budget)`` per batch; with the KV bytes held vs dense, and
-    the decode speed.
-
-    ``warmup`` runs one short untimed generation with the same kind of cache first, so the first
-    row of a run does not pay one-off costs (lazy imports, thread pools, kernel builds) in its
-    tok/s. ``bar`` (a tqdm) advances by one per example."""
-    from transformers import DynamicCache
-
-    from hfkv.storage import dynamic_cache_bytes
-    from hfkv.testbed.tasks import TASKS
-
-    task = TASKS[task_name]
-    stop_ids = [tok.convert_tokens_to_ids("\n"), tok.eos_token_id]
-    correct = kv_bytes = dense_bytes = n_tok = 0
-    t_dec = 0.0
-    bs = max(1, batch_size)
-
-    def new_cache():
-        if preset is None:
-            return DynamicCache()
-        import hfkv
-
-        return hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=budget))
-
-    if warmup and data:
-        _generate(model, tok, [r["prompt"] for r in data[:2]], new_cache(), min(8, task.max_new_tokens), stop_ids)
-    for i in range(0, len(data), bs):
-        chunk = data[i : i + bs]
-        cache = new_cache()
-        preds, nt, dt = _generate(model, tok, [r["prompt"] for r in chunk], cache, task.max_new_tokens, stop_ids)
-        n_tok += nt
-        t_dec += dt
-        correct += sum(task.score(p, r["target"]) for p, r in zip(preds, chunk, strict=True))
-        if preset is None:
-            kv_bytes += dynamic_cache_bytes(cache)
-            dense_bytes += dynamic_cache_bytes(cache)
-        else:
-            st = cache.stats()
-            kv_bytes += int(st.kv_bytes)
-            dense_bytes += int(st.dense_bytes)
-        if bar is not None:
-            bar.update(len(chunk))
-    return {
-        "n": len(data),
-        "accuracy": correct / max(1, len(data)),
-        "compression": dense_bytes / kv_bytes if kv_bytes else float("nan"),
-        "kv_kib": kv_bytes / 1024 / max(1, len(data)),
-        "decode_tok_s": n_tok / t_dec if t_dec > 0 else float("nan"),
-    }
-
-
 def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path, task_names, presets, budgets = check_args(args)  # before anything is loaded
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hfkv.testbed.tasks import load_test_set
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # when it runs: `hfkv demo --help` stays quick
 
     if args.threads:
         torch.set_num_threads(args.threads)
     # before the model loads: the load of other processes (this one's own is explained from here on)
     watch = LoadWatch(torch.get_num_threads() if torch.device(args.device).type == "cpu" else 1)
-    from hfkv.loading import parse_dtype
-
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(getattr(args, "dtype", "fp32")))
     model = model.to(args.device)
     model.eval()
@@ -297,7 +199,7 @@ def run(args) -> int:
     configs: list[tuple[str, str | None, int | None]] = [("DynamicCache", None, None)]
     configs += [(f"{name}@{b}", name, b) for name in presets for b in budgets]
 
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # as transformers
 
     dtype = str(model.dtype).removeprefix("torch.")
     print(
@@ -309,13 +211,13 @@ def run(args) -> int:
     started = time.perf_counter()
     rows = []
     bar = tqdm(
-        total=sum(min(args.limit, len(load_test_set(t))) for t in task_names) * len(configs),
+        total=sum(min(args.limit, len(testbed_tasks.load_test_set(t))) for t in task_names) * len(configs),
         desc="demo",
         unit="ex",
         disable=args.no_progress,
     )
     for task_name in task_names:
-        data = load_test_set(task_name)[: args.limit]
+        data = testbed_tasks.load_test_set(task_name)[: args.limit]
         for label, preset, budget in configs:
             bar.set_postfix_str(f"{task_name} {label}")
             r = evaluate(model, tok, task_name, data, preset, budget, batch_size=args.batch_size, bar=bar)
@@ -326,12 +228,6 @@ def run(args) -> int:
     print(format_table(rows, speed_note=watch.note()))
     print(f"{wall / 60:.1f} min")
     if getattr(args, "out", None):
-        import json
-        import platform
-
-        import hfkv
-        from hfkv.atomic import write_atomic
-
         run_info = {
             "options": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"},
             "hfkv": hfkv.__version__,
@@ -372,12 +268,8 @@ def format_table(rows: list[dict], speed_note: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hfkv.testbed.demo ...`` = ``hfkv demo ...`` (same checks and errors)."""
-    import sys
-
-    from hfkv.cli import main as hfkv_main
-
-    return hfkv_main(["demo", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m hfkv.evaluation.demo ...`` = ``hfkv demo ...`` (same checks and errors)."""
+    return ca.command_main("demo", add_arguments, run, argv)
 
 
 if __name__ == "__main__":
