@@ -141,7 +141,7 @@ def host_numbers(layer) -> tuple:
         tuple(t.shape[-1] for t in tiers.tables),
         tuple(tiers.pool.data.shape),
         tiers.pool.n_free,
-        layer._tier_peak,
+        layer.budget.tier_peak,
         layer.window.count,
         layer.window.start,
         layer.steps_since_policy,
@@ -193,7 +193,7 @@ def replayed_policy_run(
         try:
             with timed_sorts([0.0]) as sorting:
                 t0 = time.perf_counter()
-                type(twin).run_policy(twin, *args, **kwargs)
+                type(twin.policy).run(twin.policy, *args, **kwargs)
                 seconds = time.perf_counter() - t0
         finally:
             REPLAYING[0] = False
@@ -309,8 +309,8 @@ def run_steps(cache, layer, inputs, between: int, watch=None, on_step=None, rewi
             t.copy_(s)
         ring.start, ring.count = saved[1], saved[2]
         layer.length, layer.steps_since_policy = counters
-        if layer._step_dev is not None:  # the device step the rewound ring's next token has, as a run's would
-            layer._set_device_step(layer.length, (ring.start + ring.count) % ring.capacity)
+        if layer.cursor.dev is not None:  # the device step the rewound ring's next token has, as a run's would
+            layer.cursor.set(layer.length, (ring.start + ring.count) % ring.capacity)
 
     times = []
     for i, (k, v, q) in enumerate(inputs):
@@ -351,7 +351,7 @@ def measure(
     build_s = time.perf_counter() - t0
     between = max(1, layer.cfg.interval - 1)  # the interval-th step after a policy run runs the next one
     policy_runs, watched, policy_host_s, policy_sort_s = [0], [], [], []
-    run_policy = layer.run_policy
+    run_policy = layer.policy.run
 
     def counted_policy(*args, **kwargs):
         policy_runs[0] += 1
@@ -370,7 +370,7 @@ def measure(
 
     watching, timing_policy = [False], [False]
 
-    layer.run_policy = counted_policy
+    layer.policy.run = counted_policy  # the runs the steps make
     per_step: list[dict[str, Any]] = []
     with recorded_triton_launches() as names:
         run_steps(cache, layer, decode_inputs(batch, info, between * warmup_cycles), between)

@@ -78,7 +78,7 @@ def record(path: Path, context: int, batch: int, budget: int) -> None:
     InterpretedFunction.run = recorded
     try:
         for k, v, q in ho.decode_inputs(batch, info, layer.cfg.interval):
-            due = layer._policy_due(layer.steps_since_policy + 1, layer.window.count + 1, layer.length + 1)
+            due = layer.policy.due(layer.steps_since_policy + 1, layer.window.count + 1, layer.length + 1)
             phase[0] = "policy_step" if due else "step"
             cache.update(k, v, 0)
             hfkv_attention(None, q, k, v, None, scaling=scaling)

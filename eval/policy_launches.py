@@ -40,8 +40,8 @@ from eval.policy_profile import SECTIONS, patched  # noqa: E402
 
 # Sections besides policy_profile's: where a run's host reads and storage writes happen.
 EXTRA_SECTIONS = (
-    ("layer", "_tier_changes", "tier_changes"),
-    ("layer", "_refresh_tier_peak", "refresh_tier_peak"),
+    ("moves", "tier_changes", "tier_changes"),
+    ("budget", "refresh_peak", "refresh_tier_peak"),
     ("tiers", "_reserve_offsets", "reserve"),
     ("tiers", "gather_decoded", "gather_decoded"),
     ("tiers", "gather_decoded_into", "gather_decoded"),
@@ -118,10 +118,12 @@ def counting(counts: Counts):
 
         return wrapped
 
-    from hfkv.cache import TriStateLayer
+    from hfkv.layer.budget import Budget
+    from hfkv.storage.moves import Moves
     from hfkv.storage.paged import PagedTiers
 
-    owners = {"layer": TriStateLayer, "tiers": PagedTiers}  # the extra sections' (counting older code: those it has)
+    # the extra sections' (counting older code: those it has)
+    owners = {"moves": Moves, "budget": Budget, "tiers": PagedTiers}
     sections = SECTIONS + tuple(s for s in EXTRA_SECTIONS if s[1] in owners[s[0]].__dict__)
     InterpretedFunction.run = launch
     for name in READS:
@@ -154,7 +156,6 @@ def measure(
     tok = fill_cache(model, cache, random_prompt(model.config.vocab_size, batch, context))
     layer = cache.layers[0]
     counts, pos, done, moved = Counts(), context, 0, []
-    apply_planned = getattr(type(layer), "_apply_planned", None)
     with counting(counts):
         while done < warmup_runs + runs:
             # only the step that runs the policy and the one before it, which launches the run's first part (section
@@ -195,7 +196,7 @@ def measure(
         "sections": sections,
         "runs_counted": runs,
         "tier_count_changes_per_run": moved,  # tokens that changed tier in each counted run (summed |delta|)
-        "moves_planned_on_device": apply_planned is not None and layer.backend == "triton",
+        "moves_planned_on_device": layer.ops.plans_moves,
         "method": spec.label,
         "shape": shape,
         "context": context,

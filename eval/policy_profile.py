@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return tok, pos
 
     # The step that runs the policy profiled, and the one before it: that one's attention queues the run's first
-    # part (TriStateLayer._prepare_run_ahead, section "run_ahead"), the run's step the rest. Profiled before the runs
+    # part (PolicyRunner.prepare_ahead, section "run_ahead"), the run's step the rest. Profiled before the runs
     # made alone below, which are called off their step and shift the ring's phase (the twelfth H200 profile's
     # interval followed them, and before 497ac5e a run whose exits then wrapped was not prepared ahead).
     profiled = min(2, interval)

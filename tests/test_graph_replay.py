@@ -148,7 +148,7 @@ def test_replaying_a_steps_launches_is_the_next_eager_step(monkeypatch):
         assert (lg.length, lg.window.start, lg.window.count, lg.steps_since_policy) == (
             le.length, le.window.start, le.window.count, le.steps_since_policy
         )  # fmt: skip
-        assert lg._step_next == le._step_next and torch.equal(lg._step_dev, le._step_dev)
+        assert lg.cursor.next == le.cursor.next and torch.equal(lg.cursor.dev, le.cursor.dev)
     assert lg.step_fills == fills  # the device step was never set from the host while replaying
     assert lg.decode_steps_before_policy() == 0
     with pytest.raises(RuntimeError, match="cannot take a replayed step here"):

@@ -268,7 +268,7 @@ def _run_ahead_no_sync_check(models, device: str) -> tuple[bool, str]:
 
     for _ in range(16):  # decode until a step has prepared the next one's run
         _decode_step(layer, *inputs())
-        if layer._ahead is not None:
+        if layer.policy.ahead is not None:
             break
     else:
         return False, "no policy run was prepared ahead in 16 decode steps"
@@ -304,7 +304,7 @@ def _no_sync_check(models, device: str) -> tuple[bool, str]:
     model(torch.randint(3, 128, (1, 30)).to(device), past_key_values=cache)
     layer = cache.layers[0]
     layer.steps_since_policy = -(10**6)  # keep the policy (which sizes its moves on the host) out of these steps
-    layer._tier_peak = 0
+    layer.budget.tier_peak = 0
     g = torch.Generator().manual_seed(0)
     shapes = ((1, 2, 1, 32), (1, 2, 1, 32), (1, 4, 1, 32))  # k, v of 2 KV heads; q of 4 query heads
     steps = [[torch.randn(*s, generator=g).to(device) for s in shapes] for _ in range(4)]
@@ -360,7 +360,7 @@ def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str
         model(prompt, past_key_values=cache)
         layer = cache.layers[0]
         layer.steps_since_policy = -(10**6)
-        layer._tier_peak = 0
+        layer.budget.tier_peak = 0
         layers.append(layer)
     g = torch.Generator().manual_seed(2)
     shapes = ((1, 2, 1, 32), (1, 2, 1, 32), (1, 4, 1, 32))
@@ -387,7 +387,7 @@ def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str
         if not torch.equal(outs[0], outs[1]):
             diff = (outs[0] - outs[1]).abs().max()
             return False, f"step {i}: bound launches' output differs from Triton's (largest difference {diff})"
-    sites = [layer._plan.launches[True] for layer in layers]
+    sites = [layer.reads.plan.launches[True] for layer in layers]
     bound = [s.bound_launches for s in sites[0]]
     if any(s.bound_launches for s in sites[1]) or (cuda and min(bound) < steps - 1):
         return False, f"bound launches per site: {bound} (opted out: {[s.bound_launches for s in sites[1]]})"
