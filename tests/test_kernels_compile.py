@@ -61,11 +61,11 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
     from hfkv.kernels.environment import triton_version
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = REPO / "eval" / "kernel_sass.py"  # run as a file: it re-runs itself as `python -m eval.kernel_sass`
     out = tmp_path / "sass.json"
-    cmd = [
+    cmd = [  # as documented: a module of the eval package, from the repository root
         sys.executable,
-        str(script),
+        "-m",
+        "eval.kernel_sass",
         "--kinds",
         "quant",
         "--launch",
@@ -91,7 +91,7 @@ def test_kernel_sass_reads_the_partial_pass_machine_code(tmp_path):
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows_out = json.loads(out.read_text())["rows"]
     half, pieces, rows, capped, row_sums, fenced, unfenced, no_asm, unspread, codes = rows_out
