@@ -105,7 +105,7 @@ def run_case(case: str) -> dict:
             states = cache_.token_states(ls.layer).cpu().contiguous().numpy().tobytes()
             row["states_sha256"] = hashlib.sha256(states).hexdigest()
         layers.append(row)
-    held = sum(t.nbytes for layer in cache_._tri_layers() for t in layer.held_tensors())
+    held = sum(t.nbytes for layer in cache_.compressed_layers() for t in layer.held_tensors())
     return {
         "tokens": out[:, ids.shape[1] :].tolist(),
         "kv_bytes": st.kv_bytes,
