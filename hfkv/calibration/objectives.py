@@ -13,10 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
+from hfkv import TriStateCache
 from hfkv.calibration.answers import answers_match, last_boxed, solution_answer
 from hfkv.calibration.data import Problem
 from hfkv.config import TriStateConfig
+from hfkv.evaluation.fidelity import mean_fidelity, reference_logprobs, teacher_forced
+from hfkv.storage import cache_bytes
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PROMPT_FORMATS = ("auto", "chat", "plain")
@@ -168,8 +172,6 @@ class Evaluation:
 
 
 def _progress(items, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(items, desc=desc, leave=False, disable=not enabled, unit="problem")
 
 
@@ -206,8 +208,6 @@ class FidelityObjective:
         return max(int(it.ids.shape[1]) for it in self.items)
 
     def references(self, progress: bool = False) -> list[torch.Tensor]:
-        from hfkv.evaluation.fidelity import reference_logprobs
-
         if self._refs is None:
             self._refs = [
                 reference_logprobs(self.model, it.ids, it.prompt_len, self.chunk)
@@ -218,9 +218,6 @@ class FidelityObjective:
     def evaluate(self, cfg: TriStateConfig, progress: bool = False, on_problem=None) -> Evaluation:
         """``on_problem(index, running)``, if given, is called after each problem with the evaluation of
         the problems so far (a pruner's intermediate value; it may raise to stop the evaluation)."""
-        from hfkv import TriStateCache
-        from hfkv.evaluation.fidelity import mean_fidelity, teacher_forced
-
         refs = self.references(progress)
         results = []
 
@@ -273,9 +270,6 @@ class AccuracyObjective:
     def evaluate(self, cfg: TriStateConfig, progress: bool = False, on_problem=None) -> Evaluation:
         """``on_problem(index, running)`` as for :meth:`FidelityObjective.evaluate`, after each batch (the
         index of its last problem)."""
-        from hfkv import TriStateCache
-        from hfkv.storage import cache_bytes
-
         correct, kv, dense, outputs = 0, 0, 0, []
         batches = [
             range(i, min(i + self.batch_size, len(self.prompts))) for i in range(0, len(self.prompts), self.batch_size)

@@ -27,8 +27,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import optuna
+import torch
+import transformers
 from optuna.trial import FrozenTrial, TrialState
 
+import hfkv
 from hfkv.atomic import write_atomic
 from hfkv.calibration.objectives import METRICS
 from hfkv.calibration.search import BASE_POINT, format_params, quality_loss, quality_ok
@@ -206,10 +209,10 @@ def pareto_table(front: Sequence[FrozenTrial], metrics: Sequence[str], selected:
 
 # --------------------------------------------------------------------------- plots
 def plot_pareto(trials, front, selected, reference: dict, metrics: Sequence[str], path) -> Path:
-    import matplotlib
+    import matplotlib  # optional: the [calibrate] extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the [calibrate] extra (matplotlib)
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
     for ax, m in zip(axes[0], metrics, strict=True):
@@ -265,6 +268,7 @@ def plot_pareto(trials, front, selected, reference: dict, metrics: Sequence[str]
 
 def importances(study: optuna.Study, trials, metric: str) -> dict[str, dict[str, float]]:
     """fANOVA importance of each parameter for quality and for memory (needs >= 2 trials and >1 parameter)."""
+    # deferred: optuna.importance takes ~1 s to import
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
     if len(trials) < 2:
@@ -286,10 +290,10 @@ def importances(study: optuna.Study, trials, metric: str) -> dict[str, dict[str,
 def plot_importances(imp: dict[str, dict[str, float]], path) -> Path | None:
     if not imp:
         return None
-    import matplotlib
+    import matplotlib  # optional: the [calibrate] extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: the [calibrate] extra (matplotlib)
 
     fig, axes = plt.subplots(
         1, len(imp), figsize=(4.5 * len(imp), 0.5 + 0.45 * max(len(v) for v in imp.values())), squeeze=False
@@ -340,11 +344,6 @@ def trials_csv(study: optuna.Study, metrics: Sequence[str]) -> str:
 
 
 def versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    import hfkv
-
     return {
         "hfkv": str(hfkv.__version__),
         "torch": str(torch.__version__),

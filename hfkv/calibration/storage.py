@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import re
 import socket
@@ -70,7 +71,7 @@ class Storage:
             path = self._file_path()
             if path is None:  # in-memory SQLite: one process
                 return threading.Lock()
-            import filelock
+            import filelock  # optional: filelock, the [calibrate] extra
 
             return filelock.FileLock(f"{path}.hfkv-lock")  # one per file; never held twice at once
         engine = self.storage.engine
@@ -99,7 +100,7 @@ def _int64(text: str) -> int:
 
 @contextlib.contextmanager
 def _advisory(engine, acquire: str, release: str, key):
-    from sqlalchemy import text
+    from sqlalchemy import text  # deferred: sqlalchemy (with optuna) only for database storages
 
     with engine.connect() as conn:
         conn.execute(text(acquire), {"k": key})
@@ -122,7 +123,7 @@ def open_storage(spec: str | None, study_name: str, directory: str | Path = DEFA
     if spec.startswith("journal:") or (
         "://" not in spec and Path(spec).suffix in JOURNAL_SUFFIXES and not spec.startswith("sqlite:")
     ):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalStorage  # optional: the [calibrate] extra
 
         path = spec.removeprefix("journal:")
         if not path:
@@ -156,7 +157,7 @@ def _create_rdb(spec: str, kwargs: dict, attempts: int = 5) -> optuna.storages.R
     """RDBStorage creates missing tables on construction; workers starting together on a new database race
     to do it and the losers fail with "already exists" / a duplicate key. Once the winner is done the tables
     exist and construction only checks them, so the losers retry."""
-    import sqlalchemy.exc
+    import sqlalchemy.exc  # deferred: sqlalchemy (with optuna) only for database storages
 
     for attempt in range(attempts):
         try:
@@ -175,7 +176,6 @@ def _with_postgres_driver(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if scheme not in ("postgresql", "postgres"):
         return url
-    import importlib.util
 
     for module, driver in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
         if importlib.util.find_spec(module) is not None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import multiprocessing as mp
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -21,10 +24,12 @@ import warnings
 from dataclasses import dataclass
 
 import optuna
+import torch
 from optuna.trial import TrialState
+from tqdm.auto import tqdm
 
 from hfkv.calibration import storage as st
-from hfkv.calibration.data import Selection, load_problems, select
+from hfkv.calibration.data import Selection, data_hash, load_problems, select
 from hfkv.calibration.granularity import head_statistics
 from hfkv.calibration.objectives import (
     DEFAULT_METRIC,
@@ -193,9 +198,7 @@ def open_study(ctx: Context, sampler: optuna.samplers.BaseSampler | None = None)
 
 def load(ctx: Context, index: int = 0):
     """``(model, tokenizer)`` on this worker's device."""
-    import torch
-
-    from hfkv.loading import load_model
+    from hfkv.loading import load_model  # deferred: tests patch hfkv.loading.load_model
 
     device = ctx.args.device
     if device == "auto":
@@ -229,7 +232,6 @@ def ensure_solutions(
     solutions are regenerated (greedy: the same tokens) instead of read incomplete."""
     if solution_source(ctx.args) != "generated":
         return None
-    from hfkv.calibration.data import data_hash
 
     a = ctx.args
     want = {
@@ -274,8 +276,6 @@ def ensure_solutions(
 
 
 def _ids_hash(sols) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps([[int(t) for t in x] for x in sols]).encode()).hexdigest()
 
 
@@ -310,9 +310,6 @@ def run_worker(
     args: argparse.Namespace, index: int = 0, loaded=None, progress: bool | None = None, ctx: Context | None = None
 ) -> int:
     """Claim and evaluate trials until the study holds ``--n-trials`` finished ones; returns how many ran here."""
-    import torch
-    from tqdm.auto import tqdm
-
     if args.threads:
         torch.set_num_threads(args.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -474,7 +471,6 @@ class _Pruning:
         seen = [t.user_attrs[RUNNING][str(step)] for t in done if str(step) in t.user_attrs.get(RUNNING, {})]
         if len(done) < startup or not seen:
             return False
-        import statistics
 
         q_med = statistics.median(s[0] for s in seen)
         m_med = statistics.median(s[1] for s in seen)
@@ -536,8 +532,6 @@ def run_workers(args: argparse.Namespace) -> list[int]:
 
     Returns their exit codes; a worker killed by a signal reports ``-signal``.
     """
-    import multiprocessing as mp
-
     if not args.threads:
         args.threads = max(1, (os.cpu_count() or 1) // args.n_workers)
     ctx = mp.get_context("spawn")

@@ -30,6 +30,7 @@ committed results in ``eval/results/bench/`` are rewritten only by naming that f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import io
@@ -42,9 +43,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm.auto import tqdm
 
 from hfkv import cli_args as ca
-from hfkv.evaluation.methods import method_specs
+from hfkv.atomic import write_atomic
+from hfkv.evaluation import quiet
+from hfkv.evaluation.methods import expand_methods, method_specs, parse_budget, split_specs
+from hfkv.evaluation.quiet import parse_threads, verdict
+from hfkv.evaluation.results import git_commit, json_safe, machine_name, provenance
+from hfkv.evaluation.shapes import SHAPES, build_random_like, get_shape
+from hfkv.storage.memory import cache_bytes
 
 DEFAULT_METHODS = "dynamic,hfkv,evict,quant"
 # A run writes under the working directory's hfkv-out/ (gitignored), never over the committed results: those
@@ -68,10 +77,6 @@ def sdpa_backends(spec: str):
     """A context in which torch's SDPA may use only the backends of ``spec`` ("flash,efficient,math"), in
     that order of priority; "default": torch's own choice. Baselines that call SDPA every step (DynamicCache,
     QuantizedCache) are timed under it so their step does not depend on what ran before."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if spec == "default":
         return contextlib.nullcontext()
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -250,8 +255,6 @@ def cuda_fits(model, method, context: int, decode_steps: int = 2, chunk: int = 0
 
 # ---------------------------------------------------------------------------------------- one group
 def _cache_bytes(cache) -> int:
-    from hfkv.storage.memory import cache_bytes
-
     return int(cache_bytes(cache))
 
 
@@ -368,8 +371,6 @@ CSV_FIELDS = (
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    from hfkv.atomic import write_atomic
-
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
@@ -383,13 +384,10 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     Speed comes only from groups timed on a quiet machine (:func:`hfkv.evaluation.quiet.verdict`); when
     there are none the figure shows memory alone."""
-    import matplotlib
+    import matplotlib  # optional: the [eval] extra (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hfkv.atomic import write_atomic
-    from hfkv.evaluation.quiet import verdict
+    import matplotlib.pyplot as plt  # optional: the [eval] extra (matplotlib)
 
     def rows_of(groups):
         return [{**r, "threads": g.get("threads")} for g in groups for r in g["rows"]]
@@ -456,14 +454,10 @@ def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], list[dict[
 
 # -------------------------------------------------------------------------------------------- command
 def _shape_names() -> list[str]:
-    from hfkv.evaluation.shapes import SHAPES
-
     return list(SHAPES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hfkv.evaluation import quiet
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__
     g = parser.add_argument_group("model (one of)")
@@ -551,8 +545,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args) -> tuple[list, list[tuple[str, str]]]:
     """``(methods, skipped)`` of a checked command line, ``dynamic`` first; :class:`hfkv.cli_args.UsageError`
     on a bad one (a spec no budget of ``--budgets`` makes valid, a model that cannot load...). Loads nothing."""
-    from hfkv.evaluation.methods import expand_methods, parse_budget, split_specs
-    from hfkv.evaluation.quiet import parse_threads
 
     def listed(value, parse):  # parsed by add_arguments' types, or a string from a caller of run()
         return parse(value) if isinstance(value, str) else list(value)
@@ -587,8 +579,6 @@ def check_args(args) -> tuple[list, list[tuple[str, str]]]:
         methods = [*expand_methods("dynamic")[0], *methods]
     methods = sorted(methods, key=lambda m: m.label != "dynamic")  # dynamic first: the reference
     if args.random_like:
-        from hfkv.evaluation.shapes import get_shape
-
         try:
             get_shape(args.random_like)
         except ValueError as exc:
@@ -609,12 +599,10 @@ def check_args(args) -> tuple[list, list[tuple[str, str]]]:
 
 def load_bench_model(args, max_positions: int):
     """(model, description) from --random-like or --model / --gguf-file."""
-    from hfkv.loading import load_model, parse_dtype
+    from hfkv.loading import load_model, parse_dtype  # deferred: tests patch hfkv.loading.load_model
 
     dtype = parse_dtype(args.dtype)
     if args.random_like:
-        from hfkv.evaluation.shapes import build_random_like, get_shape
-
         shape = get_shape(args.random_like)
         model = build_random_like(args.random_like, args.random_layers, dtype, args.device, max_positions, args.seed)
         layers = args.random_layers or shape.layers
@@ -647,12 +635,6 @@ def run(args) -> int:
 
 def _run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tqdm.auto import tqdm
-
-    from hfkv.atomic import write_atomic
-    from hfkv.evaluation import quiet
-    from hfkv.evaluation.results import git_commit, json_safe, machine_name, provenance
-    from hfkv.evaluation.shapes import SHAPES
 
     if args.list_shapes:
         for name, s in SHAPES.items():

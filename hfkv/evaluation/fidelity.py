@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from hfkv.storage.memory import cache_bytes
+from hfkv.model_shape import ModelShape
+from hfkv.storage.memory import cache_bytes, dense_kv_bytes
 
 
 @dataclass
@@ -93,8 +94,6 @@ def _dense_bytes(model, cache, length: int) -> int:
     """What a DynamicCache holds after ``length`` tokens (from the cache's stats, or by formula)."""
     if hasattr(cache, "stats") and hasattr(cache, "config"):
         return int(cache.stats().dense_bytes)
-    from hfkv.model_shape import ModelShape
-    from hfkv.storage.memory import dense_kv_bytes
 
     shape = ModelShape.of(model)
     return dense_kv_bytes(1, shape.kv_heads, length, shape.head_dim, shape.dtype) * shape.layers

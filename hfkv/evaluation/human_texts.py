@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+from pydoc_data.topics import topics
 from typing import Any
 
 from hfkv.evaluation.texts import CONTINUATION_TOKENS, PROMPT_TOKENS
@@ -38,8 +39,6 @@ TEXTS_NAME = "human"  # the ``--texts`` value of eval/sweep_fidelity.py that sel
 def source_text(kind: str, name: str) -> str:
     """The full text of one source as this Python installation has it."""
     if kind == "pydoc":
-        from pydoc_data.topics import topics
-
         if name not in topics:
             raise ValueError(f"pydoc topic {name!r} not in this Python's pydoc_data.topics")
         return topics[name]

@@ -24,7 +24,13 @@ Also runnable as ``python -m hfkv.evaluation.lm_eval_cli ...`` and under
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import io
+import logging
 import sys
+
+import yaml
 
 from hfkv import cli_args as ca
 
@@ -93,7 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_from_yaml(path: str | None) -> str | None:
     if not path:
         return None
-    import yaml
 
     with open(path, encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
@@ -103,13 +108,13 @@ def _model_from_yaml(path: str | None) -> str | None:
 def _tokenizer_for_synthetic_tasks(ns: argparse.Namespace) -> None:
     """RULER's tasks generate their data with the tokenizer named by ``tokenizer`` / ``pretrained``; the model
     aliases ``testbed`` and ``smollm2`` are not loadable names, so their tokenizer's folder is passed instead."""
-    from hfkv.loading import SMOLLM2, TESTBED
+    from hfkv.loading import SMOLLM2, TESTBED  # deferred: hfkv.loading imports torch; hfkv eval --help must not
 
     args = ns.model_args if isinstance(getattr(ns, "model_args", None), dict) else {}
     meta = ns.metadata if isinstance(getattr(ns, "metadata", None), dict) else {}
     if "tokenizer" in args or "tokenizer" in meta or args.get("pretrained") not in (TESTBED, SMOLLM2):
         return
-    from hfkv.evaluation.ruler import tokenizer_path
+    from hfkv.evaluation.ruler import tokenizer_path  # deferred: imports lm-eval's models, torch and transformers
 
     ns.metadata = {**meta, "tokenizer": tokenizer_path(args["pretrained"])}
 
@@ -117,10 +122,10 @@ def _tokenizer_for_synthetic_tasks(ns: argparse.Namespace) -> None:
 def _is_plain_hflm(model: str) -> bool:
     """Whether ``model`` is lm-eval's Hugging Face model (``hf`` and its aliases) or another subclass of it
     that is not hfkv's: those take ``pretrained=`` as HFLM does."""
-    from lm_eval.api.registry import get_model
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.api.registry import get_model  # optional: the [eval] extra
+    from lm_eval.models.huggingface import HFLM  # optional: the [eval] extra
 
-    from hfkv.evaluation.lm_eval_model import HFKVLM
+    from hfkv.evaluation.lm_eval_model import HFKVLM  # deferred: imports lm-eval's models and torch
 
     try:
         cls = get_model(model)
@@ -133,8 +138,8 @@ def resolve_aliases(ns: argparse.Namespace) -> None:
     """``--model hf --model_args pretrained=testbed`` (or ``smollm2``): the shipped model's files, as the ``hfkv``
     model resolves them (:func:`hfkv.evaluation.lm_eval_model.resolve_pretrained`, ``add_bos_token=True`` for
     the testbed included), so the documented reference run needs no hub. Other models' arguments are untouched."""
-    from hfkv.evaluation.lm_eval_model import resolve_pretrained
-    from hfkv.loading import SMOLLM2, TESTBED
+    from hfkv.evaluation.lm_eval_model import resolve_pretrained  # deferred: imports lm-eval's models and torch
+    from hfkv.loading import SMOLLM2, TESTBED  # deferred: hfkv.loading imports torch; hfkv eval --help must not
 
     args = getattr(ns, "model_args", None)
     if not isinstance(args, dict) or args.get("pretrained") not in (TESTBED, SMOLLM2):
@@ -153,17 +158,12 @@ def check_args(ns: argparse.Namespace) -> None:
     (:func:`hfkv.evaluation.lm_eval_model.check_model_args`: unknown keys, the cache spec and overrides, the
     model path), and for lm-eval's HF models (``--model hf``) the ``pretrained=`` path. Unknown task names are
     lm-eval's to find; that error is turned into a ``--tasks`` one in run()."""
-    import contextlib
-    import copy
-    import io
-    import logging
+    from lm_eval.api.registry import model_registry  # optional: the [eval] extra
 
-    from lm_eval.api.registry import model_registry
-
-    from hfkv.evaluation.lm_eval_model import check_model_args
+    from hfkv.evaluation.lm_eval_model import check_model_args  # deferred: imports lm-eval's models and torch
 
     try:
-        from lm_eval.config.evaluate_config import EvaluatorConfig
+        from lm_eval.config.evaluate_config import EvaluatorConfig  # optional: the [eval] extra
     except ImportError:  # an lm-eval without it checks its options in ns.func
         cfg = ns
     else:
@@ -192,7 +192,7 @@ def check_args(ns: argparse.Namespace) -> None:
         )
     model_args = getattr(cfg, "model_args", None) or {}
     if not isinstance(model_args, dict):
-        from lm_eval.utils import simple_parse_args_string
+        from lm_eval.utils import simple_parse_args_string  # optional: the [eval] extra
 
         model_args = simple_parse_args_string(str(model_args))
     if model != DEFAULT_MODEL:

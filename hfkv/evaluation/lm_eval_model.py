@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
+from accelerate.utils import gather_object
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -36,6 +37,7 @@ from hfkv.evaluation.methods import (
     parse_value,
 )
 from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
+from hfkv.testbed import TESTBED_PATH
 
 PREFIX = "hfkv."
 _HFLM_PARAMS = set(inspect.signature(HFLM.__init__).parameters)
@@ -112,8 +114,6 @@ def resolve_pretrained(pretrained: Any, kwargs: dict[str, Any]) -> tuple[Any, di
     Used by the ``hfkv`` model and, by ``hfkv eval``, for lm-eval's own ``--model hf``, so both score alike."""
     kwargs = dict(kwargs)
     if pretrained == TESTBED:
-        from hfkv.testbed import TESTBED_PATH
-
         kwargs.setdefault("add_bos_token", True)
         return TESTBED_PATH, kwargs
     if pretrained == SMOLLM2:
@@ -225,8 +225,6 @@ class HFKVLM(HFLM):
         local = {t: tally.as_tuple() for t, tally in self._hfkv_local.items()}
         parts = [local]
         if getattr(self, "world_size", 1) > 1 and getattr(self, "accelerator", None) is not None:
-            from accelerate.utils import gather_object
-
             parts = gather_object([local])
         self._hfkv_global = merge_tallies(parts)
 

@@ -26,9 +26,12 @@ from typing import Any
 
 import yaml
 
+import hfkv
 from hfkv.cli_args import validated
 from hfkv.config import TIER_FIELDS, TierFormat, TriStateConfig, did_you_mean
+from hfkv.model_shape import ModelShape
 from hfkv.presets import PRESETS
+from hfkv.storage.memory import cache_bytes, dense_kv_bytes
 
 DYNAMIC = "dynamic"
 STATIC = "static"
@@ -307,21 +310,20 @@ class Method:
 
     def make_cache(self, model, max_cache_len: int | None = None):
         """A fresh cache for ``model``; ``max_cache_len`` is required by ``static`` only."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: keeps hfkv bench --help from importing transformers
 
         if self.kind == "dynamic":
             return DynamicCache(config=model.config)
         if self.kind == "static":
-            from transformers import StaticCache
+            from transformers import StaticCache  # deferred: keeps hfkv bench --help from importing transformers
 
             if not max_cache_len:
                 raise ValueError(f"method {self.label!r}: StaticCache needs max_cache_len (prompt + new tokens)")
             return StaticCache(config=model.config, max_cache_len=int(max_cache_len))
         if self.kind == "quantized":
-            from transformers import QuantizedCache
+            from transformers import QuantizedCache  # deferred: keeps hfkv bench --help from importing transformers
 
             return QuantizedCache(config=model.config, **self.options)
-        import hfkv
 
         return hfkv.TriStateCache(model, copy.deepcopy(self.config))
 
@@ -455,16 +457,13 @@ def kv_and_dense_bytes(model, cache, batch: int) -> tuple[int, int]:
     ``2 * batch * kv_heads * length * head_dim * itemsize`` per layer at the cache's logical length
     (padding included, as a DynamicCache holds it).
     """
-    from transformers import DynamicCache
-
-    from hfkv.storage.memory import cache_bytes, dense_kv_bytes
+    from transformers import DynamicCache  # deferred: keeps hfkv bench --help from importing transformers
 
     kv = int(cache_bytes(cache))
     if hasattr(cache, "stats") and hasattr(cache, "config"):
         return kv, int(cache.stats().dense_bytes)
     if type(cache) is DynamicCache:
         return kv, kv
-    from hfkv.model_shape import ModelShape
 
     shape = ModelShape.of(model)
     length = int(cache.get_seq_length())

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import math
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import hfkv
 from hfkv.atomic import write_atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +34,6 @@ def write_result_json(path: str | os.PathLike[str], result: dict[str, Any]) -> P
 def script_command(script: str, argv: Sequence[str] | None) -> str:
     """The command line a result file records: ``python <script> <args>`` (``argv`` as the script's main() got
     it; None: the process's own arguments)."""
-    import sys
-
     return f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
@@ -171,8 +172,6 @@ def source_digest(root: Path | None = None) -> str:
 
     The code a result came from, whatever git says: a lent GPU's copy of the checkout once named the previous
     call's commit while it ran the new files. To match a digest, check out a commit and call this there."""
-    import hashlib
-
     root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in sorted(p for ext in ("py", "cpp", "h") for p in root.rglob(f"*.{ext}")):
@@ -182,10 +181,8 @@ def source_digest(root: Path | None = None) -> str:
 
 def provenance(**extra: Any) -> dict[str, Any]:
     """Fields every result row carries: hfkv version, commit, UTC date, library versions, machine."""
-    import torch
-    import transformers
-
-    import hfkv
+    import torch  # deferred: eval/make_tables.py imports this module without torch
+    import transformers  # deferred: eval/make_tables.py imports this module without torch
 
     return {
         "hfkv_version": hfkv.__version__,
@@ -201,7 +198,7 @@ def provenance(**extra: Any) -> dict[str, Any]:
 
 def machine_name(device: str | None = None) -> str:
     """CPU model and core count, or the CUDA device name."""
-    import torch
+    import torch  # deferred: eval/make_tables.py imports this module without torch
 
     if device and str(device).startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda})"

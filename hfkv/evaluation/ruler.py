@@ -14,17 +14,24 @@ Scores come from the task's own ``process_results`` (RULER's ``string_match_all`
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
 from hfkv.evaluation.shared_prefill import Prefill, fill_from_prefill, greedy, run_prefill
+from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
+from hfkv.testbed import TESTBED_PATH
 
 # Tasks whose data lm-eval generates offline (no download); names as lm-eval registers them.
 OFFLINE_TASKS: tuple[str, ...] = (
@@ -46,22 +53,10 @@ def tokenizer_path(spec: str) -> str:
     empty vocabulary; its tokenizer is written once to ``$HFKV_CACHE_DIR/tokenizers/smollm2`` (default
     ``~/.cache/hfkv``) and that folder is returned.
     """
-    from hfkv.loading import SMOLLM2, TESTBED
-
     if spec == TESTBED:
-        from hfkv.testbed import TESTBED_PATH
-
         return str(TESTBED_PATH)
     if spec != SMOLLM2:
         return spec
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from hfkv.loading import smollm2_gguf
 
     root = Path(os.environ.get("HFKV_CACHE_DIR", Path.home() / ".cache" / "hfkv")) / "tokenizers"
     target = root / SMOLLM2
@@ -96,6 +91,7 @@ class RulerExample:
 
 def load_examples(task: str, length: int, tokenizer: str, limit: int | None) -> list[RulerExample]:
     """The first ``limit`` examples of a RULER task at one length, as lm-eval builds them."""
+    # deferred: lm-eval's task registry is heavy (the [eval] extra)
     from lm_eval.tasks import TaskManager, get_task_dict
 
     if task not in OFFLINE_TASKS:

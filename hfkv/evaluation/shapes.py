@@ -55,7 +55,7 @@ def get_shape(name: str) -> Shape:
 
 def config_for(name: str, layers: int | None = None, max_positions: int = 131072):
     """The transformers config of architecture ``name`` (optionally with fewer ``layers``), random-init ready."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: keeps hfkv bench --help from importing transformers
 
     shape = get_shape(name)
     if layers is not None and layers < 1:
@@ -94,13 +94,13 @@ def build_random_like(
     on ``device`` in ``dtype`` (llama-3.1-8b in bf16: 16 GB); on a CPU the random init of a large
     vocabulary alone takes minutes.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: keeps hfkv bench --help from importing transformers
 
     shape = get_shape(name)
     if layers is not None and layers < 1:
         raise ValueError(f"--random-layers={layers} must be >= 1")
     if name == "cpu-small":  # exactly the model of eval/cpu_cache_figures.py
-        from hfkv.random_model import build_random_model
+        from hfkv.random_model import build_random_model  # deferred: random_model imports transformers
 
         model = build_random_model(
             layers=layers or shape.layers,

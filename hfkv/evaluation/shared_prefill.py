@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hfkv.attention.interface import attn_configs
+from hfkv.cache import TriStateLayer
 
 CAPTURE = "hfkv_capture"
 QUERY_ROWS = 64  # the largest observation window of a preset (diffkv); ingest_prefill checks it suffices
@@ -94,8 +95,6 @@ def run_prefill(model: torch.nn.Module, input_ids: Tensor) -> Prefill:
 
 def fill_from_prefill(cache, prefill: Prefill, dtype: torch.dtype | None = None):
     """Put a captured prompt into an empty cache, as the prefill forward of ``generate`` would have."""
-    from hfkv.cache import TriStateLayer
-
     if len(cache.layers) != len(prefill.keys):
         raise ValueError(f"cache has {len(cache.layers)} layers, the prefill {len(prefill.keys)}")
     for i, layer in enumerate(cache.layers):

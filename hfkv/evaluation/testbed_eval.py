@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
+from hfkv.testbed.protocol import run_batch
+from hfkv.testbed.tasks import TASKS
 
 
 @torch.inference_mode()
@@ -31,11 +34,6 @@ def evaluate_method(
     Returns n, correct, accuracy, kv/dense bytes per example (whole batches divided by their size),
     memory_ratio (kv / dense), compression (dense / kv) and decode tokens/s (rows x decode steps / s).
     """
-    from tqdm.auto import tqdm
-
-    from hfkv.testbed.protocol import run_batch
-    from hfkv.testbed.tasks import TASKS
-
     if task_name not in TASKS:
         raise ValueError(f"task {task_name!r} is not a testbed task; known: {sorted(TASKS)}")
     if batch_size < 1:

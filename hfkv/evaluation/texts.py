@@ -22,6 +22,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from hfkv.atomic import write_atomic
+from hfkv.evaluation.results import dumps_row, read_rows
+
 TOPICS: tuple[str, ...] = (
     "Write a long, detailed history of a fictional river town from its founding to today. Name its founding "
     "families, its streets and bridges, and give the year of every important event.",
@@ -83,8 +88,6 @@ def generate_documents(
     generated text. Sampling draws for the whole batch, so a document depends on the batch it was made
     in (recorded in ``settings.batch``); the committed file, not the seed, is what makes sweeps repeatable.
     """
-    import torch
-
     s = {**SETTINGS, **(settings or {})}
     total = prompt_tokens + continuation_tokens
     idx = list(range(first, first + n_docs))
@@ -135,8 +138,6 @@ def generate_documents(
 
 def load_documents(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Documents of a texts file, checked for the fields fidelity needs."""
-    from hfkv.evaluation.results import read_rows
-
     docs = read_rows(path)
     for d in docs:
         for key in ("id", "ids", "prompt_len"):
@@ -156,9 +157,6 @@ def ensure_documents(
     continuation_tokens: int = CONTINUATION_TOKENS,
 ) -> list[dict[str, Any]]:
     """The first ``n_docs`` documents of ``path``, generating (and appending) the missing ones."""
-    from hfkv.atomic import write_atomic
-    from hfkv.evaluation.results import dumps_row
-
     docs = load_documents(path) if Path(path).exists() else []
     for d in docs:
         if d["n_tokens"] != prompt_tokens + continuation_tokens or d["prompt_len"] != prompt_tokens:
@@ -195,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    from hfkv.loading import load_model
+    from hfkv.loading import load_model  # deferred: tests patch hfkv.loading.load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
+from hfkv.kernels.cpu.build import library
 from hfkv.kernels.environment import cpu_kernel_available, interpreter_on, triton_available
+from hfkv.policy.oq import oq_score_from_mass
+from hfkv.policy.scores import score_means
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "cpu")
 
@@ -43,7 +46,6 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
                 f"TriStateConfig.backend='cpu' runs on CPU tensors, but this cache's tensors are on "
                 f"{device.type!r}; use backend='auto' (Triton on CUDA) or 'torch'"
             )
-        from hfkv.kernels.cpu.build import library
 
         library()  # raises CpuKernelUnavailable, naming the compiler and its error
         return "cpu"
@@ -172,13 +174,14 @@ def backend_ops(name: str) -> BackendOps:
     optional dependency), the CPU ones build their C++ library on first use.
     """
     if name == "torch":
+        # deferred: hfkv.kernels.changes imports triton (optional)
         from hfkv.kernels.changes import tier_changes_reference
-        from hfkv.policy.budget import allocate
+        from hfkv.policy.budget import allocate  # deferred: each branch binds its own allocate
 
         return BackendOps("torch", allocate=_ignoring_over(allocate), tier_changes=tier_changes_reference)
     if name == "cpu":
+        # deferred: loaded with the cpu backend (and its own allocate)
         from hfkv.kernels.cpu import allocate, compact, encode, gather, meta, observation, reserve
-        from hfkv.policy.oq import oq_score_from_mass
 
         return BackendOps(
             "cpu",
@@ -197,6 +200,7 @@ def backend_ops(name: str) -> BackendOps:
             decode=PagedDecode(importlib.import_module("hfkv.kernels.cpu.paged_decode"), triton=False),
         )
     if name == "triton":  # triton is an optional dependency: imported only for a layer that runs on it
+        # optional: these kernels import triton
         from hfkv.kernels import allocate, changes, encode, gather, meta, move, observation, reserve
 
         return BackendOps(
@@ -247,7 +251,6 @@ def _unchecked(fn: Callable) -> Callable:
 
 def _means_after(fn: Callable) -> Callable:
     """The C++ candidates' score sums as the policy's means (the Triton kernel takes the means itself)."""
-    from hfkv.policy.scores import score_means
 
     def read_candidates(*args):
         *args, mean_over = args

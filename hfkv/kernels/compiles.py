@@ -18,7 +18,7 @@ def compiled_kernels() -> int:
     """Instances compiled so far by every Triton kernel in the imported ``hfkv.kernels`` modules (0 under the
     interpreter, which compiles nothing)."""
     try:
-        from triton.runtime.jit import JITFunction
+        from triton.runtime.jit import JITFunction  # optional: triton (installed on Linux x86-64 only)
     except ImportError:
         return 0
     total = 0

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from hfkv.kernels.cpu.build import available
+
 
 def interpreter_on() -> bool:
     """Triton's CPU interpreter: read when a kernel is decorated, so it must be set before hfkv.kernels loads."""
@@ -26,7 +28,7 @@ def triton_version(version: str | None = None) -> tuple[int, int]:
     """The installed Triton's (or ``version``'s) (major, minor): code shapes that help one compiler hurt another
     (``OPERAND_FENCE``)."""
     if version is None:
-        import triton
+        import triton  # optional: triton (installed on Linux x86-64 only)
 
         version = triton.__version__
     major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in (version.split(".") + ["0"])[:2])
@@ -34,8 +36,6 @@ def triton_version(version: str | None = None) -> tuple[int, int]:
 
 
 def cpu_kernel_available() -> bool:
-    from hfkv.kernels.cpu.build import available
-
     return available()
 
 

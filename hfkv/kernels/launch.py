@@ -59,7 +59,7 @@ def _jit_class() -> type | None:
     try:
         if not (3, 4) <= triton_version() < (4, 0):
             return None
-        from triton.runtime.jit import JITFunction
+        from triton.runtime.jit import JITFunction  # optional: triton (installed on Linux x86-64 only)
     except ImportError:
         return None
     return JITFunction
@@ -92,8 +92,8 @@ class _Triton:
     than the rest of a check)."""
 
     def __init__(self) -> None:
-        from triton import knobs
-        from triton.runtime.driver import driver
+        from triton import knobs  # optional: triton (installed on Linux x86-64 only)
+        from triton.runtime.driver import driver  # optional: triton (installed on Linux x86-64 only)
 
         self.driver, self.runtime, self.compilation = driver, knobs.runtime, knobs.compilation
         # the compile options JITFunction.run adds from the knobs, by version
@@ -204,4 +204,3 @@ class KernelLaunch:
         self._knobs = knobs
         self._tr = tr
         self._kernel = kernel
-

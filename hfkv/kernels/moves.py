@@ -23,12 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from hfkv.kernels.changes import launch_changes
+from hfkv.kernels.changes import launch_changes, tier_changes_reference
 from hfkv.kernels.grid import cdiv
 from hfkv.states import EVICTED
 
 __all__ = [
-    "EXIT", "finish_plan_moves", "gather_exits", "launch_plan_moves", "place_moves", "plan_moves",
+    "EXIT",
+    "finish_plan_moves",
+    "gather_exits",
+    "launch_plan_moves",
+    "place_moves",
+    "plan_moves",
     "plan_moves_reference",
 ]
 
@@ -243,8 +248,6 @@ def plan_moves_reference(
 ) -> Plan:
     """Torch twin of :func:`plan_moves`: the movers found with ``nonzero`` and put in order by a stable sort, the
     pages from each head's counts after the removal and after the appends, the peak from the counts after both."""
-    from hfkv.kernels.changes import tier_changes_reference
-
     bsz, heads, n = new.shape
     nt = len(sizes)
     ends = [sum(sizes[: t + 1]) for t in range(nt)]

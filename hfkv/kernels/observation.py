@@ -23,6 +23,7 @@ import triton.language as tl
 
 from hfkv.kernels.environment import interpreter_on
 from hfkv.kernels.grid import cdiv
+from hfkv.policy.oq import UNIFORM_TOL
 from hfkv.policy.scores import GQA_REDUCTIONS, observation_probs, observation_shape, reduce_gqa
 
 __all__ = ["observation_scores", "observation_scores_reference", "oq_score_triton"]
@@ -265,8 +266,6 @@ def _log1p_neg(x):
 def oq_score_triton(total: torch.Tensor, key_mask: torch.Tensor, tau) -> torch.Tensor:
     """:func:`hfkv.policy.oq.oq_score_from_mass` in one launch (one program per batch row): ~55 torch operations,
     each a launch on a GPU, where a prompt's admission is bound by its launches."""
-    from hfkv.policy.oq import UNIFORM_TOL
-
     if total.dim() != 2 or tuple(key_mask.shape) != tuple(total.shape):
         raise ValueError(f"oq_score_triton: total [B, T] and key_mask of its shape, got {tuple(total.shape)} and "
                          f"{tuple(key_mask.shape)}")  # fmt: skip

@@ -25,6 +25,7 @@ def __getattr__(name: str):
 
 def load_testbed(dtype=None):
     """(model, tokenizer) of the shipped testbed, loaded offline from ``TESTBED_PATH``."""
+    # deferred: keeps hfkv demo --help from importing transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"dtype": dtype} if dtype is not None else {}

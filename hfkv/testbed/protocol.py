@@ -59,7 +59,7 @@ def run_batch(
     batch, greedy, at most ``max_new_tokens``, default the task's) with the cache ``make_cache(max_cache_len)``
     returns, ``max_cache_len`` being the longest the batch can grow (for caches that preallocate), and score them."""
     import torch  # torch and transformers load when a batch runs: `hfkv demo --help` imports this module
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList  # deferred: keeps hfkv demo --help from importing transformers
 
     n_new = task.max_new_tokens if max_new_tokens is None else max_new_tokens
     enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True).to(model.device)
@@ -104,6 +104,7 @@ def evaluate(
     tok/s. ``bar`` (a tqdm) advances by one per example."""
     from transformers import DynamicCache  # as in run_batch
 
+    # deferred: hfkv.storage imports torch; hfkv demo --help imports this module
     from hfkv.storage import dynamic_cache_bytes
 
     task = TASKS[task_name]

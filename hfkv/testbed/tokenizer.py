@@ -75,8 +75,9 @@ def count_tokens(text: str) -> int:
 
 def build_tokenizer():
     """Build the tokenizer as a ``transformers.PreTrainedTokenizerFast``."""
+    # deferred: keeps hfkv demo --help from importing transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: keeps hfkv demo --help from importing transformers
 
     v = vocab()
     tok = Tokenizer(models.WordLevel(vocab=v, unk_token=UNK))

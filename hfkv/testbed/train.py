@@ -25,10 +25,11 @@ import sys
 import time
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hfkv.testbed.protocol import evaluate
 from hfkv.testbed.tasks import TASKS
-from hfkv.testbed.tokenizer import build_tokenizer, pretokenize, vocab
+from hfkv.testbed.tokenizer import KEY_WORDS, build_tokenizer, pretokenize, vocab
 
 VOCAB = vocab()
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = VOCAB["<pad>"], VOCAB["<s>"], VOCAB["</s>"], VOCAB["<unk>"]
@@ -40,8 +41,6 @@ def encode(text: str) -> list[int]:
 
 
 def make_config(args):
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=len(VOCAB),
         hidden_size=args.hidden,
@@ -187,8 +186,6 @@ def kv_length(step: int, total: int, rng: random.Random, max_len: int) -> int:
 def copy_example(rng: random.Random) -> dict:
     """A random run of keys and numbers, then the same run again (supervised): the cheapest data
     on which content-based induction heads form, which kv_recall and arith_cot both need."""
-    from hfkv.testbed.tokenizer import KEY_WORDS
-
     n = rng.randint(4, 40)
     words = [rng.choice(KEY_WORDS) if rng.random() < 0.5 else str(rng.randint(10, 99)) for _ in range(n)]
     text = " ".join(words)
@@ -345,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    from transformers import LlamaForCausalLM
 
     os.makedirs(args.out, exist_ok=True)
     log_path = args.log or os.path.join("eval", "testbed", "train.log")
