@@ -1,8 +1,8 @@
 """Is a cache whose budget covers the sequence the full cache? SmolLM2 on a human-written document, greedy.
 
-While everything held fits the budget, hfkv keeps every token exact (ARKV's OQ cap binds only once the sequence
-outgrows the budget: docs/generate.md, "A budget that covers the sequence"). This script checks what a user sees:
-the generated tokens against DynamicCache's, the tiers the cache holds and its bytes against DynamicCache's.
+While everything held fits the budget, hfkv holds the sequence as DynamicCache does and attends with the model's
+SDPA (docs/generate.md, "A budget that covers the sequence"). This script checks what a user sees: the generated
+tokens against DynamicCache's, the tiers the cache holds and its bytes against DynamicCache's.
 
 bf16 needs a yardstick. Attention computed by another kernel rounds differently in bf16, and greedy text can part
 at a near-tie for that alone: transformers' own ``eager`` and ``sdpa`` attention, both with DynamicCache, are run

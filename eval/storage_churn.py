@@ -23,6 +23,8 @@ import torch
 
 def _shapes(layer) -> tuple:
     tiers = layer.tiers
+    if tiers is None:  # a layer holding its sequence dense (hfkv.layer.dense) has no pool or tables yet
+        return ()
     return (tuple(tiers.pool.data.shape), *(tuple(t.shape) for t in tiers.tables))
 
 

@@ -230,6 +230,11 @@ class TriStateConfig:
     # one host read no longer drains the device's queue, and half its launches leave its step. The same decisions
     # and storage either way (tests/test_policy_run_ahead.py); False runs each policy run whole, at its step.
     run_ahead: bool = True
+    # While the budget would keep every token exact, a layer holds its sequence as DynamicCache does and attends with
+    # the model's SDPA, so its outputs are DynamicCache's bit for bit (bf16 too) at 1.6% more bytes (a score per
+    # token; hfkv.layer.dense); it moves to the window and tiers when the sequence outgrows the budget. False: the
+    # tiers from the first token (what tests of their machinery on short sequences need).
+    dense_phase: bool = True
     # Keys and values stored rotated by an orthonormal Walsh-Hadamard matrix (each head vector; the query rotated
     # the same way and the output rotated back around the layer's attention): a key's outlier channels no longer set
     # the step of whole int4 / int2 groups, for the same bytes (hfkv.quant.rotation; docs/formats.md). Exact tokens
@@ -263,7 +268,7 @@ class TriStateConfig:
         w = "TriStateConfig"
         if not isinstance(self.name, str) or not self.name:
             raise _fail(f"{w}.name", self.name, "a non-empty string")
-        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead", "rotate"):
+        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead", "dense_phase", "rotate"):
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
         if self.rotate and not self.compress:
@@ -608,6 +613,8 @@ class TriStateConfig:
             parts.append("stagger")
         if not self.run_ahead:
             parts.append("runs whole")
+        if not self.dense_phase:
+            parts.append("tiered from the start")
         if self.rotate:
             parts.append("rotated")
         return " ".join(parts)

@@ -249,7 +249,9 @@ def test_policy_runs_once_per_interval_and_window_stays_bounded(monkeypatch):
     """Batched decisions: one policy run (and one batched window exit) per `interval` decode steps."""
     model = tiny_model("llama")
     interval, window, steps = 4, 8, 24
-    cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=200, window=window, obs_window=8, interval=interval)
+    cfg = hfkv.TriStateConfig.from_preset(
+        "hfkv", budget=200, window=window, obs_window=8, interval=interval, dense_phase=False
+    )
     cache = hfkv.TriStateCache(model, cfg)
     runs = []
     real = PolicyRunner.run
@@ -330,7 +332,8 @@ def test_storage_costs_what_it_holds_with_nothing_to_evict(preset):
     ids = torch.randint(3, 128, (1, 1024), generator=torch.Generator().manual_seed(3))
     dense = _dense(model)
     _generate(model, dense, ids, new=17)
-    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=4096))
+    # the tiers' cost: a budget this large holds the sequence dense (tests/test_dense_phase.py) unless told not to
+    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset(preset, budget=4096, dense_phase=False))
     _generate(model, cache, ids, new=17)
     st = cache.stats()
     assert all(sum(layer.totals()[t] for t in ("evicted", "quantized", "mid")) == 0 for layer in st.layers)
@@ -429,7 +432,9 @@ def test_chunked_prefill_keeps_causality_by_slot_position():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 45), generator=torch.Generator().manual_seed(11))
     ref = model(input_ids=ids, past_key_values=_dense(model)).logits
-    cache = hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8))
+    cache = hfkv.TriStateCache(
+        model, hfkv.TriStateConfig.from_preset("evict", budget=4096, window=8, dense_phase=False)
+    )
     outs = [model(input_ids=ids[:, s : s + 15], past_key_values=cache).logits for s in range(0, 45, 15)]
     torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 45

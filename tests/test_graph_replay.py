@@ -284,7 +284,7 @@ def _graphed_against_eager(model, n: int, mode: str, **overrides):
     from hfkv.graphs import GraphedDecoder
 
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
-    cfg = dict(backend="triton", budget=48, window=4, interval=6) | overrides
+    cfg = dict(backend="triton", budget=48, window=4, interval=6, dense_phase=False) | overrides
     caches = [TriStateCache(model, "hfkv", **cfg) for _ in range(2)]
     storages, runs = set(), 0
     with torch.inference_mode():
@@ -293,7 +293,8 @@ def _graphed_against_eager(model, n: int, mode: str, **overrides):
         for i in range(n - 1):
             eager.append(decode_step(model, caches[0], eager[-1], ids.shape[1] + i))
             tiers = caches[0].layers[0].tiers
-            storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
+            if tiers is not None:  # None while the layer holds its sequence dense (hfkv.layer.dense)
+                storages.add((tiers.pool.data.shape, *(t.shape for t in tiers.tables)))
             runs += caches[0].layers[0].steps_since_policy == 0
     decoder = GraphedDecoder(model, caches[1], graphs=_TapeGraphs(), mode=mode)
     got = decoder.generate(ids, n)
@@ -324,7 +325,13 @@ def test_step_graphs_on_recorded_steps_equal_eager_decoding():
 
 
 @pytest.mark.parametrize(
-    "family, overrides, n", [("llama", {}, 14), ("qwen3", {}, 14), ("llama", {"stagger": True, "budget": 38}, 13)]
+    "family, overrides, n",
+    [
+        ("llama", {}, 14),
+        ("qwen3", {}, 14),
+        ("llama", {"stagger": True, "budget": 38}, 13),
+        ("llama", {"dense_phase": True}, 20),  # dense steps until the 11th outgrows the budget, then the tiers'
+    ],
 )
 def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides, n):
     """GraphedDecoder's default mode: one capture of the step in pieces between the cache's calls, then every
@@ -333,7 +340,7 @@ def test_layer_graphs_on_recorded_steps_equal_eager_decoding(family, overrides, 
     fails it): the tokens and every layer's token states, ring, pool bytes, counts and tables are eager
     decoding's. Two layers, so a piece runs from one layer's attention to the next one's projections; staggered
     policy runs too (the layers' runs in different steps), under a budget the decoding outgrows (runs prepared a step
-    ahead by the eager attend() calls)."""
+    ahead by the eager attend() calls); and a cache that holds the prompt dense until the decoding outgrows it."""
     model = tiny_model(family, num_hidden_layers=2)
     decoder, storages, runs = _graphed_against_eager(model, n, "layers", **overrides)
     assert runs >= 2 and len(storages) > 1  # policy runs, and storage that grew under the graphs

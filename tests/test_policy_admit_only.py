@@ -41,7 +41,7 @@ def _generate(model, ids, mask, overrides, slow: bool, monkeypatch) -> tuple:
     overrides = dict(overrides)
     if overrides.pop("half_oq", False):  # OQ ratios of 0.5: the cap on exact tokens binds before the bytes do
         monkeypatch.setattr(TriStateCache, "rho", lambda self, i: torch.full((ids.shape[0],), 0.5))
-    cache = TriStateCache(model, "hfkv", **overrides)
+    cache = TriStateCache(model, "hfkv", dense_phase=False, **overrides)  # the tiers' runs from the first token
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=44, do_sample=False)
     monkeypatch.undo()
     return out, _state(cache), answers
@@ -108,7 +108,7 @@ def test_an_unpadded_full_budget_is_decided_on_the_host(monkeypatch):
     monkeypatch.setattr(Budget, "nothing_competes", spy)
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    cache = TriStateCache(model, "hfkv", budget=40, window=4, oq_ratios=False)
+    cache = TriStateCache(model, "hfkv", budget=40, window=4, oq_ratios=False, dense_phase=False)
     model.generate(ids, past_key_values=cache, max_new_tokens=44, do_sample=False)
     assert seen and all(fast == slow for _, fast, slow, _ in seen)
     assert not any(padded for padded, *_ in seen)  # a prompt without a mask: unpadded, known without a read
@@ -136,7 +136,7 @@ def test_runs_past_the_longest_padding_take_the_unpadded_paths(monkeypatch):
             monkeypatch.setattr(Padding, "exits_padded", lambda self, first: self.padded)
         else:
             monkeypatch.setattr(Padding, "exits_padded", spy)
-        cache = TriStateCache(model, "hfkv", budget=40, window=16)
+        cache = TriStateCache(model, "hfkv", budget=40, window=16, dense_phase=False)
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, do_sample=False)
         results.append((out, _state(cache)))
         monkeypatch.undo()

@@ -31,7 +31,7 @@ def test_rotated_cache_keeping_every_token_exact_decodes_like_dynamic_cache(back
     ids, mask = left_padded_batch(lengths=(26, 17))
     dyn = DynamicCache(config=model.config)
     ref = model.generate(ids, attention_mask=mask, past_key_values=dyn, max_new_tokens=10, do_sample=False)
-    cache = hfkv.TriStateCache(model, "evict", budget=4096, rotate=True, backend=backend)
+    cache = hfkv.TriStateCache(model, "evict", budget=4096, rotate=True, backend=backend, dense_phase=False)
     got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(got, ref)
     # What the ring holds is the rotated key of each token (the newest one here), not the model's key.

@@ -28,7 +28,7 @@ def test_storage_churn_counts_what_each_policy_run_changed(monkeypatch):
 
     monkeypatch.setattr("hfkv.evaluation.bench.decode_step", recording_step)
     # a budget the prompt does not fill: the first runs grow the pool
-    r = sc.measure(model, tok, "hfkv@48:interval=4", context=40, steps=40)
+    r = sc.measure(model, tok, "hfkv@48:interval=4,dense_phase=False", context=40, steps=40)
     assert r["policy_runs"] == len(shapes) - 1 == len(r["runs"]) == 10
     pairs = list(zip(shapes[:-1], shapes[1:], strict=True))
     changed = [sum(a != b for a, b in zip(x, y, strict=True)) for x, y in pairs]

@@ -356,7 +356,7 @@ def _bound_launch_check(models, device: str, steps: int = 24) -> tuple[bool, str
     layers = []
     for _ in range(2):  # launched through bound sites, and through Triton's own path
         # a ring long enough for the steps below without a policy run, so one plan serves them all
-        cache = TriStateCache(model, "hfkv", backend="triton", budget=96, window=4, interval=32)
+        cache = TriStateCache(model, "hfkv", backend="triton", budget=96, window=4, interval=32, dense_phase=False)
         model(prompt, past_key_values=cache)
         layer = cache.layers[0]
         layer.steps_since_policy = -(10**6)
@@ -448,7 +448,7 @@ def _graph_check(models, device: str, mode: str, new_tokens: int = 40) -> tuple[
 
     model = models.tiny_model("llama", num_hidden_layers=2).to(device)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(6)).to(device)
-    caches = [TriStateCache(model, "hfkv", backend="triton", budget=56, window=4) for _ in range(2)]
+    caches = [TriStateCache(model, "hfkv", backend="triton", budget=56, window=4, dense_phase=False) for _ in range(2)]
     decoder = GraphedDecoder(model, caches[1], mode=mode)  # a bad mode is refused before any decoding
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=caches[0], use_cache=True, logits_to_keep=1)
@@ -833,7 +833,7 @@ def _interpreted() -> bool:
     """Whether both hfkv's kernels and triton.language's own jitted helpers run in the interpreter."""
     import triton.language as tl
 
-    from hfkv.kernels.decode_attention import _partial_kernel
+    from hfkv.kernels.decode_kernels import _partial_kernel
 
     return all(type(f).__name__ == "InterpretedFunction" for f in (_partial_kernel, tl.min))
 

@@ -6,7 +6,7 @@ of being sliced: that is what lets every (row, head) hold a different set of tok
 One joint softmax over all slots of a head, computed in fp32. Keys and values of the parts are
 never concatenated (that would copy the whole cache every step); only the small logits are.
 The probabilities are returned because they are the decode-time significance scores
-(DESIGN §3), a by-product rather than a second pass.
+(docs/architecture.md, "Life of a token"), a by-product rather than a second pass.
 
 This runs once per layer per decode step, so it is written in as few tensor operations as the
 math allows: on CPU each operation costs microseconds of dispatch regardless of its size.

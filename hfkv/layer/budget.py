@@ -15,12 +15,15 @@ import torch
 
 from hfkv.quant.fidelity import tier_fidelity
 from hfkv.states import ORIGINAL, TIER_NAMES
+from hfkv.storage.window import WindowRing
 
 
 class Budget:
     """The budget of one layer (``layer``: the TriStateLayer, whose window and layouts exist already)."""
 
     def __init__(self, layer, dim: int) -> None:
+        """Set up before the layer's window and tiers exist (a layer holding its sequence dense has neither):
+        costs come from the config, the layouts and the model dtype."""
         self.layer = layer
         self.cfg = cfg = layer.cfg
         # Largest tier-held count of a head (or of a row's heads with head_adaptive), kept on the host so
@@ -44,20 +47,21 @@ class Budget:
         ``W + interval`` of them before the next policy run, so that much is reserved and the tiers
         get the rest: the bound then holds at every step without a run per step.
         """
-        cfg, window, layouts = self.cfg, self.layer.window, self.layer.layouts
-        token_bytes = 2 * dim * window.k.element_size()
+        cfg, layouts = self.cfg, self.layer.layouts
+        token_bytes = 2 * dim * self.layer.dtype.itemsize
+        capacity = WindowRing.capacity_for(cfg.window, cfg.interval)
         on = (True, cfg.uses_mid_tier(), True)
         # Bytes of one record per tier (None: the mid tier is off), what the allocator trades.
         self.cost = tuple(lay.nbytes if used else None for lay, used in zip(layouts, on, strict=True))
         self.window_cost = token_bytes + 4
         self.cap = cfg.budget * token_bytes if cfg.budget_unit == "fp_tokens" else cfg.budget
-        reserve = window.capacity * self.window_cost
+        reserve = capacity * self.window_cost
         self.room = int(cfg.slack * (self.cap - reserve))
         if self.room < self.cost[0]:
             raise ValueError(
                 f"TriStateConfig.budget={cfg.budget} ({cfg.budget_unit} per KV head = {self.cap} bytes) leaves "
                 f"{self.room} bytes outside the window, less than one {self.cost[0]}-byte record: the window "
-                f"(window + interval = {window.capacity} tokens x {self.window_cost} bytes) takes "
+                f"(window + interval = {capacity} tokens x {self.window_cost} bytes) takes "
                 f"{reserve}; raise the budget or lower window/interval"
             )
         used = [(name, getattr(cfg, name), c) for name, c in zip(TIER_NAMES, self.cost, strict=True) if c is not None]

@@ -3,22 +3,26 @@
 Why a module of its own: none of this is on the decode path. It rebuilds maps over the logical sequence from the
 storage (window positions, tier slot positions, score sums) for hfkv.inspect, notebooks and ``cache.stats()``,
 and it counts from exactly what the layer holds, so the maps and the statistics agree with each other (padding
-still in the window is WINDOW in both). Functions of the layer: they read it and change nothing.
+still in the window is WINDOW in both). A layer holding its sequence dense (hfkv.layer.dense) reports every real token
+exact and its left padding evicted, and holds no window or tiers. Functions of the layer: they read it and change
+nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, WINDOW
+from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import LayerStats
 from hfkv.storage import dense_kv_bytes, held_bytes
 
 
 def describe(layer) -> str:
     """The layer's ``repr``: its counts per place."""
-    if not layer.is_initialized:
+    if not layer.is_initialized or (layer.window is None and not layer.dense.active):
         return f"TriStateLayer({layer.layer_idx}, empty)"
+    if layer.dense.active:
+        return f"TriStateLayer({layer.layer_idx}, len={layer.length}, dense, all exact, backend={layer.backend})"
     c = layer.tiers.counts.sum((0, 1)).tolist()
     mid = f"mid={c[MID]}, " if layer.cfg.uses_mid_tier() else ""
     return (
@@ -30,7 +34,8 @@ def describe(layer) -> str:
 def held_tensors(layer) -> list[torch.Tensor]:
     if not layer.is_initialized:
         return []
-    return [*layer.window.held_tensors(), *layer.tiers.held_tensors()]
+    stored = [*layer.window.held_tensors(), *layer.tiers.held_tensors()] if layer.window is not None else []
+    return [*layer.dense.held_tensors(), *stored]
 
 
 def token_states(layer) -> torch.Tensor:
@@ -41,6 +46,10 @@ def token_states(layer) -> torch.Tensor:
     """
     if not layer.is_initialized:
         return torch.zeros(0, 0, 0, dtype=torch.int8)
+    if layer.dense.active:
+        return layer.dense.token_states().cpu()
+    if layer.window is None:  # reset, nothing held yet
+        return torch.zeros(*layer.kv_shape[:2], 0, dtype=torch.int8)
     tiers, window = layer.tiers, layer.window
     bsz, heads = tiers.counts.shape[:2]
     out = torch.full((bsz, heads, layer.length), EVICTED, dtype=torch.int8, device=layer.device)
@@ -60,6 +69,13 @@ def token_scores(layer) -> torch.Tensor:
     """
     if not layer.is_initialized:
         return torch.zeros(0, 0, 0)
+    if layer.dense.active:
+        dense = layer.dense
+        pos = torch.arange(layer.length, device=layer.device)
+        out = layer.policy.mean_scores(dense.scores, pos)
+        return out.masked_fill(~dense.key_valid[:, None], float("nan")).cpu()
+    if layer.window is None:
+        return torch.zeros(*layer.kv_shape[:2], 0)
     tiers, window, mean_scores = layer.tiers, layer.window, layer.policy.mean_scores
     bsz, heads = tiers.counts.shape[:2]
     out = torch.full((bsz, heads, layer.length), float("nan"), device=layer.device)
@@ -77,11 +93,17 @@ def token_scores(layer) -> torch.Tensor:
 def layer_stats(layer) -> LayerStats:
     if not layer.is_initialized:
         return LayerStats(layer.layer_idx, 0, 0, 0)
-    bsz, heads, _, dim = layer.window.k.shape
-    counts = layer.tiers.counts
-    win = torch.full((bsz, heads), layer.window.count, dtype=torch.int64)
+    bsz, heads, dim = layer.kv_shape
+    if layer.dense.active or layer.window is None:  # every real token exact, none in a window
+        real = layer.dense.key_valid.sum(-1).cpu() if layer.dense.key_valid is not None else torch.zeros(bsz)
+        counts = torch.zeros(bsz, heads, len(TIER_NAMES), dtype=torch.int64)
+        counts[..., ORIGINAL] = real.view(-1, 1).long()
+        win = torch.zeros(bsz, heads, dtype=torch.int64)
+    else:
+        counts = layer.tiers.counts.cpu()
+        win = torch.full((bsz, heads), layer.window.count, dtype=torch.int64)
     # Padding inside the window is not a kept token; it sits in the window until it leaves.
-    evicted = layer.length - win - counts.sum(-1).cpu()
+    evicted = layer.length - win - counts.sum(-1)
     budget = layer.budget
     return LayerStats(
         layer=layer.layer_idx,

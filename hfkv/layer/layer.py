@@ -5,6 +5,7 @@ backend operations) and answers transformers' cache-layer protocol (``update``, 
 ``get_mask_sizes``, batch surgery, ``reset``) and hfkv's attention function (``attend``). Each other job is a part
 with its own state, holding a reference to the layer for what they share:
 
+- ``dense`` (:mod:`hfkv.layer.dense`): the sequence held as DynamicCache holds it while the budget keeps it exact;
 - ``budget`` (:mod:`hfkv.layer.budget`): costs, room and the host-side budget questions;
 - ``padding`` (:mod:`hfkv.layer.padding`): the rows' left padding and sinks;
 - ``policy`` (:mod:`hfkv.layer.policy_runner`): when the policy runs, a run, and a run prepared a step ahead;
@@ -24,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 from hfkv.kernels.backend import backend_ops, resolve_backend
 from hfkv.layer import introspection, prefill
 from hfkv.layer.budget import Budget
+from hfkv.layer.dense import DensePhase
 from hfkv.layer.handoff import pending, request_logical_mask, set_pending
 from hfkv.layer.owner import LayerOwner
 from hfkv.layer.padding import Padding
@@ -64,11 +66,12 @@ class TriStateLayer(CacheLayerMixin):
         # classified (with those scores) right after, so they are written once, to the tier they end in.
         self._exits: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.padding = Padding(self)
+        self.dense = DensePhase(self)
         self.policy = PolicyRunner(self)
         self.reads = Reads(self)
         self.cursor = StepCursor(self)
-        self.budget: Budget | None = None  # these three are made for the layer's shapes (lazy_initialization)
-        self.moves: Moves | None = None
+        self.budget: Budget | None = None  # made for the layer's shapes (lazy_initialization)
+        self.moves: Moves | None = None  # with the window and tiers (build_storage), once the layer compresses
 
     def __repr__(self) -> str:
         return introspection.describe(self)
@@ -91,14 +94,27 @@ class TriStateLayer(CacheLayerMixin):
             )
 
         self.layouts = tuple(layout(name) for name in TIER_NAMES)  # indexed by state
-        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
+        self.kv_shape = (bsz, heads, dim)  # rows, KV heads, head dim: what the storage is built for
         self.budget = Budget(self, dim)
+        self.policy.initialize(next(i for i, layer in enumerate(self.cache.compressed_layers()) if layer is self))
+        self.is_initialized = True
+
+    def build_storage(self) -> None:
+        """The window ring and paged tiers, made when the layer first holds a token compressed: a first chunk the
+        budget cannot keep exact, or the chunk that takes a dense sequence past it (:mod:`hfkv.layer.dense`)."""
+        bsz, heads, dim = self.kv_shape
+        cfg = self.cfg
+        self.window = WindowRing(bsz, heads, cfg.window, dim, self.dtype, self.device, extra=cfg.interval)
         # A budget bounds the pool, so it grows by exact demand (capacity never above the peak).
         growth = 0.0 if cfg.budget is not None else GROWTH
         self.tiers = PagedTiers(self.layouts, bsz, heads, cfg.page_bytes, self.device, growth=growth, ops=self.ops)
         self.moves = Moves(self.tiers)
-        self.policy.initialize(next(i for i, layer in enumerate(self.cache.compressed_layers()) if layer is self))
-        self.is_initialized = True
+
+    def begin(self, first: int) -> None:
+        """An empty layer's first chunk of ``first`` tokens: held dense while the budget keeps it exact, else stored."""
+        self.dense.active = self.dense.eligible() and self.dense.fits(first)
+        if not self.dense.active and self.window is None:
+            self.build_storage()
 
     # ------------------------------------------------------ Cache protocol
     def get_seq_length(self) -> int:
@@ -114,8 +130,13 @@ class TriStateLayer(CacheLayerMixin):
         # Slots are read by logical position: a boolean mask in logical coordinates. An empty layer's prompt
         # is ordinary causal attention, so there it may be skipped as for DynamicCache (SDPA's causal path
         # instead of a materialised T x T mask, which cost a one-shot prefill 40% of its time).
-        request_logical_mask(skippable=not self.length)
+        request_logical_mask(skippable=not self.length or self._stays_dense(query_length))
         return self.length + query_length, 0
+
+    def _stays_dense(self, query_length: int) -> bool:
+        """Whether the next chunk of ``query_length`` tokens is held dense, and so attended as DynamicCache would be
+        (with its mask: where plain causal, none)."""
+        return self.dense.active and self.dense.fits(self.length + query_length)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -143,9 +164,18 @@ class TriStateLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        if self.length == 0:
+            self.begin(q)
+        if self.dense.active:
+            if self._stays_dense(q):
+                keys, values = self.dense.append(key_states, value_states)
+                self.length += q
+                set_pending(self)
+                return keys, values
+            self.dense.leave()  # this chunk outgrows the budget: the sequence so far goes to the window and tiers
         if self.rotation is not None:  # stored rotated; attend() rotates the query alike and its output back
             key_states, value_states = rotate(key_states, self.rotation), rotate(value_states, self.rotation)
-        q = key_states.shape[2]
         self._chunk = (key_states, value_states, self.length)
         if self.length > 0:
             # Triton writes a decode step's token into the ring in its attention launch (push_deferred).
@@ -168,6 +198,9 @@ class TriStateLayer(CacheLayerMixin):
         """Called by the hfkv attention function right after this layer's update(). ``out``: the tensor to write
         the result to (hfkv.graphs: where a replayed graph reads it), one this layer's attention returned for
         the same query shape; a Triton decode step writes it in place, any other path copies."""
+        if self.dense.active:  # update() held this chunk dense (the keys and values are never rotated there)
+            res = self.dense.attend(module, query, mask, scaling)
+            return res if out is None else out.copy_(res)
         if self.rotation is not None:  # (Hq).(Hk) = q.k: the keys and values were stored rotated (update())
             query = rotate(query, self.rotation)
         (k, v, _), self._chunk = self._chunk, None
@@ -249,9 +282,12 @@ class TriStateLayer(CacheLayerMixin):
             return
         index = index.to(self.device)
         self.policy.ahead = None  # prepared for rows that are no longer these
-        self.window.select_rows(index)
-        self.tiers.select_rows(index)
-        self.budget.refresh_peak()
+        self.kv_shape = (index.numel(), *self.kv_shape[1:])
+        self.dense.select_rows(index)
+        if self.window is not None:
+            self.window.select_rows(index)
+            self.tiers.select_rows(index)
+            self.budget.refresh_peak()
         self.padding.select_rows(index)
         if self.oq is not None:
             self.oq = self.oq[index]
@@ -262,16 +298,15 @@ class TriStateLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._select_rows(torch.arange(self.window.shape[0]).repeat_interleave(repeats))
+            self._select_rows(torch.arange(self.kv_shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select_rows(indices)
 
     def reset(self) -> None:
-        if self.is_initialized:
-            self.tiers.reset()
-            bsz, heads, _, dim = self.window.shape
-            self.window = WindowRing(bsz, heads, self.cfg.window, dim, self.dtype, self.device, self.cfg.interval)
+        if self.is_initialized:  # the next prompt decides again whether it is held dense (begin)
+            self.window = self.tiers = self.moves = None
+            self.dense.reset()
             self.budget.tier_peak = 0
         self.reads.reset()
         self.policy.reset()

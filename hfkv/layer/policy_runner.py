@@ -73,7 +73,7 @@ class PolicyRunner:
     def steps_before(self, limit: int = 4096) -> int:
         """How many of the next one-token steps run no policy run (at most ``limit``)."""
         layer = self.layer
-        if not layer.is_initialized or layer.length == 0:
+        if not layer.is_initialized or layer.length == 0 or layer.dense.active:  # a dense step is never replayed
             return 0
         steps, count, length = self.steps, layer.window.count, layer.length
         for n in range(limit):
@@ -84,7 +84,8 @@ class PolicyRunner:
 
     # ------------------------------------------------------------ a run
     def run(self, exits: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Re-classify every non-window token (DESIGN §3) and move/evict what changed state.
+        """Re-classify every non-window token and move or evict what changed state (docs/architecture.md, "Life of a
+        token").
 
         Tokens past the newest W leave the window now (or ``exits``, those a chunk pushed out) and are
         classified together with the tiers, as candidates for the original tier (padding: evicted),

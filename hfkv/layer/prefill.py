@@ -42,17 +42,30 @@ def ingest(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, s
         )
     if not layer.is_initialized:
         layer.lazy_initialization(key, value)
+    layer.begin(key.shape[2])
+    layer.length = key.shape[2]
+    if layer.dense.active:
+        layer.dense.ingest(key, value, query, scaling)
+        return
     if layer.rotation is not None:  # as update() and attend() rotate a prompt's
         key, value, query = (rotate(x, layer.rotation) for x in (key, value, query))
-    layer.length = key.shape[2]
     admit_prompt(layer, key, value, query, None, scaling)
 
 
 def admit_prompt(layer, k, v, query, mask, scaling) -> None:
     """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows)."""
+    sums, key_valid = observe_prompt(layer, k, query, mask, scaling)
+    place_prompt(layer, k, v, sums, key_valid)
+
+
+def observe_prompt(layer, k, query, mask, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prompt's observation window says of its tokens: their score sums ``[B, H, T]``, and which keys are
+    real ``[B, T]``; it also sets the rows' padding, the first observed position and ARKV's OQ statistic.
+
+    Apart from :func:`place_prompt` because a layer that holds its sequence dense (:mod:`hfkv.layer.dense`)
+    observes its prompt now and places it in the window and tiers only when the sequence outgrows the budget."""
     bsz, heads, t, _ = k.shape
-    pos = torch.arange(t, device=layer.device)
-    cfg, ops, window = layer.cfg, layer.ops, layer.window
+    cfg, ops = layer.cfg, layer.ops
     w = min(cfg.obs_window, t)
     probs = mass = None
     observe = ops.observation_scores
@@ -66,17 +79,26 @@ def admit_prompt(layer, k, v, query, mask, scaling) -> None:
     key_valid = key_valid.to(layer.device)
     layer.padding.set_prompt(key_valid, unpadded=mask is None, sink_tokens=cfg.sink_tokens)
     layer.score_start = t - w
-    nw = min(cfg.window, t)
-    rest = t - nw
     if cfg.oq_ratios:
-        considered = key_valid & (torch.arange(t, device=layer.device) < rest)
+        # the tokens a window of cfg.window leaves to the tiers: what the ratio is about
+        considered = key_valid & (torch.arange(t, device=layer.device) < t - min(cfg.window, t))
         if mass is None:
             layer.oq = oq_score(probs, considered, cfg.tau)
         else:
             layer.oq = ops.oq_score_from_mass(mass, considered, cfg.tau)
         layer.cache.invalidate_rho()
-    window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
-    window.score[:, :, :nw] = sums[..., rest:]
+    return sums, key_valid
+
+
+def place_prompt(layer, k, v, sums: torch.Tensor, key_valid: torch.Tensor) -> None:
+    """The newest ``window`` of ``T`` tokens into the ring with their score sums, every older one classified and
+    written once, straight into the tier it ends in (``key_valid [B, T]``: padding is evicted)."""
+    bsz, heads, t, _ = k.shape
+    pos = torch.arange(t, device=layer.device)
+    nw = min(layer.cfg.window, t)
+    rest = t - nw
+    layer.window.push(k[:, :, rest:], v[:, :, rest:], pos[rest:])
+    layer.window.score[:, :, :nw] = sums[..., rest:]
     if rest > 0:
         p = pos[:rest].view(1, 1, rest).expand(bsz, heads, rest)
         valid = key_valid[:, None, :rest].expand(bsz, heads, rest)

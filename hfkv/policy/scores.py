@@ -1,4 +1,4 @@
-"""Significance scores of cached tokens (DESIGN §3 "Significance score").
+"""Significance scores of cached tokens (docs/architecture.md, "Life of a token").
 
 A token's significance (per batch row b, layer l, KV head h) is the mean attention probability it
 has received from the queries that have seen it. Query heads of a GQA group are first reduced to

@@ -1,4 +1,4 @@
-"""The unified tri-state policy (DESIGN §3 "The unified policy").
+"""The unified tri-state policy (docs/architecture.md, "Life of a token").
 
 :func:`classify` decides, for every non-window slot of one layer, whether it stays ``ORIGINAL``,
 becomes ``QUANTIZED`` or ``EVICTED``. ``evict``, ``quant``, ``streaming``, ``arkv`` and ``diffkv``

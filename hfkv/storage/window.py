@@ -1,9 +1,9 @@
 """The dense window of the most recent tokens of one layer, kept in the model dtype.
 
 New tokens always land here first; a token leaves only when at least W newer ones have arrived,
-and only then is its tier decided (DESIGN §3: window -> original | quantized | evicted). A ring
-keeps the decode step O(1) in copies. Its capacity is ``W + extra``: with ``extra = interval``
-tokens leave in one batch when the policy runs (``pop_oldest``) instead of one encode-and-append
+and only then is its tier decided (window -> original | quantized | evicted: docs/architecture.md,
+"Life of a token"). A ring keeps the decode step O(1) in copies. Its capacity is ``W + extra``: with
+``extra = interval`` tokens leave in one batch when the policy runs (``pop_oldest``) instead of one encode-and-append
 per step; tokens past W stay full precision until then and count against the budget.
 Every row of a batch shares one logical timeline (left padding is part of it), so positions
 are one ``[capacity]`` vector (``-1`` = empty slot); scores are per (row, head).
@@ -26,6 +26,11 @@ class PendingWrite(NamedTuple):
 
 
 class WindowRing:
+    @staticmethod
+    def capacity_for(window: int, extra: int) -> int:
+        """Slots of a ring of ``window`` tokens with ``extra`` more before a policy run empties it."""
+        return window + max(0, int(extra))
+
     def __init__(
         self,
         batch: int,
@@ -39,7 +44,7 @@ class WindowRing:
         if window < 1:
             raise ValueError(f"TriStateConfig.window={window} must be >= 1")
         self.window = window
-        self.capacity = window + max(0, int(extra))
+        self.capacity = self.capacity_for(window, extra)
         cap = self.capacity
         self._k = torch.zeros(batch, heads, cap, head_dim, dtype=dtype, device=device)
         self._v = torch.zeros_like(self._k)

@@ -1,0 +1,120 @@
+"""A layer's sequence held dense, as DynamicCache holds it, while its budget would keep every token exact.
+
+Why a part of its own: while every token a layer has seen fits its budget at full precision, the policy keeps them
+all exact, and the window ring and paged tiers would only add bytes (a tag and a score per record, the ring's free
+slots, each head's last page) and change the arithmetic: one joint softmax over slots sums in another order than
+the model's SDPA, which in bf16 alone moves greedy output off DynamicCache's. So the layer holds what DynamicCache
+holds, keys and values ``[B, H, T, D]`` in the model dtype grown by one concatenation a step, and attends with the
+model's SDPA over them: its outputs are DynamicCache's, bit for bit (docs/generate.md, "A budget that covers the
+sequence"). It adds each token's score sum (4 bytes a token and KV head), what the policy will rank by: the prompt's
+from its observation window (:func:`hfkv.layer.prefill.observe_prompt`), later ones from each step's queries, as the
+window and tiers would have received them. When a chunk would take the sequence past what the tiers could hold
+exact, the sequence is placed in the window and tiers as a prompt of that length would be
+(:func:`hfkv.layer.prefill.place_prompt`) and the layer goes on compressed; it never comes back.
+
+Not for a layer whose policy may drop or quantize tokens whatever the room (an eviction floor ``alpha_l > 0``, no
+budget), nor with ``TriStateConfig.dense_phase`` off (tests of the tiers' machinery on short sequences).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hfkv.kernels.slots import slot_attention_received
+from hfkv.layer import prefill
+from hfkv.quant.rotation import rotate
+from hfkv.states import EVICTED, ORIGINAL
+
+
+class DensePhase:
+    """The dense keys, values and score sums of one layer (``layer``: the TriStateLayer) before it compresses."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+        self.active = False  # the layer holds its sequence here (decided at its first tensors)
+        self.k: torch.Tensor | None = None  # [B, H, T, D] as update() received them (never rotated)
+        self.v: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None  # [B, H, T] fp32 score sums
+        self.key_valid: torch.Tensor | None = None  # [B, T] real tokens (False: left padding)
+
+    def eligible(self) -> bool:
+        """Whether the layer's policy keeps every token exact while the budget has room (module doc): a budget, no
+        eviction floor, and under a budget in tokens no ``alpha_h`` above 0 (there a token scoring below
+        ``alpha_h / N`` is quantized whatever the room: the ``quant`` preset; under a memory budget ``alpha_h``
+        only makes a token exact-or-nothing)."""
+        layer = self.layer
+        cfg, budget = layer.cfg, layer.budget
+        if not cfg.dense_phase or cfg.budget is None or budget.has_floor:
+            return False
+        return budget.memory_budget or bool((layer.cache.alpha_h[layer.layer_idx] <= 0).all())
+
+    def fits(self, length: int) -> bool:
+        """Whether a sequence ``length`` long would be held exact: a memory budget's room takes every token the
+        window leaves to the tiers at full precision (ARKV's ratios apply only past that,
+        :meth:`hfkv.layer.budget.Budget.rho_past_budget`); a budget in tokens holds ``length`` tokens."""
+        cfg, budget = self.layer.cfg, self.layer.budget
+        if budget.memory_budget:
+            return max(0, length - cfg.window) * budget.cost[ORIGINAL] <= budget.room
+        return length <= cfg.budget
+
+    def reset(self) -> None:
+        self.k = self.v = self.scores = self.key_valid = None
+        self.active = self.eligible()
+
+    # ------------------------------------------------------------ the sequence
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take a chunk's keys and values; returns every held one, as DynamicLayer.update does."""
+        if self.k is None:  # contiguous, as DynamicCache's concatenation leaves them (SDPA's CPU kernels read
+            self.k, self.v = key.contiguous(), value.contiguous()  # strided bf16 7-9% slower: prefill.attend_prompt)
+        else:
+            self.k, self.v = torch.cat([self.k, key], dim=-2), torch.cat([self.v, value], dim=-2)
+        return self.k, self.v
+
+    def attend(self, module, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+        """The model's SDPA over the held keys and values (DynamicCache's output), then the scores the queries
+        gave each token: a prompt's from its observation window, a later chunk's from all its queries."""
+        layer = self.layer
+        out = sdpa_attention_forward(module, query, self.k, self.v, mask, scaling=scaling)[0]
+        q, t = query.shape[2], self.k.shape[2]
+        if self.scores is None:
+            self.scores, self.key_valid = prefill.observe_prompt(layer, self.k, query, mask, scaling)
+            return out
+        tags = torch.arange(1, t + 1, device=self.k.device).expand(self.k.shape[0], self.k.shape[1], t)
+        _, received = slot_attention_received(
+            query, [(self.k, self.v)], tags, mask, scaling, layer.cfg.score_reduction, q_start=t - q
+        )
+        self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1).add_(received)
+        self.key_valid = torch.cat([self.key_valid, self.key_valid.new_ones(self.key_valid.shape[0], q)], -1)
+        return out
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+        """A prompt's captured tensors (TriStateLayer.ingest_prefill), held as a forward over it would leave them."""
+        self.append(key, value)
+        self.scores, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, None, scaling)
+
+    def leave(self) -> None:
+        """Place the held sequence in the layer's window and tiers (built now) and stop holding it here."""
+        layer = self.layer
+        k, v = self.k, self.v
+        if layer.rotation is not None:  # the tiers hold keys and values rotated (TriStateLayer.update)
+            k, v = rotate(k, layer.rotation), rotate(v, layer.rotation)
+        layer.build_storage()
+        prefill.place_prompt(layer, k, v, self.scores, self.key_valid)
+        self.k = self.v = self.scores = self.key_valid = None
+        self.active = False
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[index], self.v[index]
+            self.scores, self.key_valid = self.scores[index], self.key_valid[index]
+
+    # ------------------------------------------------------------ what it holds
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.scores) if t is not None]
+
+    def token_states(self) -> torch.Tensor:
+        """``[B, H, T]``: every real token exact (ORIGINAL), left padding EVICTED (held, never attended)."""
+        bsz, heads = self.k.shape[:2]
+        state = torch.where(self.key_valid, ORIGINAL, EVICTED).to(torch.int8)
+        return state[:, None].expand(bsz, heads, -1)
