@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hfkv.kernels.slots import slot_attention_received
 from hfkv.layer import prefill
+from hfkv.policy.scores import reduce_gqa
 from hfkv.quant.rotation import rotate
 from hfkv.states import EVICTED, ORIGINAL
 
@@ -37,6 +37,9 @@ class DensePhase:
         self.v: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None  # [B, H, T] fp32 score sums
         self.key_valid: torch.Tensor | None = None  # [B, T] real tokens (False: left padding)
+        # Queries whose scores are not added yet, with their scaling and first positions: observed together every
+        # ``interval`` steps (one fp32 pass over the keys for all of them, not one a step; :meth:`observe`).
+        self.queries: list[tuple[torch.Tensor, float, int]] = []
 
     def eligible(self) -> bool:
         """Whether the layer's policy keeps every token exact while the budget has room (module doc): a budget, no
@@ -60,6 +63,7 @@ class DensePhase:
 
     def reset(self) -> None:
         self.k = self.v = self.scores = self.key_valid = None
+        self.queries = []
         self.active = self.eligible()
 
     # ------------------------------------------------------------ the sequence
@@ -72,21 +76,42 @@ class DensePhase:
         return self.k, self.v
 
     def attend(self, module, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-        """The model's SDPA over the held keys and values (DynamicCache's output), then the scores the queries
-        gave each token: a prompt's from its observation window, a later chunk's from all its queries."""
-        layer = self.layer
+        """The model's SDPA over the held keys and values (DynamicCache's output); the scores the queries gave each
+        token: a prompt's from its observation window now, a later chunk's with the next ones (:meth:`observe`)."""
         out = sdpa_attention_forward(module, query, self.k, self.v, mask, scaling=scaling)[0]
         q, t = query.shape[2], self.k.shape[2]
         if self.scores is None:
-            self.scores, self.key_valid = prefill.observe_prompt(layer, self.k, query, mask, scaling)
+            self.scores, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, mask, scaling)
             return out
-        tags = torch.arange(1, t + 1, device=self.k.device).expand(self.k.shape[0], self.k.shape[1], t)
-        _, received = slot_attention_received(
-            query, [(self.k, self.v)], tags, mask, scaling, layer.cfg.score_reduction, q_start=t - q
-        )
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1).add_(received)
+        self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1)
         self.key_valid = torch.cat([self.key_valid, self.key_valid.new_ones(self.key_valid.shape[0], q)], -1)
+        self.queries.append((query.clone(), scaling, t - q))  # a copy: a replayed CUDA graph rewrites its buffer
+        if sum(x.shape[2] for x, _, _ in self.queries) >= self.layer.cfg.interval:
+            self.observe()
         return out
+
+    def observe(self) -> None:
+        """Add the pending queries' probabilities, reduced over each GQA group, to the score sums: what the window
+        and tiers receive a step at a time, here for ``interval`` steps at once, so the keys are read in fp32 once
+        for all of them (a step each would cost a fifth of a short context's decode step). Masked as the tiers'
+        kernels mask, by position: a query sees the real keys at or before its own position."""
+        if not self.queries:
+            return
+        k, reduction = self.k, self.layer.cfg.score_reduction
+        bsz, heads, t, dim = k.shape
+        keys = k.float().transpose(-1, -2)  # [B, H, D, T]
+        pos = torch.arange(t, device=k.device)
+        for scaling, group in _by_scaling(self.queries):
+            query = torch.cat([x for x, _ in group], 2)  # [B, Hq, n, D]
+            first = torch.cat([torch.arange(s, s + x.shape[2], device=k.device) for x, s in group])  # [n]
+            hq, n = query.shape[1], query.shape[2]
+            g = hq // heads
+            qf = query.float().mul(scaling).reshape(bsz, heads, g * n, dim)
+            logits = torch.matmul(qf, keys).view(bsz, heads, g, n, t)
+            seen = (pos.view(1, t) <= first.view(n, 1)).view(1, 1, 1, n, t) & self.key_valid[:, None, None, None, :t]
+            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1).nan_to_num_(0.0)
+            self.scores += reduce_gqa(probs.flatten(1, 2), heads, reduction).sum(2)
+        self.queries = []
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
         """A prompt's captured tensors (TriStateLayer.ingest_prefill), held as a forward over it would leave them."""
@@ -96,6 +121,7 @@ class DensePhase:
     def leave(self) -> None:
         """Place the held sequence in the layer's window and tiers (built now) and stop holding it here."""
         layer = self.layer
+        self.observe()
         k, v = self.k, self.v
         if layer.rotation is not None:  # the tiers hold keys and values rotated (TriStateLayer.update)
             k, v = rotate(k, layer.rotation), rotate(v, layer.rotation)
@@ -105,16 +131,25 @@ class DensePhase:
         self.active = False
 
     def select_rows(self, index: torch.Tensor) -> None:
+        self.observe()  # the pending queries belong to the rows as they were
         if self.k is not None:
             self.k, self.v = self.k[index], self.v[index]
             self.scores, self.key_valid = self.scores[index], self.key_valid[index]
 
     # ------------------------------------------------------------ what it holds
     def held_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.k, self.v, self.scores) if t is not None]
+        return [t for t in (self.k, self.v, self.scores) if t is not None] + [q for q, _, _ in self.queries]
 
     def token_states(self) -> torch.Tensor:
         """``[B, H, T]``: every real token exact (ORIGINAL), left padding EVICTED (held, never attended)."""
         bsz, heads = self.k.shape[:2]
         state = torch.where(self.key_valid, ORIGINAL, EVICTED).to(torch.int8)
         return state[:, None].expand(bsz, heads, -1)
+
+
+def _by_scaling(queries: list[tuple[torch.Tensor, float, int]]) -> list[tuple[float, list[tuple[torch.Tensor, int]]]]:
+    """The pending queries grouped by their scaling (one model passes one; kept apart should another)."""
+    groups: dict[float, list[tuple[torch.Tensor, int]]] = {}
+    for query, scaling, start in queries:
+        groups.setdefault(scaling, []).append((query, start))
+    return list(groups.items())

@@ -71,6 +71,7 @@ def token_scores(layer) -> torch.Tensor:
         return torch.zeros(0, 0, 0)
     if layer.dense.active:
         dense = layer.dense
+        dense.observe()  # the queries not yet added (what the sums will hold at the next interval anyway)
         pos = torch.arange(layer.length, device=layer.device)
         out = layer.policy.mean_scores(dense.scores, pos)
         return out.masked_fill(~dense.key_valid[:, None], float("nan")).cpu()
