@@ -8,9 +8,10 @@ holds, keys and values ``[B, H, T, D]`` in the model dtype grown by one concaten
 model's SDPA over them: its outputs are DynamicCache's, bit for bit (docs/generate.md, "A budget that covers the
 sequence"). It adds each token's score sum (4 bytes a token and KV head), what the policy will rank by: the prompt's
 from its observation window (:func:`hfkv.layer.prefill.observe_prompt`), later ones from each step's queries, as the
-window and tiers would have received them. When a chunk would take the sequence past what the tiers could hold
-exact, the sequence is placed in the window and tiers as a prompt of that length would be
-(:func:`hfkv.layer.prefill.place_prompt`) and the layer goes on compressed; it never comes back.
+window and tiers would have received them, added every ``interval`` steps (the queries held until then). When a
+chunk would take the sequence past what the tiers could hold exact, the sequence is placed in the window and tiers
+as a prompt of that length would be (:func:`hfkv.layer.prefill.place_prompt`) and the layer goes on compressed; it
+never comes back.
 
 Not for a layer whose policy may drop or quantize tokens whatever the room (an eviction floor ``alpha_l > 0``, no
 budget), nor with ``TriStateConfig.dense_phase`` off (tests of the tiers' machinery on short sequences).
