@@ -17,15 +17,18 @@ import sys
 import warnings
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
     DynamicCache,
+    DynamicLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
 
-from hfkv.attention.interface import NAME, enable
+from hfkv import export
+from hfkv.attention.interface import install
 from hfkv.config import TriStateConfig
 from hfkv.layer.layer import TriStateLayer
 from hfkv.model_shape import ModelShape
@@ -56,11 +59,32 @@ def _calling_config(own: object) -> object | None:
 class TriStateCache(DynamicCache):
     """Drop-in ``past_key_values`` for ``model.generate``: ``TriStateCache(model, cfg)``.
 
-    ``cfg`` is a ``TriStateConfig``, a preset name, or None for the ``hfkv`` preset. Building the
-    cache calls ``hfkv.enable(model)``. Use a fresh cache per request (or ``reset()``).
+    ``model``: the model, or its config alone (``TriStateCache(model.config, cfg)``: shapes and layer types come
+    from it, storage is allocated on the first update, as ``DynamicCache(config=...)`` does), or None for the
+    uncompressed ``full`` preset (layers made as they are first updated, as ``DynamicCache()``). ``cfg`` is a
+    ``TriStateConfig``, a preset name, or None for the ``hfkv`` preset. ``offloading``: as DynamicCache's (on CUDA, a
+    layer's storage goes to host memory after its attention and comes back before its next update). The model keeps
+    its attention implementation (hfkv.attention.interface). Use a fresh cache per request (or ``reset()``).
     """
 
-    def __init__(self, model: torch.nn.Module, config: TriStateConfig | str | None = None, **overrides) -> None:
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        export.register(cls, TriStateCache)  # pytree finds nodes by exact type (hfkv.export)
+
+    def __init__(
+        self,
+        model: torch.nn.Module | PreTrainedConfig | None = None,
+        config: TriStateConfig | str | None = None,
+        *,
+        offloading: bool = False,
+        offload_only_non_sliding: bool = True,
+        **overrides,
+    ) -> None:
+        if isinstance(config, PreTrainedConfig):
+            raise TypeError(
+                "TriStateCache: config is hfkv's TriStateConfig or a preset name, got the model's "
+                f"{type(config).__name__}; pass the model's config first: TriStateCache(model.config, cfg)"
+            )
         if config is None:
             config = TriStateConfig.from_preset("hfkv", **overrides)
         elif isinstance(config, str):
@@ -72,13 +96,44 @@ class TriStateCache(DynamicCache):
                 f"TriStateCache: config must be a TriStateConfig or preset name, got {type(config).__name__}"
             )
         self.config = config
-        enable(model)
-        text = model.config.get_text_config(decoder=True)
-        self.model_config = text
-        self.model_shape = ModelShape.of(model)  # checked on each layer's first call (update)
-        n_layers, n_kv, head_dim = self.model_shape.layers, self.model_shape.kv_heads, self.model_shape.head_dim
-        config.validate_for_model(n_layers, n_kv, head_dim)
-        self.alpha_h, self.alpha_l = config.resolve_alpha(n_layers, n_kv)
+        install()
+        if isinstance(model, torch.nn.Module):
+            model_config, self.model_shape = model.config, ModelShape.of(model)
+        elif isinstance(model, PreTrainedConfig):
+            model_config, self.model_shape = model, ModelShape.of_config(model, None)
+        elif model is None:
+            model_config, self.model_shape = None, None
+        else:
+            raise TypeError(
+                "TriStateCache: model must be a transformers model, its config (PreTrainedConfig) or None, got "
+                f"{type(model).__name__}"
+            )
+        self.model_config = model_config.get_text_config(decoder=True) if model_config is not None else None
+        if model_config is None:
+            if config.compress:
+                raise ValueError(
+                    f"TriStateCache: preset {config.name!r} compresses, which needs the model or its config (layer "
+                    "types, KV heads and per-head thresholds come from it): TriStateCache(model.config, cfg); "
+                    "without either only the uncompressed 'full' preset is made, as DynamicCache()"
+                )
+            self.alpha_h = self.alpha_l = None
+            Cache.__init__(
+                self, layer_class_to_replicate=DynamicLayer, offloading=offloading,
+                offload_only_non_sliding=offload_only_non_sliding,
+            )  # fmt: skip
+        else:
+            self._make_layers(model)
+            Cache.__init__(
+                self, layers=self._layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding
+            )
+            del self._layers
+        self._rho: torch.Tensor | None = None
+        self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
+
+    def _make_layers(self, model: object) -> None:
+        config, text, shape = self.config, self.model_config, self.model_shape
+        config.validate_for_model(shape.layers, shape.kv_heads, shape.head_dim)
+        self.alpha_h, self.alpha_l = config.resolve_alpha(shape.layers, shape.kv_heads)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         layers: list = []
         for i, (lt, kw) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
@@ -90,33 +145,27 @@ class TriStateCache(DynamicCache):
                 layers.append(DynamicSlidingWindowLayer(**kw))
             else:
                 raise NotImplementedError(
-                    f"hfkv cannot compress layer {i} of type {lt!r} ({type(model).__name__}); supported: "
+                    f"hfkv cannot compress layer {i} of type {lt!r} ({shape.name}); supported: "
                     f"'full_attention' (compressed) and {_UNCOMPRESSED_TYPES} (kept uncompressed)"
                 )
         if config.compress and not any(isinstance(layer, TriStateLayer) for layer in layers):
             warnings.warn(
-                f"TriStateCache: every layer of {self.model_shape.describe()} uses sliding-window attention, which "
+                f"TriStateCache: every layer of {shape.describe()} uses sliding-window attention, which "
                 f"hfkv keeps uncompressed: preset {config.name!r} compresses nothing here (the cache is "
                 "DynamicCache's)",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        Cache.__init__(self, layers=layers)
-        self._rho: torch.Tensor | None = None
-        self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
+        self._layers = layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A layer's first call checks that the calling model is the one the cache was built for (after that, its
         # storage is made for these shapes and would fail on others anyway): one error naming both models.
-        if layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized:
-            caller = _calling_config(self.model_config)
-            self.model_shape.check_call(layer_idx, key_states, caller)
-            if caller is not None and caller._attn_implementation != NAME:
-                raise RuntimeError(
-                    f"this TriStateCache was built for {self.model_shape.describe()} and is used by a model whose "
-                    f"attention is {caller._attn_implementation!r}, not 'hfkv', so compressed tokens would be ignored: "
-                    "a cache serves the model it was built with, TriStateCache(model, ...), which switches it"
-                )
+        shape = self.model_shape
+        if shape is not None and (layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized):
+            shape.check_call(layer_idx, key_states, _calling_config(self.model_config))
+            if shape.dtype is None and not torch.is_autocast_enabled(key_states.device.type):
+                self.model_shape = dataclasses.replace(shape, dtype=key_states.dtype)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -137,14 +186,6 @@ class TriStateCache(DynamicCache):
 
     def _repr_html_(self) -> str:
         return cache_html(self.stats(), self.config.summary(), len(self.layers), self.oq_ratios())
-
-    def attention_ready(self) -> bool:
-        # Read from the instance dict: transformers' config attribute lookup costs ~5 us, and every
-        # compressed layer checks this at every step (the property returns this same field).
-        fields = object.__getattribute__(self.model_config, "__dict__")
-        if "_attn_implementation_internal" in fields:
-            return fields["_attn_implementation_internal"] == NAME
-        return self.model_config._attn_implementation == NAME
 
     def compressed_layers(self) -> list[TriStateLayer]:
         """The compressing layers, in model order (``LayerOwner``)."""
@@ -229,3 +270,6 @@ class TriStateCache(DynamicCache):
             budget_unit=self.config.budget_unit,
             head_adaptive=self.config.head_adaptive,
         )
+
+
+export.register(TriStateCache, TriStateCache)

@@ -250,7 +250,9 @@ class GraphedDecoder:
                 calls.append(_CacheCall(layer, key, value, args, kwargs))
                 return type(layer).update(layer, key, value, *args, **kwargs)
 
-            def attend(module, query, key, value, mask, scaling):
+            def attend(module, query, key, value, mask, scaling, computed=None):
+                # ``computed``: a dense layer's output from the model's own attention, left aside: the replay
+                # computes it again where the next graph reads it
                 call = calls[-1] if calls else None
                 if call is None or call.layer is not layer or call.attend is not None:
                     raise RuntimeError("GraphedDecoder(mode='layers'): a layer's attend() without its update()")

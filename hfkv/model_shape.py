@@ -27,7 +27,7 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: not known yet (a cache made from a config; set by its first call)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
@@ -45,7 +45,7 @@ class ModelShape:
         )
 
     def describe(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "dtype not known yet"
         return (
             f"{self.name!r} ({self.layers} layers, {self.kv_heads} KV heads, head dim {self.head_dim}, {dtype})"
         )
@@ -59,7 +59,7 @@ class ModelShape:
         autocast = torch.is_autocast_enabled(key_states.device.type)
         if config is not None:
             other = ModelShape.of_config(config, dtype)
-            if other.dtype != self.dtype and autocast:
+            if other.dtype != self.dtype and (autocast or self.dtype is None):
                 other = replace(other, dtype=self.dtype)
             if replace(other, name=self.name) != self:
                 raise ValueError(
@@ -73,7 +73,7 @@ class ModelShape:
             seen.append(f"{heads} KV heads")
         if dim != self.head_dim:
             seen.append(f"head dim {dim}")
-        if dtype != self.dtype and not autocast:
+        if self.dtype is not None and dtype != self.dtype and not autocast:
             seen.append(str(dtype).removeprefix("torch."))
         if seen:
             raise ValueError(

@@ -352,10 +352,12 @@ def test_misuse_errors_are_clear():
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(-1)
     assert not cache.is_croppable
-    model.set_attn_implementation("sdpa")
-    with pytest.raises(RuntimeError, match="hfkv.enable"):
-        model(input_ids=ids, past_key_values=cache)
-    hfkv.enable(model)
+    with pytest.raises(TypeError, match="model's config first"):
+        hfkv.TriStateCache(model, model.config)
+    with pytest.raises(ValueError, match="needs the model or its config"):
+        hfkv.TriStateCache(None, "hfkv")
+    with pytest.raises(TypeError, match=r"its config \(PreTrainedConfig\) or None"):
+        hfkv.TriStateCache(ids, "hfkv")
     with pytest.raises(ValueError, match="alpha_h"):
         hfkv.TriStateCache(model, hfkv.TriStateConfig.from_preset("hfkv", alpha_h=[1.0, 1.0, 1.0]))
     model.config.layer_types = ["full_attention", "linear_attention"]
@@ -468,24 +470,24 @@ def test_a_forward_that_raised_half_way_does_not_poison_the_next():
 
 
 def test_an_unpadded_prompt_prefills_on_sdpas_causal_path(monkeypatch):
-    """An empty layer's plain causal prompt builds no T x T mask (SDPA's causal path, as for DynamicCache); a
-    left-padded prompt gets the boolean mask, and so does every later step (logical coordinates)."""
+    """An empty layer's plain causal prompt builds no T x T mask (SDPA's causal path, as for DynamicCache), nor does
+    an unpadded decode step (plain causal: read by position); a left-padded prompt gets the boolean mask."""
     from hfkv.cache import TriStateLayer
 
     masks = []
     attend = TriStateLayer.attend
 
-    def spy(self, module, query, key, value, mask, scaling):
+    def spy(self, module, query, key, value, mask, scaling, **kwargs):
         if self.layer_idx == 0:
             masks.append(None if mask is None else (mask.dtype, tuple(mask.shape)))
-        return attend(self, module, query, key, value, mask, scaling)
+        return attend(self, module, query, key, value, mask, scaling, **kwargs)
 
     monkeypatch.setattr(TriStateLayer, "attend", spy)
     model = tiny_model("llama")
     cfg = hfkv.TriStateConfig.from_preset("hfkv", budget=32)
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
     _generate(model, hfkv.TriStateCache(model, cfg), ids, new=3)
-    assert masks[0] is None and all(m is not None and m[0] == torch.bool for m in masks[1:]) and len(masks) == 3
+    assert masks == [None] * 3
     masks.clear()
     ids, mask = left_padded_batch(lengths=(20, 13))
     _generate(model, hfkv.TriStateCache(model, cfg), ids, mask, new=2)
@@ -618,10 +620,14 @@ def test_a_cache_used_with_another_model_names_both(other, names):
     assert torch.equal(_generate(model, cache, ids, new=3), _generate(model, _dense(model), ids, new=3))
 
 
-def test_a_cache_used_by_a_model_it_did_not_switch_says_so():
+def test_a_cache_serves_any_model_of_its_shape():
+    """Nothing is switched on the model a cache is built with (hfkv.attention.interface): another model of the same
+    shape uses it as it would use its own."""
     model = tiny_model("llama")
-    cache = hfkv.TriStateCache(model, "hfkv", budget=64, window=4)
-    stranger = tiny_model("llama", seed=1)  # same shape, attention never switched to hfkv
-    with pytest.raises(RuntimeError, match="built for .* used by a model whose attention is 'sdpa'"):
-        stranger(input_ids=torch.randint(3, 128, (1, 12)), past_key_values=cache)
-    assert cache.get_seq_length() == 0
+    stranger = tiny_model("llama", seed=1)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    own = stranger(input_ids=ids, past_key_values=hfkv.TriStateCache(stranger, "hfkv", budget=16, window=4)).logits
+    lent = stranger(input_ids=ids, past_key_values=hfkv.TriStateCache(model, "hfkv", budget=16, window=4)).logits
+    assert torch.equal(lent, own)
+
+

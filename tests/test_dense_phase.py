@@ -56,11 +56,11 @@ def test_dense_bytes_are_dynamic_caches_plus_one_score_per_token(dtype):
     bsz, heads, length = ids.shape[0], model.config.num_key_value_heads, cache.get_seq_length()
     for i, layer in enumerate(cache.compressed_layers()):
         dyn_bytes = held_bytes([dyn.layers[i].keys, dyn.layers[i].values])
-        pending = layer.dense.queries  # at most interval - 1 steps' queries, their scores not yet added
-        assert len(pending) < cache.config.interval
-        assert held_bytes(layer.held_tensors()) == dyn_bytes + 4 * bsz * heads * length + sum(
-            q.nbytes for q, _, _ in pending
-        )
+        # the buffer of interval steps' queries, which holds those whose scores are not yet added
+        pending = layer.dense.queries
+        assert pending.shape == (bsz, model.config.num_attention_heads, cache.config.interval, 32)
+        assert layer.dense.pending < cache.config.interval
+        assert held_bytes(layer.held_tensors()) == dyn_bytes + 4 * bsz * heads * length + pending.nbytes
         stats = layer.layer_stats()
         real = mask.sum(-1).tolist()
         assert [row[0] for row in stats.original] == [r + GEN["max_new_tokens"] - 1 for r in real]

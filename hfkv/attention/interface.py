@@ -1,78 +1,83 @@
-"""Hooking hfkv into transformers' attention and mask registries.
+"""Hooking hfkv into transformers' attention: a compressing layer's attention call is handed to it, every other
+call runs the model's own implementation, unchanged.
 
-transformers never passes the cache to the attention function, so a compressing cache layer
-announces itself in ``update()`` (hfkv.layer.handoff) and the ``"hfkv"`` attention function of
-the same layer takes it. Anything else — DynamicCache, no cache (lm-eval
-loglikelihood), sliding layers kept uncompressed, the ``full`` preset — finds nothing pending
-and runs the model's previous implementation unchanged, with the mask that implementation
-would have built. That keeps ``full`` token-identical to DynamicCache.
+transformers never passes the cache to the attention function, so a compressing cache layer announces itself in
+``update()`` (hfkv.layer.handoff) and the attention call that follows takes it. Every model's attention looks its
+function up with ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, default)``; :func:`install`
+makes that lookup return the model's own function wrapped in :func:`dispatch`. With nothing pending — DynamicCache,
+StaticCache, no cache, sliding layers kept uncompressed, the ``full`` preset, a layer held dense — the wrapped
+function is called with the arguments the model passed: bit for bit what it computed without hfkv, and traceable
+by Dynamo (``torch.compile(fullgraph=True)``).
+
+Why not an attention implementation of hfkv's own, as before: switching a model to it outlived the cache (a model
+compiled later with a DynamicCache still ran it), and transformers accepts ``config.output_attentions = True`` only
+under "eager". The model now keeps its implementation, eager included (docs/architecture.md, "Attention").
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
+import types
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from hfkv.layer.handoff import pending, set_pending, take_mask_request
+from hfkv.layer.handoff import pending, set_pending
 
-NAME = "hfkv"
+__all__ = ["dispatch", "enable", "hfkv_attention", "install", "is_enabled", "pending", "set_pending"]
 
-# id(config) -> the attention implementation the model had before hfkv.enable().
-_DELEGATES: dict[int, str] = {}
-
-
-def _delegate_name(config: Any) -> str:
-    return _DELEGATES.get(id(config), "sdpa") if config is not None else "sdpa"
+_LOOKUP = AttentionInterface.get_interface  # transformers' own lookup, which the installed one wraps
+_WRAPPED: dict[Any, functools.partial] = {}  # the model's function -> it wrapped in dispatch (one object each)
 
 
-def _delegate_attention(module, query, key, value, attention_mask, **kwargs):
-    name = _delegate_name(getattr(module, "config", None))
-    boolean_4d = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
-    if name == "eager" and not boolean_4d:
-        # Use the model's own eager function so results are bit-identical to running without hfkv.
-        fn = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
-        if fn is not None:
-            return fn(module, query, key, value, attention_mask, **kwargs)
-    if name not in ("sdpa", "eager") and not boolean_4d and name in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[name](module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def hfkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The ``"hfkv"`` attention function: a pending compressing layer computes, else the delegate does."""
+def dispatch(original, module, query, key, value, attention_mask, *args, **kwargs):
+    """A model's attention call: the pending compressing layer attends, else ``original`` (the model's own) does."""
     layer = pending()
     if layer is None:
-        return _delegate_attention(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
     set_pending(None)
+    scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if layer.attends_densely():  # held as DynamicCache holds it: the model's own attention is DynamicCache's
+        out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
+        # attend() returns ``out`` itself (hfkv.graphs' capture returns where its replay writes)
+        return layer.attend(module, query, key, value, attention_mask, scaling, computed=out), weights
     return layer.attend(module, query, key, value, attention_mask, scaling), None
 
 
-def hfkv_mask(*args, **kwargs):
-    """The ``"hfkv"`` mask: never skipped, boolean, logical coordinates — only when a compressing layer asks."""
-    request = take_mask_request()
-    if request:
-        if request == "materialised":
-            kwargs["allow_is_causal_skip"] = False
-            kwargs["allow_is_bidirectional_skip"] = False
-        return sdpa_mask(*args, **kwargs)
-    name = _delegate_name(kwargs.get("config"))
-    fn = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
-    return fn(*args, **kwargs)
+def hfkv_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """:func:`dispatch` over SDPA: a step driven by hand (benchmarks, tests) calls this after ``cache.update``."""
+    return dispatch(sdpa_attention_forward, module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _register() -> None:
-    AttentionInterface.register(NAME, hfkv_attention)
-    AttentionMaskInterface.register(NAME, hfkv_mask)
+def _lookup(self: AttentionInterface, attn_implementation: str, default):
+    fn = _LOOKUP(self, attn_implementation, default)
+    wrapped = _WRAPPED.get(fn)
+    if wrapped is None:
+        wrapped = _WRAPPED[fn] = functools.partial(dispatch, fn)
+    return wrapped
+
+
+def install() -> None:
+    """Route every model's attention lookup through :func:`dispatch` (idempotent; done by every TriStateCache)."""
+    if not is_enabled():
+        ALL_ATTENTION_FUNCTIONS.get_interface = types.MethodType(_lookup, ALL_ATTENTION_FUNCTIONS)
+
+
+def enable(model: torch.nn.Module | None = None) -> torch.nn.Module | None:
+    """:func:`install`, kept for code written when a cache switched its model: the model keeps its attention
+    implementation. Returns ``model`` for chaining."""
+    install()
+    return model
+
+
+def is_enabled(model_or_config: Any = None) -> bool:
+    """Whether attention calls reach hfkv's dispatch (for every model: the argument is accepted and not needed)."""
+    current = ALL_ATTENTION_FUNCTIONS.__dict__.get("get_interface")
+    return getattr(current, "__func__", None) is _lookup
 
 
 def attn_configs(model: torch.nn.Module):
@@ -83,27 +88,3 @@ def attn_configs(model: torch.nn.Module):
         if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
             seen.add(id(cfg))
             yield cfg
-
-
-def enable(model: torch.nn.Module) -> torch.nn.Module:
-    """Switch ``model`` to hfkv attention, remembering its previous implementation as the delegate.
-
-    Idempotent. Returns the model for chaining.
-    """
-    _register()
-    for cfg in attn_configs(model):
-        current = cfg._attn_implementation
-        if current != NAME:
-            _DELEGATES[id(cfg)] = current or "sdpa"
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)
-    # Sub-configs (e.g. a text config inside a multimodal one) may be separate objects.
-    for cfg in attn_configs(model):
-        if cfg._attn_implementation != NAME:
-            cfg._attn_implementation = NAME
-    return model
-
-
-def is_enabled(model_or_config: Any) -> bool:
-    cfg = getattr(model_or_config, "config", model_or_config)
-    return getattr(cfg, "_attn_implementation", None) == NAME

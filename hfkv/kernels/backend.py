@@ -111,6 +111,7 @@ class BackendOps:
     plans_moves: bool = False  # a policy run's moves are planned on the device (hfkv.kernels.moves)
     deferred_window_write: bool = False  # the decode kernel writes the step's token into the ring
     graph_steps: bool = False  # decode steps launch alike, so a CUDA graph replays them (hfkv.graphs)
+    traced_steps: bool = False  # Dynamo traces a decode step between policy runs (hfkv.compiled): torch ops only
 
     def __deepcopy__(self, memo: dict) -> BackendOps:
         return self  # a table of functions and modules: shared by copies of a storage or cache, never copied
@@ -178,7 +179,9 @@ def backend_ops(name: str) -> BackendOps:
         from hfkv.kernels.changes import tier_changes_reference
         from hfkv.policy.budget import allocate  # deferred: each branch binds its own allocate
 
-        return BackendOps("torch", allocate=_ignoring_over(allocate), tier_changes=tier_changes_reference)
+        return BackendOps(
+            "torch", allocate=_ignoring_over(allocate), tier_changes=tier_changes_reference, traced_steps=True
+        )
     if name == "cpu":
         # deferred: loaded with the cpu backend (and its own allocate)
         from hfkv.kernels.cpu import allocate, compact, encode, gather, meta, observation, reserve

@@ -123,7 +123,7 @@ def slot_attention(
         if q_start is None:
             raise ValueError("slot_attention: without a mask, q_start (the first query's position) is needed")
         # Empty slots (index 0) sort after every query; a slot is seen by the queries at or after it.
-        key = torch.where(slot_index > 0, slot_index - 1, torch.iinfo(torch.int64).max)
+        key = torch.where(slot_index > 0, slot_index - 1, torch.iinfo(slot_index.dtype).max)
         allowed = key.unsqueeze(2) <= torch.arange(q_start, q_start + q, device=key.device).view(1, 1, q, 1)
         blind = bool(blind_queries)
     else:

@@ -38,9 +38,15 @@ class DensePhase:
         self.v: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None  # [B, H, T] fp32 score sums
         self.key_valid: torch.Tensor | None = None  # [B, T] real tokens (False: left padding)
-        # Queries whose scores are not added yet, with their scaling and first positions: observed together every
-        # ``interval`` steps (one fp32 pass over the keys for all of them, not one a step; :meth:`observe`).
-        self.queries: list[tuple[torch.Tensor, float, int]] = []
+        # Queries whose scores are not added yet, observed together every ``interval`` steps (one fp32 pass over the
+        # keys for all of them, not one a step; :meth:`observe`): the first ``pending`` rows of a buffer of
+        # ``interval`` query positions, copied in (a replayed CUDA graph rewrites its own), from logical position
+        # ``pending_start`` on, with one scaling. A buffer and a count, not a list: a step compiled by Dynamo then
+        # traces once (a list's length is guarded, hfkv.compiled).
+        self.queries: torch.Tensor | None = None  # [B, Hq, interval, D]
+        self.pending = 0
+        self.pending_start = 0
+        self.scaling = 1.0
 
     def eligible(self) -> bool:
         """Whether the layer's policy keeps every token exact while the budget has room (module doc): a budget, no
@@ -63,8 +69,8 @@ class DensePhase:
         return length <= cfg.budget
 
     def reset(self) -> None:
-        self.k = self.v = self.scores = self.key_valid = None
-        self.queries = []
+        self.k = self.v = self.scores = self.key_valid = self.queries = None
+        self.pending = 0
         self.active = self.eligible()
 
     # ------------------------------------------------------------ the sequence
@@ -76,43 +82,62 @@ class DensePhase:
             self.k, self.v = torch.cat([self.k, key], dim=-2), torch.cat([self.v, value], dim=-2)
         return self.k, self.v
 
-    def attend(self, module, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-        """The model's SDPA over the held keys and values (DynamicCache's output); the scores the queries gave each
-        token: a prompt's from its observation window now, a later chunk's with the next ones (:meth:`observe`)."""
-        out = sdpa_attention_forward(module, query, self.k, self.v, mask, scaling=scaling)[0]
+    def attend(self, module, query: torch.Tensor, mask, scaling: float, computed: torch.Tensor | None = None):
+        """The output over the held keys and values, DynamicCache's (``computed`` by the model's own attention, or
+        SDPA's); the scores the queries gave each token: a prompt's from its observation window now, a later
+        chunk's with the next ones (:meth:`observe`)."""
+        out = computed if computed is not None else sdpa_attention_forward(module, query, self.k, self.v, mask,
+                                                                           scaling=scaling)[0]  # fmt: skip
         q, t = query.shape[2], self.k.shape[2]
         if self.scores is None:
             self.scores, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, mask, scaling)
             return out
         self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1)
         self.key_valid = torch.cat([self.key_valid, self.key_valid.new_ones(self.key_valid.shape[0], q)], -1)
-        self.queries.append((query.clone(), scaling, t - q))  # a copy: a replayed CUDA graph rewrites its buffer
-        if sum(x.shape[2] for x, _, _ in self.queries) >= self.layer.cfg.interval:
-            self.observe()
+        self._hold(query, scaling, t - q)
         return out
+
+    def _hold(self, query: torch.Tensor, scaling: float, start: int) -> None:
+        """Keep a chunk's queries (from logical position ``start``) until :meth:`observe` adds their scores."""
+        interval, q = self.layer.cfg.interval, query.shape[2]
+        if self.pending and (self.pending + q > interval or scaling != self.scaling):
+            self.observe()
+        if q > interval:  # a chunk longer than the buffer: its scores now
+            self.queries, self.pending, self.pending_start, self.scaling = query, q, start, scaling
+            self.observe()
+            return
+        if self.queries is None or self.queries.shape[:2] != query.shape[:2] or self.queries.shape[2] != interval:
+            self.queries = query.new_empty(*query.shape[:2], interval, query.shape[3])
+        if not self.pending:
+            self.pending_start, self.scaling = start, scaling
+        self.queries[:, :, self.pending : self.pending + q].copy_(query)
+        self.pending += q
+        if self.pending >= interval:
+            self.observe()
 
     def observe(self) -> None:
         """Add the pending queries' probabilities, reduced over each GQA group, to the score sums: what the window
         and tiers receive a step at a time, here for ``interval`` steps at once, so the keys are read in fp32 once
         for all of them (a step each would cost a fifth of a short context's decode step). Masked as the tiers'
         kernels mask, by position: a query sees the real keys at or before its own position."""
-        if not self.queries:
+        if not self.pending:
             return
         k, reduction = self.k, self.layer.cfg.score_reduction
         bsz, heads, t, dim = k.shape
         keys = k.float().transpose(-1, -2)  # [B, H, D, T]
         pos = torch.arange(t, device=k.device)
-        for scaling, group in _by_scaling(self.queries):
-            query = torch.cat([x for x, _ in group], 2)  # [B, Hq, n, D]
-            first = torch.cat([torch.arange(s, s + x.shape[2], device=k.device) for x, s in group])  # [n]
-            hq, n = query.shape[1], query.shape[2]
-            g = hq // heads
-            qf = query.float().mul(scaling).reshape(bsz, heads, g * n, dim)
-            logits = torch.matmul(qf, keys).view(bsz, heads, g, n, t)
-            seen = (pos.view(1, t) <= first.view(n, 1)).view(1, 1, 1, n, t) & self.key_valid[:, None, None, None, :t]
-            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1).nan_to_num_(0.0)
-            self.scores += reduce_gqa(probs.flatten(1, 2), heads, reduction).sum(2)
-        self.queries = []
+        n = self.pending
+        query = self.queries[:, :, :n]  # [B, Hq, n, D]
+        first = torch.arange(self.pending_start, self.pending_start + n, device=k.device)  # [n]
+        g = query.shape[1] // heads
+        qf = query.float().mul(self.scaling).reshape(bsz, heads, g * n, dim)
+        logits = torch.matmul(qf, keys).view(bsz, heads, g, n, t)
+        seen = (pos.view(1, t) <= first.view(n, 1)).view(1, 1, 1, n, t) & self.key_valid[:, None, None, None, :t]
+        probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1).nan_to_num_(0.0)
+        self.scores += reduce_gqa(probs.flatten(1, 2), heads, reduction).sum(2)
+        self.pending = 0
+        if self.queries.shape[2] != self.layer.cfg.interval:  # a long chunk's own queries: not a buffer to keep
+            self.queries = None
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
         """A prompt's captured tensors (TriStateLayer.ingest_prefill), held as a forward over it would leave them."""
@@ -128,29 +153,22 @@ class DensePhase:
             k, v = rotate(k, layer.rotation), rotate(v, layer.rotation)
         layer.build_storage()
         prefill.place_prompt(layer, k, v, self.scores, self.key_valid)
-        self.k = self.v = self.scores = self.key_valid = None
+        self.k = self.v = self.scores = self.key_valid = self.queries = None
         self.active = False
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.observe()  # the pending queries belong to the rows as they were
+        self.queries = None  # made again for the new rows
         if self.k is not None:
             self.k, self.v = self.k[index], self.v[index]
             self.scores, self.key_valid = self.scores[index], self.key_valid[index]
 
     # ------------------------------------------------------------ what it holds
     def held_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.k, self.v, self.scores) if t is not None] + [q for q, _, _ in self.queries]
+        return [t for t in (self.k, self.v, self.scores, self.queries) if t is not None]
 
     def token_states(self) -> torch.Tensor:
         """``[B, H, T]``: every real token exact (ORIGINAL), left padding EVICTED (held, never attended)."""
         bsz, heads = self.k.shape[:2]
         state = torch.where(self.key_valid, ORIGINAL, EVICTED).to(torch.int8)
         return state[:, None].expand(bsz, heads, -1)
-
-
-def _by_scaling(queries: list[tuple[torch.Tensor, float, int]]) -> list[tuple[float, list[tuple[torch.Tensor, int]]]]:
-    """The pending queries grouped by their scaling (one model passes one; kept apart should another)."""
-    groups: dict[float, list[tuple[torch.Tensor, int]]] = {}
-    for query, scaling, start in queries:
-        groups.setdefault(scaling, []).append((query, start))
-    return list(groups.items())

@@ -26,7 +26,8 @@ from hfkv.kernels.backend import backend_ops, resolve_backend
 from hfkv.layer import introspection, prefill
 from hfkv.layer.budget import Budget
 from hfkv.layer.dense import DensePhase
-from hfkv.layer.handoff import pending, request_logical_mask, set_pending
+from hfkv.layer.handoff import pending, set_pending
+from hfkv.layer.masks import logical_mask
 from hfkv.layer.owner import LayerOwner
 from hfkv.layer.padding import Padding
 from hfkv.layer.policy_runner import PolicyRunner
@@ -124,13 +125,10 @@ class TriStateLayer(CacheLayerMixin):
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Called once per forward before any layer runs: a forward that raised half-way must not
-        # leave its pending layer behind for this one.
+        # Called once per forward before any layer runs: a forward that raised half-way must not leave its pending
+        # layer behind for this one. The mask itself is whichever the model's attention implementation builds
+        # (hfkv.layer.masks reads each form), so asking for sizes leaves nothing behind for a later forward.
         set_pending(None)
-        # Slots are read by logical position: a boolean mask in logical coordinates. An empty layer's prompt
-        # is ordinary causal attention, so there it may be skipped as for DynamicCache (SDPA's causal path
-        # instead of a materialised T x T mask, which cost a one-shot prefill 40% of its time).
-        request_logical_mask(skippable=not self.length or self._stays_dense(query_length))
         return self.length + query_length, 0
 
     def _stays_dense(self, query_length: int) -> bool:
@@ -148,19 +146,12 @@ class TriStateLayer(CacheLayerMixin):
         raise NotImplementedError("TriStateCache does not support offloading=True")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.cache.attention_ready():
-            raise RuntimeError(
-                f"TriStateCache is used on a model whose attention implementation is "
-                f"{self.cache.model_config._attn_implementation!r}, not 'hfkv', so compressed tokens would be "
-                "ignored. Call hfkv.enable(model) (TriStateCache(model, cfg) does it) and do not switch the "
-                "attention implementation afterwards."
-            )
         if pending() is not None:
             raise RuntimeError(
-                "hfkv: a cache layer's update() was not followed by the hfkv attention function: the model using "
-                f"this cache does not run hfkv attention (the cache was built for {self.cache.model_shape.describe()}; "
-                "TriStateCache(model, ...) switches the model it is given, and a cache serves that model only), or "
-                "its attention does not call past_key_values.update with standard K/V."
+                "hfkv: a cache layer's update() was not followed by an attention call: the model using this cache "
+                f"(built for {self.cache.model_shape.describe()}) looks its attention function up without "
+                "transformers' ALL_ATTENTION_FUNCTIONS.get_interface, so compressed tokens would be ignored, or its "
+                "attention does not call past_key_values.update with standard K/V."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -194,12 +185,21 @@ class TriStateLayer(CacheLayerMixin):
         return key_states, value_states
 
     # ------------------------------------------------------------ attention
-    def attend(self, module, query, key, value, mask, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Called by the hfkv attention function right after this layer's update(). ``out``: the tensor to write
-        the result to (hfkv.graphs: where a replayed graph reads it), one this layer's attention returned for
-        the same query shape; a Triton decode step writes it in place, any other path copies."""
+    def attends_densely(self) -> bool:
+        """Whether update() held this chunk dense: the model's own attention over the keys and values update()
+        returned is then DynamicCache's, bit for bit, and :meth:`attend` only observes (``computed``)."""
+        return self.dense.active
+
+    def attend(self, module, query, key, value, mask, scaling: float, out: torch.Tensor | None = None,
+               computed: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Called by the attention dispatch right after this layer's update(), with the mask the model's
+        implementation built (any form: hfkv.layer.masks). ``out``: the tensor to write the result to (hfkv.graphs:
+        where a replayed graph reads it), one this layer's attention returned for the same query shape; a Triton
+        decode step writes it in place, any other path copies. ``computed``: a dense chunk's output, which the
+        model's own attention computed (the dispatch); without it, SDPA computes it."""
+        mask = logical_mask(mask, query.shape[2])
         if self.dense.active:  # update() held this chunk dense (the keys and values are never rotated there)
-            res = self.dense.attend(module, query, mask, scaling)
+            res = self.dense.attend(module, query, mask, scaling, computed)
             return res if out is None else out.copy_(res)
         if self.rotation is not None:  # (Hq).(Hk) = q.k: the keys and values were stored rotated (update())
             query = rotate(query, self.rotation)
@@ -264,6 +264,15 @@ class TriStateLayer(CacheLayerMixin):
         change on the host for a step between policy runs. ``checked=False``: the caller counted the policy-free
         steps already."""
         self.cursor.replayed(checked)
+
+    def step_traces(self, query_length: int) -> bool:
+        """Whether Dynamo can trace this layer's next step of ``query_length`` tokens (hfkv.compiled): one token,
+        held dense and staying so, or stored on a backend of torch ops with no policy run due."""
+        if query_length != 1 or not self.is_initialized or self.length == 0:
+            return False
+        if self.dense.active:
+            return self._stays_dense(1)
+        return self.ops.traced_steps and self.policy.steps_before(1) >= 1
 
     def launch_signature(self) -> tuple:
         """What this layer's decode launches depend on: the launch plan (compare it by identity) and the storage

@@ -20,12 +20,8 @@ class LayerOwner(Protocol):
     config: TriStateConfig
     alpha_h: torch.Tensor  # [layers, KV heads]: each layer's row is its thresholds (hfkv.policy)
     alpha_l: torch.Tensor
-    model_config: Any  # the text config of the model the cache was built for
-    model_shape: ModelShape
-
-    def attention_ready(self) -> bool:
-        """Whether the model's attention is hfkv's (else compressed tokens would be ignored)."""
-        ...
+    model_config: Any  # the text config of the model the cache was built for (None: made without one, uncompressed)
+    model_shape: ModelShape | None
 
     def compressed_layers(self) -> list[Any]:
         """The compressing layers, in model order: a layer's rank among them staggers its policy runs."""

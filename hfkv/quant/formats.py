@@ -34,8 +34,8 @@ because an fp16 scale underflows for small-magnitude heads.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cache, cached_property
+from dataclasses import dataclass, field
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -56,6 +56,7 @@ def aligned_records(rec: torch.Tensor) -> torch.Tensor:
     if (
         rec.stride(-1) == 1
         and r % 4 == 0
+        and not torch.compiler.is_compiling()  # Dynamo cannot trace storage_offset(): the copy below is exact too
         and rec.storage_offset() % 4 == 0
         and all(st % 4 == 0 for st in rec.stride()[:-1])
     ):
@@ -71,7 +72,10 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)
 
 
 def _word(t: torch.Tensor, start: int, n: int) -> tuple[int, torch.dtype]:
-    """Widest word that can view bytes ``[start, start + n)`` of every row of the uint8 ``t``."""
+    """Widest word that can view bytes ``[start, start + n)`` of every row of the uint8 ``t`` (bytes under Dynamo,
+    which cannot trace ``storage_offset()``)."""
+    if torch.compiler.is_compiling():
+        return _WORDS[-1]
     for w, dt in _WORDS[:-1]:
         if (
             start % w == 0
@@ -104,7 +108,10 @@ def _plane_shifts(bits: int, dtype: torch.dtype, device: torch.device) -> torch.
 
 
 def _byte_mask(bits: int, width: int) -> int:
-    return int.from_bytes(bytes([(1 << bits) - 1] * width), "little", signed=True)
+    """The byte ``2**bits - 1`` repeated ``width`` times, as a signed ``width``-byte integer (arithmetic, not
+    ``int.from_bytes``: Dynamo traces this)."""
+    value = sum(((1 << bits) - 1) << (8 * i) for i in range(width))
+    return value - (1 << 8 * width) if value >> (8 * width - 1) else value
 
 
 class ChunkCodes(NamedTuple):
@@ -178,6 +185,10 @@ class QuantFormat:
     head_dim: int
     group_size: int = 32
     model_dtype: torch.dtype = torch.float16
+    # Set once from the above (plain fields, not cached_property: its lock stops Dynamo tracing a decode step)
+    bits: int = field(init=False, repr=False, compare=False)
+    groups: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)  # exact bytes per token per head
 
     def __post_init__(self) -> None:
         if self.name not in FORMAT_NAMES:
@@ -197,25 +208,16 @@ class QuantFormat:
                     f"QuantFormat.group_size={g} must be a multiple of {per_byte} for {self.name!r} "
                     "(whole bytes per group)"
                 )
+        for name, value in zip(("bits", "groups", "nbytes"), self._sizes(), strict=True):
+            object.__setattr__(self, name, value)
 
-    @cached_property
-    def bits(self) -> int:
+    def _sizes(self) -> tuple[int, int, int]:
+        """bits, groups, and the exact bytes per token per head (scales and zeros included)."""
         if self.name == "model":
-            return 8 * torch.empty((), dtype=self.model_dtype).element_size()
-        return INT_BITS.get(self.name, 8)
-
-    @cached_property
-    def groups(self) -> int:
-        return self.head_dim // self.group_size if self.name in INT_BITS else 1
-
-    @cached_property
-    def nbytes(self) -> int:
-        """Exact bytes per token per head, scales and zeros included."""
-        if self.name == "model":
-            return self.head_dim * torch.empty((), dtype=self.model_dtype).element_size()
-        if self.name == "fp8":
-            return self.head_dim + 4
-        return self.head_dim * self.bits // 8 + 4 * self.groups
+            size = torch.empty((), dtype=self.model_dtype).element_size()
+            return 8 * size, 1, self.head_dim * size
+        bits, groups = INT_BITS.get(self.name, 8), self.head_dim // self.group_size if self.name in INT_BITS else 1
+        return bits, groups, self.head_dim + 4 if self.name == "fp8" else self.head_dim * bits // 8 + 4 * groups
 
     # ------------------------------------------------------------------ encode
     def encode(self, x: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
@@ -273,7 +275,7 @@ class QuantFormat:
         return (planes << shifts).sum(-2).to(torch.uint8)
 
     # ------------------------------------------------------------------ decode
-    @cached_property
+    @property
     def chunk(self) -> int:
         """Elements per chunk of :meth:`chunk_codes_at` (``head_dim`` for unpacked formats)."""
         if self.name not in INT_BITS:
@@ -337,7 +339,8 @@ class QuantFormat:
         if per > 1:
             # All planes in one shift (broadcast over a leading plane dim) and one mask on words:
             # a byte's plane lands in place, so chunk ``(plane, t)`` stays a contiguous run.
-            shifts = _plane_shifts(b, dt, rec.device).view(per, *(1,) * codes.dim())
+            plane_shifts = _plane_shifts.__wrapped__ if torch.compiler.is_compiling() else _plane_shifts  # no lru
+            shifts = plane_shifts(b, dt, rec.device).view(per, *(1,) * codes.dim())  # cache in a traced step
             codes = (codes >> shifts).bitwise_and_(_byte_mask(b, w))
         codes = codes.view(torch.uint8).view(k, *lead, n)
         # Scales and zeros as rows [2, k, *lead] in one transposing read of the small fp16 field

@@ -19,8 +19,7 @@ its own: the zero null page and the zeroed tails of pages read as empty.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,27 +46,19 @@ class RecordLayout:
     key: QuantFormat
     value: QuantFormat
 
-    @cached_property
-    def kv_bytes(self) -> int:
-        return self.key.nbytes + self.value.nbytes
+    # Derived sizes, set once (plain fields, not cached_property: its lock stops Dynamo tracing a decode step)
+    kv_bytes: int = field(init=False, repr=False, compare=False)
+    pos_offset: int = field(init=False, repr=False, compare=False)
+    score_offset: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)  # a whole record (body + score): a page pays per slot
+    stride: int = field(init=False, repr=False, compare=False)  # a record's body ([key | value | pad]): slot step
 
-    @cached_property
-    def pos_offset(self) -> int:
-        return _align4(self.kv_bytes)
-
-    @cached_property
-    def score_offset(self) -> int:
-        return self.pos_offset + 4
-
-    @cached_property
-    def nbytes(self) -> int:
-        """Bytes of a whole record (body + score): what a page pays per slot."""
-        return self.pos_offset + META_BYTES
-
-    @cached_property
-    def stride(self) -> int:
-        """Bytes of a record's body in a page (``[key | value | pad]``): the step between slots."""
-        return self.pos_offset
+    def __post_init__(self) -> None:
+        kv = self.key.nbytes + self.value.nbytes
+        pos = _align4(kv)
+        for name, value in (("kv_bytes", kv), ("pos_offset", pos), ("score_offset", pos + 4),
+                            ("nbytes", pos + META_BYTES), ("stride", pos)):  # fmt: skip
+            object.__setattr__(self, name, value)
 
     def records_per_page(self, page_bytes: int) -> int:
         return page_bytes // self.nbytes

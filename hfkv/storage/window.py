@@ -107,8 +107,10 @@ class WindowRing:
         return slot
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, slot: int, pos: int | torch.Tensor) -> None:
-        self._k[:, :, slot] = k[:, :, 0]
-        self._v[:, :, slot] = v[:, :, 0]
+        # slices, not ``[:, :, slot]``: Dynamo keeps a sliced bound symbolic and specialises an index (a step of
+        # hfkv.compiled would be traced again for every slot)
+        self._k[:, :, slot : slot + 1] = k[:, :, :1]
+        self._v[:, :, slot : slot + 1] = v[:, :, :1]
         # fill_ with a host number is a launch argument; `pos[slot] = int` would copy a CPU scalar to the
         # device (a sync, and no CUDA graph can capture it). An empty slot's score is already 0: vacating
         # a slot zeroes it, and attention adds exact zeros to empty slots.

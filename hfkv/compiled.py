@@ -1,0 +1,46 @@
+"""One-token decode steps under ``torch.compile(fullgraph=True)``, with a TriStateCache or any other cache.
+
+Why a wrapper and not ``torch.compile(model)`` alone: a compressing layer's step between policy runs is torch ops over
+tensors whose sizes change (traced once, dynamic), but a policy run is host decisions over storage that grows and
+shrinks, and a prompt or the chunk that takes a layer out of its dense phase builds storage. Those steps stay eager:
+the compiled step is called only where every compressed layer's next step traces (``TriStateLayer.step_traces``),
+which a one-token step between policy runs does on the ``torch`` backend and while a layer is held dense. The CPU
+kernel (ctypes) and the Triton launches are not traced yet: with them, compressed steps run eagerly and
+``counts`` says so. Any other cache (DynamicCache, StaticCache, the ``full`` preset) is compiled at every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hfkv.cache import TriStateCache
+
+__all__ = ["CompiledDecode"]
+
+
+class CompiledDecode:
+    """``model``'s forward, compiled with ``torch.compile(fullgraph=True, **options)`` for the steps that trace.
+
+    Call it as the model: ``step(input_ids=tok, past_key_values=cache, position_ids=pos)``. ``counts`` holds how
+    many calls ran compiled and eagerly.
+    """
+
+    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
+        self.model = model
+        self.compiled = torch.compile(model, fullgraph=True, **options)
+        self.counts = {"compiled": 0, "eager": 0}
+
+    def traces(self, cache: Any, query_length: int) -> bool:
+        """Whether a step of ``query_length`` tokens into ``cache`` runs compiled."""
+        if not isinstance(cache, TriStateCache):
+            return True
+        return all(layer.step_traces(query_length) for layer in cache.compressed_layers())
+
+    def __call__(self, input_ids: torch.Tensor, past_key_values: Any = None, **kwargs: Any):
+        if self.traces(past_key_values, input_ids.shape[1]):
+            self.counts["compiled"] += 1
+            return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        self.counts["eager"] += 1
+        return self.model(input_ids=input_ids, past_key_values=past_key_values, **kwargs)

@@ -1,0 +1,121 @@
+"""TriStateCache where transformers takes a DynamicCache: torch.compile(fullgraph=True) of a decode step
+(hfkv.compiled), torch.export (hfkv.export), and subclasses of it, each against the eager DynamicCache run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from transformers import DynamicCache
+
+import hfkv
+from hfkv.compiled import CompiledDecode
+from tests.models import tiny_model
+
+PROMPT = 20
+
+
+@torch.no_grad()
+def _decode(model, step, cache, ids, new: int = 16) -> torch.Tensor:
+    tok = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    tokens = [tok]
+    for i in range(new):
+        pos = torch.tensor([[ids.shape[1] + i]])
+        tok = step(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1:].argmax(-1)
+        tokens.append(tok)
+    return torch.cat(tokens, 1)
+
+
+CASES = {
+    "dynamic": lambda m: DynamicCache(),
+    "full": lambda m: hfkv.TriStateCache(m, "full"),
+    "hfkv-dense": lambda m: hfkv.TriStateCache(m, "hfkv", budget=4096),
+    "hfkv-tiers": lambda m: hfkv.TriStateCache(m, "hfkv", budget=16, window=4, backend="torch"),
+    "evict": lambda m: hfkv.TriStateCache(m, "evict", budget=12, window=4, backend="torch"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_compiled_decode_step_gives_the_eager_tokens(case):
+    """fullgraph=True: a step that traced runs compiled (once traced, the sizes that grow are dynamic, so a step
+    between policy runs is not traced again), a policy run or a dense layer leaving stays eager."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    ref = _decode(model, model, CASES[case](model), ids)
+    torch._dynamo.reset()
+    step = CompiledDecode(model, backend="eager")
+    try:
+        assert torch.equal(_decode(model, step, CASES[case](model), ids), ref)
+    finally:
+        torch._dynamo.reset()
+    assert step.counts["compiled"] >= (8 if case in ("hfkv-tiers", "evict") else 16)
+    if case in ("dynamic", "full", "hfkv-dense"):
+        assert step.counts["eager"] == 0
+
+
+def test_inductor_compiles_a_compressed_step():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    ref = _decode(model, model, CASES["hfkv-tiers"](model), ids, new=10)
+    torch._dynamo.reset()
+    step = CompiledDecode(model)  # inductor
+    try:
+        assert torch.equal(_decode(model, step, CASES["hfkv-tiers"](model), ids, new=10), ref)
+    finally:
+        torch._dynamo.reset()
+    assert step.counts["compiled"] > 0
+
+
+def test_the_cpu_kernel_steps_stay_eager():
+    """The CPU kernel is called through ctypes, which Dynamo does not trace: those steps run eagerly."""
+    model = tiny_model("llama")
+    cache = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    step = CompiledDecode(model, backend="eager")
+    ref = _decode(model, model, hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu"), ids, new=4)
+    assert torch.equal(_decode(model, step, cache, ids, new=4), ref)
+    assert step.counts == {"compiled": 0, "eager": 4}
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["prefill", "decode"])
+def test_torch_export_of_the_full_preset(filled):
+    model = tiny_model("mistral")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def cache():
+        c = hfkv.TriStateCache(model, "full")
+        if filled:
+            model(input_ids=ids, past_key_values=c, use_cache=True)
+        return c
+
+    ref_cache = DynamicCache()
+    if filled:
+        model(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+    step = ids[:, -1:] if filled else ids
+    kwargs = {"input_ids": step, "use_cache": True}
+    if filled:
+        kwargs["position_ids"] = torch.tensor([[9]])
+    ep = torch.export.export(model, (), {**kwargs, "past_key_values": cache()}, strict=False)
+    got = ep.module()(**kwargs, past_key_values=cache())
+    ref = model(**kwargs, past_key_values=ref_cache)
+    assert isinstance(got.past_key_values, hfkv.TriStateCache)
+    assert torch.allclose(got.logits, ref.logits, atol=1e-5)
+    for a, b in zip(got.past_key_values.layers, ref.past_key_values.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_export_names_what_a_compressed_preset_lacks_and_subclasses_register():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="uncompressed 'full' preset, not 'hfkv'"):
+        pytree.tree_flatten(hfkv.TriStateCache(model, "hfkv"))
+
+    class Mine(hfkv.TriStateCache):
+        pass
+
+    cache = Mine(model, "full")
+    model(input_ids=torch.randint(3, 128, (1, 5)), past_key_values=cache)
+    leaves, spec = pytree.tree_flatten(cache)
+    assert len(leaves) == 2 * model.config.num_hidden_layers
+    again = pytree.tree_unflatten(leaves, spec)
+    assert type(again) is Mine
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(again.layers, cache.layers, strict=True))
