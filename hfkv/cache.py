@@ -166,6 +166,14 @@ class TriStateCache(DynamicCache):
             shape.check_call(layer_idx, key_states, _calling_config(self.model_config))
             if shape.dtype is None and not torch.is_autocast_enabled(key_states.device.type):
                 self.model_shape = dataclasses.replace(shape, dtype=key_states.dtype)
+        if self.offloading and key_states.device.type != "cuda":
+            # transformers' update orders its copies with CUDA streams; elsewhere the same calls without them
+            while len(self.layers) <= layer_idx:  # made as they are first updated (a cache without a config)
+                self.layers.append(self.layer_class_to_replicate())
+            self.prefetch(layer_idx + 1, self.only_non_sliding)
+            keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+            self.offload(layer_idx, self.only_non_sliding)
+            return keys, values
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:

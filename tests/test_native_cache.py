@@ -119,3 +119,48 @@ def test_export_names_what_a_compressed_preset_lacks_and_subclasses_register():
     again = pytree.tree_unflatten(leaves, spec)
     assert type(again) is Mine
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(again.layers, cache.layers, strict=True))
+
+
+@pytest.mark.parametrize("preset", ["hfkv", "evict"])
+def test_offloading_moves_storage_after_attention_and_back_before_the_next_update(monkeypatch, preset):
+    """``offloading=True`` as DynamicCache takes it. On a CPU the host is the device, so the moves are made visible:
+    each copies, and attention checks that it reads storage on the device. Tokens are those of a cache without
+    offloading; each layer's storage went out and came back at every step."""
+    from hfkv.layer import offload as offload_mod
+    from hfkv.layer.layer import TriStateLayer
+
+    moved: list[tuple[int, str]] = []
+    original = offload_mod.Offload._move
+
+    def copying_move(self, device):
+        moved.append((self.layer.layer_idx, "host" if not self.on_host else "device"))
+        original(self, device)
+        dense, ring = self.layer.dense, self.layer.window
+        for owner, name in ((dense, "k"), (dense, "v")) + (((ring, "_k"), (ring, "_v")) if ring else ()):
+            if getattr(owner, name) is not None:
+                setattr(owner, name, getattr(owner, name).clone())  # a new tensor, as a copy to another device
+
+    attend = TriStateLayer._attend_stored
+
+    def checked_attend(self, *args, **kwargs):
+        assert not self.offloaded.on_host, "attention read storage on the host"
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_mod.Offload, "_move", copying_move)
+    monkeypatch.setattr(TriStateLayer, "_attend_stored", checked_attend)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    budget = dict(budget=16, window=4) if preset == "hfkv" else dict(budget=12, window=4)
+    ref = _decode(model, model, hfkv.TriStateCache(model, preset, **budget), ids, new=12)
+    cache = hfkv.TriStateCache(model, preset, offloading=True, **budget)
+    assert torch.equal(_decode(model, model, cache, ids, new=12), ref)
+    layers = cache.compressed_layers()
+    # after the last step's attention: on the host, but the first layer, which the last one prefetched (as
+    # transformers' Cache.prefetch does: the next step starts there)
+    assert [layer.offloaded.on_host for layer in layers] == [False] + [True] * (len(layers) - 1)
+    steps = 1 + 12
+    for layer in layers:  # out after each step's attention, back before the next one's update
+        mine = [d for i, d in moved if i == layer.layer_idx]
+        assert mine[: 2 * steps - 1] == ["host", "device"] * (steps - 1) + ["host"]
+    cache.reorder_cache(torch.tensor([0]))  # any other entry brings it back first
+    assert not any(layer.offloaded.on_host for layer in layers)

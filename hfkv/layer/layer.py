@@ -28,6 +28,7 @@ from hfkv.layer.budget import Budget
 from hfkv.layer.dense import DensePhase
 from hfkv.layer.handoff import pending, set_pending
 from hfkv.layer.masks import logical_mask
+from hfkv.layer.offload import Offload
 from hfkv.layer.owner import LayerOwner
 from hfkv.layer.padding import Padding
 from hfkv.layer.policy_runner import PolicyRunner
@@ -71,6 +72,7 @@ class TriStateLayer(CacheLayerMixin):
         self.policy = PolicyRunner(self)
         self.reads = Reads(self)
         self.cursor = StepCursor(self)
+        self.offloaded = Offload(self)
         self.budget: Budget | None = None  # made for the layer's shapes (lazy_initialization)
         self.moves: Moves | None = None  # with the window and tiers (build_storage), once the layer compresses
 
@@ -142,8 +144,13 @@ class TriStateLayer(CacheLayerMixin):
             "(is_croppable is False). Use the 'full' preset or DynamicCache for assisted/speculative decoding."
         )
 
-    def offload(self):
-        raise NotImplementedError("TriStateCache does not support offloading=True")
+    def offload(self) -> None:
+        """``offloading=True``: the storage goes to host memory once this step's attention has read it."""
+        self.offloaded.request()
+
+    def prefetch(self) -> None:
+        """``offloading=True``: the storage back on the layer's device (on the cache's prefetch stream)."""
+        self.offloaded.prefetch()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if pending() is not None:
@@ -155,6 +162,7 @@ class TriStateLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.offloaded.prefetch()  # where the cache's prefetch did not (it does before each update)
         q = key_states.shape[2]
         if self.length == 0:
             self.begin(q)
@@ -200,7 +208,13 @@ class TriStateLayer(CacheLayerMixin):
         mask = logical_mask(mask, query.shape[2])
         if self.dense.active:  # update() held this chunk dense (the keys and values are never rotated there)
             res = self.dense.attend(module, query, mask, scaling, computed)
-            return res if out is None else out.copy_(res)
+            res = res if out is None else out.copy_(res)
+        else:
+            res = self._attend_stored(module, query, mask, scaling, out)
+        self.offloaded.after_attend()
+        return res
+
+    def _attend_stored(self, module, query, mask, scaling: float, out: torch.Tensor | None) -> torch.Tensor:
         if self.rotation is not None:  # (Hq).(Hk) = q.k: the keys and values were stored rotated (update())
             query = rotate(query, self.rotation)
         (k, v, _), self._chunk = self._chunk, None
@@ -289,6 +303,7 @@ class TriStateLayer(CacheLayerMixin):
     def _select_rows(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self.offloaded.prefetch()
         index = index.to(self.device)
         self.policy.ahead = None  # prepared for rows that are no longer these
         self.kv_shape = (index.numel(), *self.kv_shape[1:])
@@ -319,6 +334,7 @@ class TriStateLayer(CacheLayerMixin):
             self.budget.tier_peak = 0
         self.reads.reset()
         self.policy.reset()
+        self.offloaded.reset()
         self.length, self.score_start = 0, 0
         self.padding.reset()
         self.oq = None
