@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast golden lint architecture-graph venv clean gpu-check aot-compat results results-demo results-bench
+.PHONY: demo test test-fast golden lint architecture-graph venv clean gpu-check aot-compat results results-demo results-bench \
+	transformers-suite
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +82,16 @@ results-bench: $(STAMP)
 		known: $(patsubst bench_args.%,%,$(filter bench_args.%,$(.VARIABLES))))))
 	$(foreach n,$(RESULTS_BENCH),HF_HUB_OFFLINE=1 $(VENV)/bin/hfkv bench $(bench_args.$(n)) --name $(n) \
 		--out-dir eval/results/bench --force --no-progress &&) true
+
+# transformers' own cache, generation and model tests (5.23.0's, vendored: eval/transformers_suite/README.md), run as
+# they are and with every DynamicCache built as a TriStateCache("full"), then which of the first run's passes still
+# pass. Offline, CPU; writes under hfkv-out/transformers_suite/ (gitignored). The test-only packages first.
+TRANSFORMERS_SUITE_DEPS ?= parameterized timeout-decorator httpx pytest-timeout
+transformers-suite: $(STAMP)
+	$(PY) -m pip install -q $(TRANSFORMERS_SUITE_DEPS)
+	$(PY) -m eval.transformers_suite.run --preset none
+	$(PY) -m eval.transformers_suite.run --preset full
+	$(PY) -m eval.transformers_suite.compare hfkv-out/transformers_suite/none.json hfkv-out/transformers_suite/full.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfkv tests eval configs calibration

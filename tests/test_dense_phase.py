@@ -184,3 +184,20 @@ def test_reset_drops_what_the_layer_held_and_the_next_prompt_decides_again():
     assert layer.held_tensors() == [] and layer.layer_stats().original == [[0, 0]] * 3
     model(input_ids=ids[:, -20:], past_key_values=cache)  # 20 tokens fit 32: held dense this time
     assert layer.dense.active and layer.window is None
+
+
+def test_a_dense_layer_shows_dynamic_caches_keys_and_values():
+    """Code written for DynamicCache reads ``cache.layers[i].keys`` (shapes, dtypes): a dense layer's are
+    DynamicLayer's tensors; once stored in the window and tiers there is no such tensor, and they are None."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(20, 13))
+    dyn, cache = DynamicCache(), TriStateCache(model, "hfkv", budget=4096)
+    _generate(model, dyn, ids, mask)
+    _generate(model, cache, ids, mask)
+    for mine, ref in zip(cache.layers, dyn.layers, strict=True):
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    stored = TriStateCache(model, "hfkv", budget=14, window=4)
+    _generate(model, stored, ids, mask)
+    assert all(layer.keys is None and layer.values is None for layer in stored.layers)
+    with pytest.raises(AttributeError, match="read-only"):
+        stored.layers[0].keys = ids

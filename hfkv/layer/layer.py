@@ -120,6 +120,27 @@ class TriStateLayer(CacheLayerMixin):
             self.build_storage()
 
     # ------------------------------------------------------ Cache protocol
+    # ``keys`` / ``values``: DynamicLayer's ``[B, H, T, D]`` tensors while the layer holds its sequence dense (code
+    # written for DynamicCache reads them: shapes, dtypes); None once it is stored in the window and tiers, whose
+    # tokens are not one tensor. Read-only: CacheLayerMixin's constructor sets them to None.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.dense.k if self.dense.active else None
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("TriStateLayer.keys is read-only: what the layer holds is its own")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.dense.v if self.dense.active else None
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("TriStateLayer.values is read-only: what the layer holds is its own")
+
     def get_seq_length(self) -> int:
         return self.length
 
