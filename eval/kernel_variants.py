@@ -56,9 +56,8 @@ class Aligned16Layout(RecordLayout):
     """A record padded to a multiple of 16 bytes (the tag and score at its end), so every field of every record
     can be a 16-byte load (``cp.async.cg``); the library's records are 4-aligned (8 for Llama's bf16)."""
 
-    @property
-    def pos_offset(self) -> int:
-        return -(-(self.kv_bytes + META_BYTES) // 16) * 16 - META_BYTES
+    def body_bytes(self, kv_bytes: int) -> int:
+        return -(-(kv_bytes + META_BYTES) // 16) * 16 - META_BYTES
 
 
 def variant_plan(kind: str, context: int, batch: int, shape, page_records: int, align: int):

@@ -49,7 +49,9 @@ def rotated_layers():
         rot = hadamard(key_states.shape[-1], key_states.device)
         return update(self, rotate(key_states, rot), rotate(value_states, rot), *args, **kwargs)
 
-    def rotated_attend(self, module, query, key, value, mask, scaling, out=None):
+    def rotated_attend(self, module, query, key, value, mask, scaling, out=None, computed=None):
+        # ``computed``: a dense layer's output from the model's attention, over rotated keys and a query that is
+        # not: left aside, attend() computes it again from the rotated query
         rot = hadamard(query.shape[-1], query.device)
         res = attend(self, module, rotate(query, rot), rotate(key, rot), rotate(value, rot), mask, scaling)
         res = rotate(res, rot)  # H is its own inverse

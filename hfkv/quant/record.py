@@ -55,10 +55,15 @@ class RecordLayout:
 
     def __post_init__(self) -> None:
         kv = self.key.nbytes + self.value.nbytes
-        pos = _align4(kv)
+        pos = self.body_bytes(kv)
         for name, value in (("kv_bytes", kv), ("pos_offset", pos), ("score_offset", pos + 4),
                             ("nbytes", pos + META_BYTES), ("stride", pos)):  # fmt: skip
             object.__setattr__(self, name, value)
+
+    def body_bytes(self, kv_bytes: int) -> int:
+        """A record's body for ``kv_bytes`` of key and value: 4-aligned, so its tag and score are words (a layout
+        with other alignment overrides this)."""
+        return _align4(kv_bytes)
 
     def records_per_page(self, page_bytes: int) -> int:
         return page_bytes // self.nbytes
