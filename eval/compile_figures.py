@@ -64,6 +64,9 @@ def entries(model, budget: int) -> dict[str, tuple]:
 
 
 def measure(model, context: int, budget: int, steps: int, warmup: int) -> dict:
+    # Dynamo keeps at most recompile_limit graphs per code object, and both cache kinds go through the model's one
+    # forward: a DynamicCache's graphs and a TriStateCache's (a few each, between their policy runs) share it
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     table, compiled = entries(model, budget)
     ids = random_prompt(model.config.vocab_size, 1, context)
     caches = {name: make() for name, (make, _) in table.items()}
