@@ -1182,6 +1182,12 @@ hfkv bench --wait-quiet 600 --random-like cpu-small \\
 # CPU decode step at 8k and 512 tokens, one process, 1 thread and all cores
 python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;hfkv@1024:backend=torch;evict;hfkv@256;hfkv@512" \\
     --out eval/results/cpu_cache_figures.json
+# decode steps under torch.compile (hfkv.compiled.CompiledDecode, inductor, fullgraph) against eager, 8k, 1 thread
+python -m eval.compile_figures --models cpu-small --wait-quiet 900 --out eval/results/compile_figures.json
+# transformers' own cache and generation tests with TriStateCache substituted (eval/transformers_suite/README.md)
+python -m eval.transformers_suite.run --preset none --out eval/results/transformers_suite
+python -m eval.transformers_suite.run --preset full --out eval/results/transformers_suite
+python -m eval.transformers_suite.run --preset hfkv --out eval/results/transformers_suite
 # the same at 32k tokens, 2 threads
 python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json
