@@ -47,7 +47,7 @@ def load(name: str, context: int):
         return build_random_like("cpu-small", max_positions=max(16384, context + 1024), seed=0)
     from hfkv.loading import load_model  # the real model: the smollm2 extra
 
-    return load_model("smollm2", dtype=torch.bfloat16)
+    return load_model("smollm2", dtype=torch.bfloat16)[0]  # (model, tokenizer)
 
 
 def entries(model, budget: int) -> dict[str, tuple]:
