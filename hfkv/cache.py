@@ -122,15 +122,14 @@ class TriStateCache(DynamicCache):
                 offload_only_non_sliding=offload_only_non_sliding,
             )  # fmt: skip
         else:
-            self._make_layers(model)
             Cache.__init__(
-                self, layers=self._layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding
-            )
-            del self._layers
+                self, layers=self._make_layers(), offloading=offloading,
+                offload_only_non_sliding=offload_only_non_sliding,
+            )  # fmt: skip
         self._rho: torch.Tensor | None = None
         self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
 
-    def _make_layers(self, model: object) -> None:
+    def _make_layers(self) -> list:
         config, text, shape = self.config, self.model_config, self.model_shape
         config.validate_for_model(shape.layers, shape.kv_heads, shape.head_dim)
         self.alpha_h, self.alpha_l = config.resolve_alpha(shape.layers, shape.kv_heads)
@@ -156,7 +155,7 @@ class TriStateCache(DynamicCache):
                 UserWarning,
                 stacklevel=3,
             )
-        self._layers = layers
+        return layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A layer's first call checks that the calling model is the one the cache was built for (after that, its

@@ -231,9 +231,9 @@ class TriStateConfig:
     # and storage either way (tests/test_policy_run_ahead.py); False runs each policy run whole, at its step.
     run_ahead: bool = True
     # While the budget would keep every token exact, a layer holds its sequence as DynamicCache does and attends with
-    # the model's SDPA, so its outputs are DynamicCache's bit for bit (bf16 too) at ~2% more bytes (a score a token,
-    # a few steps' queries; hfkv.layer.dense); it moves to the window and tiers when the sequence outgrows the
-    # budget. False: the tiers from the first token (what tests of their machinery on short sequences need).
+    # the model's own attention, so its outputs are DynamicCache's bit for bit (bf16 too) at ~2% more bytes (a score
+    # a token, a buffer of interval steps' queries; hfkv.layer.dense); it moves to the window and tiers when the
+    # sequence outgrows the budget. False: the tiers from the first token (tests of their machinery on short ones).
     dense_phase: bool = True
     # Keys and values stored rotated by an orthonormal Walsh-Hadamard matrix (each head vector; the query rotated
     # the same way and the output rotated back around the layer's attention): a key's outlier channels no longer set
