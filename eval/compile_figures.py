@@ -7,7 +7,8 @@ steps that also compile. Entries:
 - ``dynamic`` / ``dynamic+compiled``: DynamicCache, eager and compiled (transformers' own model under inductor);
 - ``hfkv-torch`` / ``hfkv-torch+compiled``: ``hfkv@budget`` on the torch backend, the one whose steps trace
   (a policy-run step runs eagerly inside the compiled entry, and is timed with it);
-- ``hfkv-cpu``: ``hfkv@budget`` on the CPU kernel, eager (what a CPU user runs by default; its steps do not trace).
+- ``hfkv-cpu`` / ``hfkv-cpu+compiled``: ``hfkv@budget`` on the CPU kernel (what a CPU user runs by default), eager and
+  compiled (the kernel is the operator ``hfkv::paged_attention_cpu`` in the graph).
 
 Models: ``cpu-small`` (eval/cpu_cache_figures.py's random Llama, fp32) and ``smollm2`` (SmolLM2-135M-Instruct,
 bf16; needs the ``smollm2`` extra). Timing only on a quiet machine (hfkv.evaluation.quiet, docs/bench.md "Timing
@@ -60,6 +61,7 @@ def entries(model, budget: int) -> dict[str, tuple]:
         "hfkv-torch": (lambda: hfkv.TriStateCache(model, "hfkv", backend="torch", **hfkv_cfg), model),
         "hfkv-torch+compiled": (lambda: hfkv.TriStateCache(model, "hfkv", backend="torch", **hfkv_cfg), compiled),
         "hfkv-cpu": (lambda: hfkv.TriStateCache(model, "hfkv", backend="cpu", **hfkv_cfg), model),
+        "hfkv-cpu+compiled": (lambda: hfkv.TriStateCache(model, "hfkv", backend="cpu", **hfkv_cfg), compiled),
     }, compiled
 
 
@@ -91,7 +93,8 @@ def measure(model, context: int, budget: int, steps: int, warmup: int) -> dict:
             "first_step_s": first[name],
         }
     for base, other in (("dynamic", "dynamic+compiled"), ("hfkv-torch", "hfkv-torch+compiled"),
-                        ("dynamic", "hfkv-cpu"), ("dynamic", "hfkv-torch+compiled")):  # fmt: skip
+                        ("hfkv-cpu", "hfkv-cpu+compiled"), ("dynamic", "hfkv-cpu"), ("dynamic", "hfkv-torch+compiled"),
+                        ("dynamic", "hfkv-cpu+compiled"), ("dynamic+compiled", "hfkv-cpu+compiled")):  # fmt: skip
         out[f"{other} vs {base}"] = {
             "speedup_median": out[base]["ms_median"] / out[other]["ms_median"],
             "speedup_mean": out[base]["ms_mean"] / out[other]["ms_mean"],

@@ -7,6 +7,8 @@ Inputs (whatever they hold; a method or budget missing from a file gives "—" c
     eval/results/ruler_*.jsonl          eval/sweep_ruler.py     RULER (lm-eval's offline tasks) score vs KV memory
     eval/results/bench/*.json           hfkv bench              decode / prefill speed and memory ratios
     eval/results/cpu_step_sections_*.json  eval/cpu_step_sections.py  where a CPU decode step goes, and its bounds
+    eval/results/compile_figures*.json  eval/compile_figures.py  decode steps under torch.compile against eager
+    eval/results/transformers_suite/*.compare.json  eval/transformers_suite  transformers' tests, TriStateCache
     eval/results/demo.json              hfkv demo --out         README's demo table and run time
 
 Outputs: eval/README.md, eval/results/plots/*.png, and the block of README.md between
@@ -733,6 +735,77 @@ def cpu_figures_section(res: dict[str, Any] | None, heading: str = CPU_FIGURES_H
 STEP_SECTIONS_HEADING = "## Where a CPU decode step goes (`eval/cpu_step_sections.py`)"
 
 
+COMPILE_FIGURES = "eval/results/compile_figures*.json"
+SUITE = "eval/results/transformers_suite"
+
+
+def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Decode steps under torch.compile against eager (eval/compile_figures.py): one table per run, each entry's
+    ms per step (median and mean: a recompile inside the timed steps shows in the mean) and its first step."""
+    out = ["## Decode steps under torch.compile (`eval/compile_figures.py`)", ""]
+    if not files:
+        return [*out, "No `eval/results/compile_figures*.json` yet.", ""]
+    out += [
+        "`hfkv.compiled.CompiledDecode` (inductor, fullgraph) against the eager model, each entry with its own cache "
+        "filled by the same prompt, stepping in turns in one process. `first step` includes compiling; a policy run "
+        "runs eagerly inside a compiled entry and is timed with it.",
+        "",
+    ]
+    for name, res in files:
+        for run in res.get("runs", []):
+            entries = [k for k, v in run.items() if isinstance(v, dict) and "ms_median" in v]
+            counts = run.get("counts", {})
+            out += [
+                f"### `{name}`: {run['model']}, {run['context']:,} tokens, budget {run['budget']}, "
+                f"{threads_label(run.get('threads'), res.get('quiet', {}).get('cpu_count'))}",
+                "",
+                f"{timing_note(res.get('quiet'))}; commit {res.get('git_commit', '?')}; "
+                f"{run['steps']} timed steps after {run['warmup']}; the compiled entries' steps: "
+                f"{counts.get('compiled', 0)} compiled, {counts.get('eager', 0)} eager.",
+                "",
+            ]
+            base = run.get("dynamic", {}).get("ms_median")
+            rows = [
+                [f"`{e}`", fmt(run[e]["ms_median"], ".2f"), fmt(run[e]["ms_mean"], ".2f"),
+                 fmt(base / run[e]["ms_median"], ".2f", "x") if base else "",
+                 fmt(run[e]["first_step_s"], ".2f")]  # fmt: skip
+                for e in entries
+            ]
+            out += [md_table(["entry", "ms/step median", "mean", "vs dynamic (median)", "first step s"], rows,
+                             "lrrrr"), ""]  # fmt: skip
+    return out
+
+
+def suite_section(root: Path) -> list[str]:
+    """transformers' own tests with TriStateCache substituted (eval/transformers_suite): one row per preset."""
+    out = ["## transformers' own tests with TriStateCache (`eval/transformers_suite`)", ""]
+    compares = sorted((root / SUITE).glob("*.compare.json"))
+    if not compares:
+        return [*out, f"No `{SUITE}/*.compare.json` yet.", ""]
+    rows, causes = [], []
+    for path in compares:
+        c = json.loads(path.read_text(encoding="utf-8"))
+        rows.append([f"`{c['preset']}`", str(c["pass_with_dynamic"]), str(c["of_those_pass_with_preset"]),
+                     str(c["exercised"]), str(c["exercised_pass_with_preset"])])  # fmt: skip
+        for g in c.get("failure_groups", []):
+            n = sum(g["outcomes"].values())
+            causes.append(f"- `{c['preset']}`, {n} test{'s' if n != 1 else ''}: {g['message'][:300]}")
+    out += [
+        f"transformers {json.loads(compares[0].read_text(encoding='utf-8')).get('transformers', '?')}: of the tests "
+        "that pass with DynamicCache, how many pass with every DynamicCache built as TriStateCache(preset); "
+        "*exercised*: the tests that built a cache.",
+        "",
+        md_table(["preset", "pass with DynamicCache", "pass with the preset", "exercised", "exercised, pass"], rows,
+                 "lrrrr"),  # fmt: skip
+        "",
+        "Failures with DynamicCache's passes, by cause:" if causes else "No failure among DynamicCache's passes.",
+        "",
+        *causes,
+        "",
+    ]
+    return out
+
+
 def step_sections_section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """One table per file of eval/cpu_step_sections.py that has a DynamicCache row and its attention's multiply-add
     floor (older files lack them): each cache's step, kernel and policy time, what it holds, and the two bounds."""
@@ -1130,6 +1203,10 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += step_sections_section(
         [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(STEP_SECTIONS))]
     )
+    lines += compile_figures_section(
+        [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(COMPILE_FIGURES))]
+    )
+    lines += suite_section(root)
     lines += COMMANDS.splitlines()
     demo = root / DEMO
     return "\n".join(lines).rstrip() + "\n", demo_table(json.loads(demo.read_text()) if demo.exists() else None)

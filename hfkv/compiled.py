@@ -4,9 +4,16 @@ Why a wrapper and not ``torch.compile(model)`` alone: a compressing layer's step
 tensors whose sizes change (traced once, dynamic), but a policy run is host decisions over storage that grows and
 shrinks, and a prompt or the chunk that takes a layer out of its dense phase builds storage. Those steps stay eager:
 the compiled step is called only where every compressed layer's next step traces (``TriStateLayer.step_traces``),
-which a one-token step between policy runs does on the ``torch`` backend and while a layer is held dense. The CPU
-kernel (ctypes) and the Triton launches are not traced yet: with them, compressed steps run eagerly and
-``counts`` says so. Any other cache (DynamicCache, StaticCache, the ``full`` preset) is compiled at every step.
+which a one-token step between policy runs does on the ``torch`` and ``cpu`` backends (the CPU kernel is the operator
+``hfkv::paged_attention_cpu`` there) and while a layer is held dense. The Triton launches are not traced yet: with
+them, compressed steps run eagerly and ``counts`` says so. Any other cache (DynamicCache, StaticCache, the ``full``
+preset) is compiled at every step.
+
+Why ``dynamic=True`` by default: a policy run resizes some layers' pools and page tables and changes budget counters,
+each at its own step, and under Dynamo's automatic dynamic shapes every first change of each of those sizes and ints
+recompiles the model (seconds each, dozens over a generation on a many-layer model; marking only the tensors dynamic
+still left the ints specialised). Traced dynamic from the start, a generation compiles a handful of graphs (the
+first steps, the ring's wrap) and then none.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ __all__ = ["CompiledDecode"]
 
 
 class CompiledDecode:
-    """``model``'s forward, compiled with ``torch.compile(fullgraph=True, **options)`` for the steps that trace.
+    """``model``'s forward, compiled with ``torch.compile(fullgraph=True, dynamic=True, **options)`` for the steps
+    that trace (``options`` may set ``dynamic`` otherwise).
 
     Call it as the model: ``step(input_ids=tok, past_key_values=cache, position_ids=pos)``. ``counts`` holds how
     many calls ran compiled and eagerly.
@@ -29,7 +37,7 @@ class CompiledDecode:
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         self.model = model
-        self.compiled = torch.compile(model, fullgraph=True, **options)
+        self.compiled = torch.compile(model, **({"fullgraph": True, "dynamic": True} | options))
         self.counts = {"compiled": 0, "eager": 0}
 
     def traces(self, cache: Any, query_length: int) -> bool:

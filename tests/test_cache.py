@@ -348,7 +348,9 @@ def test_storage_costs_what_it_holds_with_nothing_to_evict(preset):
 def test_misuse_errors_are_clear():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 12))
-    cache = hfkv.TriStateCache(model, "hfkv")
+    cache = hfkv.TriStateCache(model, "hfkv", budget=16, window=4)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 24)), past_key_values=cache)  # past the budget: stored compressed
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(-1)
     assert not cache.is_croppable

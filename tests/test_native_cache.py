@@ -53,28 +53,87 @@ def test_a_compiled_decode_step_gives_the_eager_tokens(case):
         assert step.counts["eager"] == 0
 
 
-def test_inductor_compiles_a_compressed_step():
+def _assert_same_state(got, want, exact: bool) -> None:
+    """Every compressed layer holds the same positions and score sums (what attention adds to in place and the
+    policy reads): bit for bit, or (``exact=False``: inductor's model arithmetic rounds otherwise) to 1e-4. A
+    step's lost score writes would be off by a whole step's probabilities."""
+    for a, b in zip(got.compressed_layers(), want.compressed_layers(), strict=True):
+        pairs = [(a.window.raw()[2], b.window.raw()[2], True), (a.window.raw()[3], b.window.raw()[3], False)]
+        for tier in range(a.tiers.num_tiers):
+            (pa, sa, va), (pb, sb, vb) = a.tiers.read_meta(tier), b.tiers.read_meta(tier)
+            pairs += [(pa, pb, True), (va, vb, True), (sa, sb, False)]
+        for x, y, positional in pairs:
+            if exact or positional:
+                assert torch.equal(x, y)
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_inductor_compiles_a_compressed_step(backend):
+    """On the torch backend a step is torch ops; on the CPU backend the kernel is the operator
+    hfkv::paged_attention_cpu, whose in-place score sums must land in the cache as eagerly (the policy reads them):
+    the tokens and every held byte equal the eager run's."""
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    ref = _decode(model, model, CASES["hfkv-tiers"](model), ids, new=10)
+
+    def make():
+        return hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend=backend)
+
+    eager = make()
+    ref = _decode(model, model, eager, ids, new=10)
     torch._dynamo.reset()
     step = CompiledDecode(model)  # inductor
+    compiled = make()
     try:
-        assert torch.equal(_decode(model, step, CASES["hfkv-tiers"](model), ids, new=10), ref)
+        assert torch.equal(_decode(model, step, compiled, ids, new=10), ref)
     finally:
         torch._dynamo.reset()
-    assert step.counts["compiled"] > 0
+    assert step.counts["compiled"] >= 8
+    _assert_same_state(compiled, eager, exact=False)
 
 
-def test_the_cpu_kernel_steps_stay_eager():
-    """The CPU kernel is called through ctypes, which Dynamo does not trace: those steps run eagerly."""
+def test_the_cpu_kernel_steps_compile_to_the_eager_tokens():
+    """Dynamo cannot trace ctypes: the CPU kernel goes into the graph as an operator (fullgraph=True holds)."""
     model = tiny_model("llama")
     cache = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu")
     ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2))
     step = CompiledDecode(model, backend="eager")
-    ref = _decode(model, model, hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu"), ids, new=4)
-    assert torch.equal(_decode(model, step, cache, ids, new=4), ref)
-    assert step.counts == {"compiled": 0, "eager": 4}
+    eager = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu")
+    ref = _decode(model, model, eager, ids, new=12)
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(_decode(model, step, cache, ids, new=12), ref)
+    finally:
+        torch._dynamo.reset()
+    assert step.counts["compiled"] >= 8
+    _assert_same_state(cache, eager, exact=True)
+
+
+def test_crop_while_dense_is_dynamic_caches_crop_and_assisted_decoding_matches_greedy():
+    """While the budget covers the sequence a layer is dense and crops as DynamicLayer does: the held keys and the
+    next logits equal DynamicCache's after the same crop, and prompt-lookup decoding (which crops rejected
+    candidates) gives DynamicCache's greedy tokens."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(4))
+    dyn, tri = DynamicCache(config=model.config), hfkv.TriStateCache(model, "hfkv", budget=4096)
+    with torch.no_grad():
+        for cache in (dyn, tri):
+            model(input_ids=ids, past_key_values=cache)
+            assert cache.is_croppable
+            cache.crop(-5)
+        assert tri.get_seq_length() == dyn.get_seq_length() == PROMPT - 5
+        for a, b in zip(tri.layers, dyn.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        nxt = ids[:, PROMPT - 5 : PROMPT - 3]
+        pos = torch.arange(PROMPT - 5, PROMPT - 3)[None]
+        want = model(input_ids=nxt, past_key_values=dyn, position_ids=pos).logits
+        assert torch.equal(model(input_ids=nxt, past_key_values=tri, position_ids=pos).logits, want)
+    text = torch.cat([ids[:, :10], ids[:, :10]], 1)  # repeats: prompt lookup finds candidates
+    kw = dict(max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    ref = model.generate(text, past_key_values=DynamicCache(config=model.config), max_new_tokens=12, do_sample=False)
+    out = model.generate(text, past_key_values=hfkv.TriStateCache(model, "hfkv", budget=4096), **kw)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("filled", [False, True], ids=["prefill", "decode"])

@@ -6,6 +6,11 @@ test that built no cache in the preset's run (``hfkv_caches`` 0) is "not exercis
 the cache's. Failures are grouped by their first message line. Prints the summary and writes it as JSON (default:
 beside the preset's JSON, ``<preset>.compare.json``).
 
+A run restricted by ``run.py --only-exercised REF_JSON`` left out the tests that built no DynamicCache in REF_JSON
+(its ``ref_not_exercised``): the substitution cannot change a test that builds none, so each of them that the
+baseline has counts as not exercised, with the baseline's outcome, in ``preset_counts`` too. Every count then has the
+meaning, and the keys, of an unrestricted run's; ``only_exercised`` adds the reference and how many were filled in.
+
     python -m eval.transformers_suite.compare hfkv-out/transformers_suite/{none,full}.json
 """
 
@@ -27,8 +32,20 @@ def _group_key(message: str) -> str:
     return re.sub(r"0x[0-9a-f]+|\d+(\.\d+)?", "#", message)[:200] or "(no message)"
 
 
+def _counts(tests: dict[str, dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for rec in tests.values():
+        counts[rec["outcome"]] = counts.get(rec["outcome"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def compare(baseline: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
     base, other = baseline["tests"], preset["tests"]
+    preset_counts, only = preset["counts"], preset.get("only_exercised")
+    if only is not None:  # restricted run: its left-out tests are not exercised, the baseline's outcome stands
+        filled = {n: {**base[n], COUNT_KEY: 0} for n in preset["ref_not_exercised"] if n not in other and n in base}
+        other = {**other, **filled}
+        preset_counts, only = _counts(other), {**only, "filled_from_baseline": len(filled)}
     files = sorted(preset.get("files") or {n.split("::")[0] for n in other})  # a run of some files: only those
     passed = sorted(n for n, r in base.items() if r["outcome"] == "passed" and n.split("::")[0] in files)
     still = [n for n in passed if other.get(n, {}).get("outcome") == "passed"]
@@ -46,13 +63,14 @@ def compare(baseline: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
         "transformers": preset.get("transformers"),
         "files": files,
         "baseline_counts": baseline["counts"],
-        "preset_counts": preset["counts"],
+        "preset_counts": preset_counts,
         "pass_with_dynamic": len(passed),
         "of_those_pass_with_preset": len(still),
         "exercised": len(exercised),
         "exercised_pass_with_preset": sum(other[n]["outcome"] == "passed" for n in exercised),
         "not_exercised": len(passed) - len(exercised),
         "failure_groups": sorted(groups.values(), key=lambda g: -len(g["tests"])),
+        **({"only_exercised": only} if only is not None else {}),
     }
 
 
@@ -64,6 +82,12 @@ def render(s: dict[str, Any], max_tests: int = 5) -> str:
         f"{s['exercised_pass_with_preset']} pass; not exercised: {s['not_exercised']}",
         f"  baseline counts: {s['baseline_counts']}; preset counts: {s['preset_counts']}",
     ]
+    if "only_exercised" in s:
+        o = s["only_exercised"]
+        lines.append(
+            f"  restricted run: the {o['selected']} tests exercised in {o['ref']} (preset {o['preset']!r}); "
+            f"{o['filled_from_baseline']} not-exercised tests counted with their baseline outcome"
+        )
     for g in s["failure_groups"]:
         lines.append(f"\n{len(g['tests'])} x {g['outcomes']}: {g['message']}")
         lines += [f"    {n}" for n in g["tests"][:max_tests]]

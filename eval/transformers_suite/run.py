@@ -9,13 +9,22 @@ reuses them), then all of them to ``<out>/<preset>.json``, atomically. The defau
 ``hfkv-out/transformers_suite`` in the working directory (gitignored); the committed results are written only by
 naming ``--out eval/results/transformers_suite``.
 
+``--only-exercised REF_JSON`` runs only the tests that built a DynamicCache (``hfkv_caches`` > 0) in an earlier run
+REF_JSON (any preset's, the baseline's too: whether it is 0 does not depend on the preset), about a fifth of them; a
+file with none is not run. The other tests cannot be changed by the substitution (it acts on DynamicCaches built,
+and they build none), so compare.py counts them as not exercised with their baseline outcome. The output records the
+reference (``only_exercised``: path, sha256, preset) and the ids of its not-exercised tests (``ref_not_exercised``),
+so that compare.py needs nothing else.
+
     python -m eval.transformers_suite.run --preset none
     python -m eval.transformers_suite.run --preset full --files tests/utils/test_cache_utils.py
+    python -m eval.transformers_suite.run --preset evict --only-exercised eval/results/transformers_suite/full.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -37,6 +46,7 @@ FILES = (
     *(f"tests/models/{m}/test_modeling_{m}.py" for m in MODELS),
 )
 SCRATCH = Path("hfkv-out/transformers_suite")
+COUNT_KEY = "hfkv_caches"  # plugin.py's: DynamicCaches a test built
 # transformers' switches for what cannot run here (module docstring); RUN_SLOW is removed instead.
 ENV_OFF = ("RUN_PIPELINE_TESTS", "RUN_TENSOR_PARALLEL_TESTS", "RUN_EXPERT_PARALLEL_TESTS", "RUN_FSDP_TESTS")
 
@@ -49,6 +59,38 @@ def _env(preset: str) -> dict[str, str]:
     if preset != "none":
         env["HFKV_SUITE_PRESET"] = preset
     return env
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def load_reference(path: Path, files: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], list[str]]:
+    """``--only-exercised``: the reference's summary, each file's exercised tests, and its not-exercised tests."""
+    raw = path.read_bytes()
+    ref = json.loads(raw)
+    covered = set(ref.get("files") or map(_file_of, ref["tests"]))
+    missing = [f for f in files if f not in covered]
+    if missing:
+        raise SystemExit(f"--only-exercised {path}: that run did not cover {missing}")
+    wanted = set(files)
+    selected: dict[str, list[str]] = {f: [] for f in files}
+    not_exercised = []
+    for nodeid, rec in sorted(ref["tests"].items()):
+        if _file_of(nodeid) in wanted:
+            if rec.get(COUNT_KEY, 0) > 0:
+                selected[_file_of(nodeid)].append(nodeid)
+            else:
+                not_exercised.append(nodeid)
+    info = {
+        "ref": str(path),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "preset": ref.get("preset"),
+        "transformers": ref.get("transformers"),
+        "selected": sum(map(len, selected.values())),
+        "not_exercised": len(not_exercised),
+    }
+    return info, selected, not_exercised
 
 
 def run_file(rel: str, preset: str, part: Path, workers: int, timeout: int, extra: list[str]) -> dict[str, Any]:
@@ -79,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--any-version", action="store_true", help=f"run on a transformers other than {TRANSFORMERS_VERSION}"
     )
+    p.add_argument(
+        "--only-exercised",
+        type=Path,
+        metavar="REF_JSON",
+        help="run only the tests with hfkv_caches > 0 in this earlier run's JSON (compare.py: the rest not exercised)",
+    )
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --), e.g. -- -k cache")
     args = p.parse_args(argv)
 
@@ -90,16 +138,35 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"not in {UPSTREAM}: {unknown}")
 
+    only: dict[str, Any] | None = None
+    parts = SCRATCH / "parts" / args.preset
+    if args.only_exercised is not None:
+        only, selected, ref_not_exercised = load_reference(args.only_exercised, args.files)
+        parts = parts.with_name(f"{args.preset}.only-{only['sha256'][:12]}")  # --resume: this reference's parts only
+        print(f"--only-exercised {args.only_exercised}: {only['selected']} tests of {len(args.files)} files")
+
     start, tests, per_file = time.time(), {}, {}
     for rel in args.files:
-        part = SCRATCH / "parts" / args.preset / (rel.replace("/", "__") + ".json")
+        part = parts / (rel.replace("/", "__") + ".json")
         t0 = time.time()
+        extra = args.pytest_args
+        if only is not None:
+            if not selected[rel]:
+                per_file[rel] = {"counts": {}, "wall_s": 0.0, "selected": 0}
+                print(f"{rel}: not run, no exercised test in the reference", flush=True)
+                continue
+            ids = part.with_suffix(".ids")
+            ids.parent.mkdir(parents=True, exist_ok=True)
+            ids.write_text("\n".join(selected[rel]) + "\n")
+            extra = [f"--hfkv-only={ids.resolve()}", *extra]
         if args.resume and part.is_file():
             data = json.loads(part.read_text())
         else:
-            data = run_file(rel, args.preset, part, args.workers, args.timeout, args.pytest_args)
+            data = run_file(rel, args.preset, part, args.workers, args.timeout, extra)
         tests.update(data["tests"])
         per_file[rel] = {"counts": data["counts"], "wall_s": round(time.time() - t0, 1)}
+        if only is not None:
+            per_file[rel]["selected"] = len(selected[rel])
         print(f"{rel}: {data['counts']} ({per_file[rel]['wall_s']} s)", flush=True)
 
     counts: dict[str, int] = {}
@@ -110,9 +177,11 @@ def main(argv: list[str] | None = None) -> None:
         "transformers": transformers.__version__,
         "workers": args.workers,
         "wall_s": round(time.time() - start, 1),
-        "counts": dict(sorted(counts.items())),
+        **({"only_exercised": only} if only is not None else {}),
+        "counts": dict(sorted(counts.items())),  # a restricted run's: of the tests it ran
         "files": per_file,
         "tests": dict(sorted(tests.items())),
+        **({"ref_not_exercised": ref_not_exercised} if only is not None else {}),
     }
     out = write_atomic(args.out / f"{args.preset}.json", json.dumps(result, indent=1) + "\n")
     print(f"{out}: {len(tests)} tests, {result['counts']}, {result['wall_s']} s")

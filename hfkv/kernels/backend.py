@@ -111,7 +111,7 @@ class BackendOps:
     plans_moves: bool = False  # a policy run's moves are planned on the device (hfkv.kernels.moves)
     deferred_window_write: bool = False  # the decode kernel writes the step's token into the ring
     graph_steps: bool = False  # decode steps launch alike, so a CUDA graph replays them (hfkv.graphs)
-    traced_steps: bool = False  # Dynamo traces a decode step between policy runs (hfkv.compiled): torch ops only
+    traced_steps: bool = False  # Dynamo traces a decode step between policy runs (hfkv.compiled): torch ops, operators
 
     def __deepcopy__(self, memo: dict) -> BackendOps:
         return self  # a table of functions and modules: shared by copies of a storage or cache, never copied
@@ -155,6 +155,12 @@ class PagedDecode:
         bsz, hq = query.shape[:2]
         per_query = 4 * bsz * hq * sum(p.slots for p in parts)  # g query rows per KV head: hq rows per query
         return max(1, CHUNK_LOGITS_BYTES // max(1, per_query))
+
+    def traced(self, query, parts, q_start: int, pad_end, scaling: float, reduction: str) -> torch.Tensor:
+        """One call Dynamo can trace (a step under torch.compile): the CPU kernel's operator."""
+        if self.triton:
+            raise NotImplementedError("the Triton decode kernel is not traced yet: its steps run eagerly")
+        return self.module.paged_attention_traced(query, parts, q_start, pad_end, scaling, reduction)
 
     def attention(self, query, parts, q_start: int, pad_end, scaling: float, reduction: str) -> torch.Tensor:
         """One unplanned call (a query tile's)."""
@@ -201,6 +207,7 @@ def backend_ops(name: str) -> BackendOps:
             observation_scores=observation.observation_scores_cpu,  # the same logits, then one C++ pass
             oq_score_from_mass=oq_score_from_mass,
             decode=PagedDecode(importlib.import_module("hfkv.kernels.cpu.paged_decode"), triton=False),
+            traced_steps=True,  # the kernel is also the operator hfkv::paged_attention_cpu
         )
     if name == "triton":  # triton is an optional dependency: imported only for a layer that runs on it
         # optional: these kernels import triton

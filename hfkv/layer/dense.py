@@ -156,6 +156,17 @@ class DensePhase:
         self.k = self.v = self.scores = self.key_valid = self.queries = None
         self.active = False
 
+    def crop(self, n: int) -> None:
+        """Drop the last ``n`` tokens (TriStateLayer.crop): their keys and values, and their own queries if still
+        pending. The scores rejected tokens' queries already gave the kept ones stay: they only weigh a later
+        decision, while every token here is exact."""
+        keep = self.k.shape[2] - n
+        if keep < 0:
+            raise ValueError(f"TriStateCache.crop: cannot remove {n} tokens of {self.k.shape[2]}")
+        self.pending = max(0, min(self.pending, keep - self.pending_start))
+        self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
+        self.scores, self.key_valid = self.scores[..., :keep], self.key_valid[:, :keep]
+
     def select_rows(self, index: torch.Tensor) -> None:
         self.observe()  # the pending queries belong to the rows as they were
         self.queries = None  # made again for the new rows

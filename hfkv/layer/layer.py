@@ -46,7 +46,6 @@ from hfkv.storage.pool import GROWTH
 
 class TriStateLayer(CacheLayerMixin):
     is_compileable = False
-    is_croppable = False
     is_sliding = False
 
     def __init__(self, cache: LayerOwner, layer_idx: int) -> None:
@@ -159,11 +158,33 @@ class TriStateLayer(CacheLayerMixin):
         (with its mask: where plain causal, none)."""
         return self.dense.active and self.dense.fits(self.length + query_length)
 
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can put the layer back as it was: while it holds its sequence dense (every token
+        exact, nothing scored into a decision yet), as DynamicLayer does; not once it stores tokens compressed."""
+        return not self.is_initialized or self.dense.active
+
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(
-            "TriStateCache cannot be cropped: evicted and quantized tokens cannot be restored "
-            "(is_croppable is False). Use the 'full' preset or DynamicCache for assisted/speculative decoding."
-        )
+        """Drop the last ``-tokens_to_remove`` tokens (assisted and prompt-lookup decoding reject candidates so),
+        as DynamicLayer does, while the layer is dense; once it stores tokens compressed, raise: evicted and
+        quantized tokens cannot be restored, and the window's last tokens would leave holes in its ring."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"TriStateCache.crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicCache "
+                "takes it"
+            )
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if not self.dense.active:
+            raise ValueError(
+                f"TriStateCache cannot be cropped: layer {self.layer_idx} holds {self.length} tokens compressed "
+                "(past its budget), and evicted and quantized tokens cannot be restored (is_croppable is False). "
+                "Give assisted/speculative decoding a budget that covers the sequence, the 'full' preset or "
+                "DynamicCache."
+            )
+        self.dense.crop(n)
+        self.length -= n
 
     def offload(self) -> None:
         """``offloading=True``: the storage goes to host memory once this step's attention has read it."""

@@ -42,6 +42,8 @@ class Reads:
     def attend(self, query, mask, scaling: float, exits: tuple | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` over every held slot (and ``exits``, a chunk's: then the policy runs on them)."""
         if self.layer.ops.decode is not None:  # Triton, or the CPU kernel (decode steps and prefill chunks alike)
+            if torch.compiler.is_compiling():
+                return self._attend_traced(query, scaling)
             return self._attend_kernel(query, scaling, exits, out)
         return self._attend_torch(query, mask, scaling, exits)
 
@@ -126,6 +128,18 @@ class Reads:
         if exits is not None:
             layer.policy.run(exits)
         return out
+
+    def _attend_traced(self, query, scaling: float) -> torch.Tensor:
+        """A one-token step under torch.compile (``TriStateLayer.step_traces``: no chunk, no policy run): the
+        kernel's traced call on the parts as they are, with no plan kept by identity (Dynamo guards on none)."""
+        layer = self.layer
+        win, tiers = layer.window, layer.tiers
+        win.flush()
+        parts = [DenseSlots(*win.raw())]
+        parts += [PagedSlots(tiers.pool.data, table, tpp, lay)
+                  for table, tpp, lay in zip(tiers.tables, tiers.tpp, layer.layouts, strict=True)]  # fmt: skip
+        return layer.ops.decode.traced(query, parts, layer.length - query.shape[2], layer.padding.pad_end, scaling,
+                                       layer.cfg.score_reduction)  # fmt: skip
 
     def _attend_tiles(self, decode, query, parts, tile: int, scaling: float, exits: tuple | None) -> torch.Tensor:
         """A chunk's attention in query tiles of ``tile`` queries (``CHUNK_LOGITS_BYTES``): each tile's softmax

@@ -189,6 +189,7 @@ class QuantFormat:
     bits: int = field(init=False, repr=False, compare=False)
     groups: int = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, repr=False, compare=False)  # exact bytes per token per head
+    chunk: int = field(init=False, repr=False, compare=False)  # elements per chunk of chunk_codes_at
 
     def __post_init__(self) -> None:
         if self.name not in FORMAT_NAMES:
@@ -210,6 +211,10 @@ class QuantFormat:
                 )
         for name, value in zip(("bits", "groups", "nbytes"), self._sizes(), strict=True):
             object.__setattr__(self, name, value)
+        # Elements per chunk of chunk_codes_at (head_dim for unpacked formats). A field, not a property: under
+        # torch.compile(dynamic=True) the ints are symbolic and math.gcd cannot take them.
+        chunk = math.gcd(self.head_dim * self.bits // 8, self.group_size) if self.name in INT_BITS else self.head_dim
+        object.__setattr__(self, "chunk", chunk)
 
     def _sizes(self) -> tuple[int, int, int]:
         """bits, groups, and the exact bytes per token per head (scales and zeros included)."""
@@ -275,12 +280,6 @@ class QuantFormat:
         return (planes << shifts).sum(-2).to(torch.uint8)
 
     # ------------------------------------------------------------------ decode
-    @property
-    def chunk(self) -> int:
-        """Elements per chunk of :meth:`chunk_codes_at` (``head_dim`` for unpacked formats)."""
-        if self.name not in INT_BITS:
-            return self.head_dim
-        return math.gcd(self.head_dim * self.bits // 8, self.group_size)
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[..., nbytes]`` uint8 -> ``[..., head_dim]`` in ``dtype`` (default: model dtype)."""

@@ -21,7 +21,7 @@ from hfkv.kernels.parts import DenseSlots, Part, plan_key
 from hfkv.kernels.reference import REDUCTIONS, check_call
 from hfkv.quant.formats import INT_BITS, QuantFormat
 
-__all__ = ["CpuPlan", "paged_attention_cpu", "plan_cpu"]
+__all__ = ["CpuPlan", "paged_attention_cpu", "paged_attention_traced", "plan_cpu"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FAMILIES = {"model": 0, "fp8": 2}
@@ -104,10 +104,15 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _field(fmt: QuantFormat, offset: int) -> _Field:
+    return _Field(*_field_ints(fmt, offset))
+
+
+def _field_ints(fmt: QuantFormat, offset: int) -> tuple[int, int, int, int, int]:
+    """A field's (family, bits, group, dtype, offset): plain ints, which Dynamo traces (a ctypes structure not)."""
     if fmt.name in INT_BITS:
-        return _Field(1, INT_BITS[fmt.name], fmt.group_size, 0, offset)
+        return 1, INT_BITS[fmt.name], fmt.group_size, 0, offset
     dtype = _dtype_code(fmt.model_dtype) if fmt.name == "model" else 0
-    return _Field(_FAMILIES[fmt.name], fmt.bits, fmt.head_dim, dtype, offset)
+    return _FAMILIES[fmt.name], fmt.bits, fmt.head_dim, dtype, offset
 
 
 def _describe(part: Part, add_scores: bool, keep: list[torch.Tensor]) -> _Part:
@@ -212,15 +217,22 @@ def paged_attention_cpu(
             raise ValueError(f"paged_attention_cpu: tensors must be on the CPU, got query on {query.device}")
     else:
         heads, g = plan.heads, plan.g
-    bsz, hq, qlen, dim = query.shape
-    # Rows of one KV head ordered (group member, query), as the torch path orders them; scaled by the kernel.
-    qf = query.reshape(bsz, heads, g * qlen, dim).float().contiguous()
-    keep: list[torch.Tensor] = [qf]
+    keep: list[torch.Tensor] = []
     if plan is not None:
         described, s_total = plan.described, plan.s_total
     else:
         described = (_Part * len(parts))(*(_describe(p, add_scores, keep) for p in parts))
         s_total = sum(p.slots for p in parts)
+    return _run(query, heads, g, described, s_total, q_start, pad_end, scaling, reduction, return_delta, threads,
+                min_split)  # fmt: skip
+
+
+def _run(query, heads: int, g: int, described, s_total: int, q_start: int, pad_end: torch.Tensor, scaling: float,
+         reduction: str, return_delta: bool, threads: int | None = None, min_split: int = 512):  # fmt: skip
+    """The kernel call on described parts: ``(out [B, q, Hq, D], delta or None)``."""
+    bsz, hq, qlen, dim = query.shape
+    # Rows of one KV head ordered (group member, query), as the torch path orders them; scaled by the kernel.
+    qf = query.reshape(bsz, heads, g * qlen, dim).float().contiguous()
     pad = pad_end.to(torch.int64).contiguous()
     out = torch.empty(bsz, heads, g * qlen, dim, dtype=torch.float32)  # zeroed by the kernel
     delta = torch.empty(bsz, heads, s_total, dtype=torch.float32) if return_delta else None
@@ -232,7 +244,7 @@ def paged_attention_cpu(
     tile = max(1, TILE_ROWS // g) if g * qlen > TILE_ROWS else qlen
     logits = _scratch(bsz * heads * g * tile * (-(-s_total // 16) * 16))
     status = _kernel()(
-        qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(parts), described,
+        qf.data_ptr(), bsz, heads, g, qlen, dim, q_start, pad.data_ptr(), len(described), described,
         REDUCTIONS[reduction], out.data_ptr(), delta.data_ptr() if delta is not None else None, logits.data_ptr(),
         threads, min_split, scaling, tile,
     )  # fmt: skip
@@ -242,3 +254,97 @@ def paged_attention_cpu(
             "use TriStateConfig.backend='torch'"
         )
     return out.view(bsz, hq, qlen, dim).transpose(1, 2).to(query.dtype), delta
+
+
+# -- the kernel as a torch operator, for steps under torch.compile (hfkv.compiled)
+#
+# Dynamo cannot trace ctypes, data pointers or the plan kept by identity. Registered as an operator, the kernel is
+# one opaque node of the compiled graph: its arguments are tensors and the constants of each part's record layout,
+# and the tensors it adds scores to (the ring's score sums, the tiers' shared pool) are declared as mutated, so the
+# graph orders reads after the kernel's writes. Each call describes its parts again (what a kept plan saves eagerly).
+
+_LAYOUT_INTS = 17  # per part: paged, tpp, record, tag_offset, score_offset, add_scores, scored index, key, value
+
+
+def _layout_ints(part: Part, add_scores: bool, scored_index: int) -> list[int]:
+    """The constants of a part's description that no tensor carries (its record layout), as plain ints."""
+    if isinstance(part, DenseSlots):
+        return [0, 0, 0, 0, 0, int(add_scores and part.score is not None), scored_index] + [0] * 10
+    lay = part.layout
+    return [
+        1, part.tpp, lay.stride, lay.tag_region(part.tpp), lay.score_region(part.tpp), int(add_scores), scored_index,
+        *_field_ints(lay.key, 0), *_field_ints(lay.value, lay.key.nbytes),
+    ]  # fmt: skip
+
+
+@torch.library.custom_op("hfkv::paged_attention_cpu", mutates_args=("scored",), device_types="cpu")
+def _paged_attention_op(
+    query: torch.Tensor,
+    reads: list[torch.Tensor],
+    scored: list[torch.Tensor],
+    layouts: list[int],
+    q_start: int,
+    pad_end: torch.Tensor,
+    scaling: float,
+    reduction: str,
+) -> torch.Tensor:
+    described, at = [], 0
+    for i in range(len(layouts) // _LAYOUT_INTS):
+        paged, tpp, record, tag, score, add, sidx, *fields = layouts[i * _LAYOUT_INTS : (i + 1) * _LAYOUT_INTS]
+        if not paged:
+            k, v, pos = reads[at : at + 3]
+            at += 3
+            s = scored[sidx] if sidx >= 0 else None
+            described.append(
+                _Part(k=k.data_ptr(), v=v.data_ptr(), pos=pos.data_ptr(), score=s.data_ptr() if s is not None else None,
+                      paged=0, slots=k.shape[2], dense_dtype=_dtype_code(k.dtype), add_scores=add)
+            )  # fmt: skip
+            continue
+        table, pool = reads[at], scored[sidx]
+        at += 1
+        described.append(
+            _Part(pool=pool.data_ptr(), table=table.data_ptr(), page_bytes=pool.shape[1], paged=1,
+                  slots=table.shape[-1] * tpp, table_w=table.shape[-1], tpp=tpp, record=record, tag_offset=tag,
+                  score_offset=score, add_scores=add, key=_Field(*fields[:5]),
+                  value=_Field(*fields[5:]))
+        )  # fmt: skip
+    heads = reads[0].shape[1]  # a ring's keys or a tier's table: [B, H, ..]
+    out, _ = _run(query, heads, query.shape[1] // heads, (_Part * len(described))(*described),
+                  sum(p.slots for p in described), q_start, pad_end, scaling, reduction, return_delta=False)
+    return out
+
+
+@_paged_attention_op.register_fake
+def _(query, reads, scored, layouts, q_start, pad_end, scaling, reduction):
+    bsz, hq, qlen, dim = query.shape
+    return query.new_empty(bsz, hq, qlen, dim).transpose(1, 2)
+
+
+def paged_attention_traced(
+    query: torch.Tensor, parts: Sequence[Part], q_start: int, pad_end: torch.Tensor, scaling: float, reduction: str
+) -> torch.Tensor:
+    """:func:`paged_attention_cpu` (scores added, no delta) through the ``hfkv::paged_attention_cpu`` operator,
+    which Dynamo puts in a compiled graph as one call. Arguments as for :func:`paged_attention_cpu`."""
+    reads: list[torch.Tensor] = []
+    scored: list[torch.Tensor] = []
+    layouts: list[int] = []
+
+    def scored_index(t: torch.Tensor | None) -> int:
+        if t is None:
+            return -1
+        for i, s in enumerate(scored):
+            if s is t:  # the tiers share one pool: passed once (mutated arguments must not alias)
+                return i
+        scored.append(t)
+        return len(scored) - 1
+
+    for p in parts:
+        if isinstance(p, DenseSlots):
+            if p.score is not None and not (p.score.is_contiguous() and p.score.dtype == torch.float32):
+                raise ValueError("paged_attention_traced: a dense part's score must be a contiguous fp32 tensor")
+            reads += [p.k.contiguous(), p.v.contiguous(), p.pos.to(torch.int64).contiguous()]
+            layouts += _layout_ints(p, True, scored_index(p.score))
+        else:
+            reads.append(p.table.to(torch.int32).contiguous())
+            layouts += _layout_ints(p, True, scored_index(p.pool))
+    return _paged_attention_op(query, reads, scored, layouts, q_start, pad_end, scaling, reduction)
