@@ -5,10 +5,12 @@ step in turns (one step each, repeated: a shared VM drifts, interleaving keeps t
 steps that also compile. Entries:
 
 - ``dynamic`` / ``dynamic+compiled``: DynamicCache, eager and compiled (transformers' own model under inductor);
-- ``hfkv-torch`` / ``hfkv-torch+compiled``: ``hfkv@budget`` on the torch backend, the one whose steps trace
-  (a policy-run step runs eagerly inside the compiled entry, and is timed with it);
 - ``hfkv-cpu`` / ``hfkv-cpu+compiled``: ``hfkv@budget`` on the CPU kernel (what a CPU user runs by default), eager and
-  compiled (the kernel is the operator ``hfkv::paged_attention_cpu`` in the graph).
+  compiled (the kernel is the operator ``hfkv::paged_attention_cpu`` in the graph; a policy-run step runs eagerly
+  inside the compiled entry, and is timed with it);
+- ``hfkv-torch`` / ``hfkv-torch+compiled`` (only when named in ``--entries``): the torch reference backend, compiled
+  with ``dynamic=None`` (docs/generate.md, "torch.compile": traced dynamic from the start, its many symbolic sizes
+  make each layer's trace slower than the last).
 
 Models: ``cpu-small`` (eval/cpu_cache_figures.py's random Llama, fp32) and ``smollm2`` (SmolLM2-135M-Instruct,
 bf16; needs the ``smollm2`` extra). Timing only on a quiet machine (hfkv.evaluation.quiet, docs/bench.md "Timing
@@ -51,25 +53,32 @@ def load(name: str, context: int):
     return load_model("smollm2", dtype=torch.bfloat16)[0]  # (model, tokenizer)
 
 
-def entries(model, budget: int) -> dict[str, tuple]:
-    """name -> (make a cache, the callable a step goes through)."""
-    compiled = CompiledDecode(model)
+ENTRIES = ("dynamic", "dynamic+compiled", "hfkv-cpu", "hfkv-cpu+compiled")
+
+
+def entries(model, budget: int, names: list[str]) -> tuple[dict[str, tuple], dict[str, CompiledDecode]]:
+    """name -> (make a cache, the callable a step goes through), for ``names``; and the compiled wrappers."""
+    compiled, reference = CompiledDecode(model), CompiledDecode(model, dynamic=None)
     hfkv_cfg = dict(budget=budget)
-    return {
+    table = {
         "dynamic": (lambda: DynamicCache(config=model.config), model),
         "dynamic+compiled": (lambda: DynamicCache(config=model.config), compiled),
         "hfkv-torch": (lambda: hfkv.TriStateCache(model, "hfkv", backend="torch", **hfkv_cfg), model),
-        "hfkv-torch+compiled": (lambda: hfkv.TriStateCache(model, "hfkv", backend="torch", **hfkv_cfg), compiled),
+        "hfkv-torch+compiled": (lambda: hfkv.TriStateCache(model, "hfkv", backend="torch", **hfkv_cfg), reference),
         "hfkv-cpu": (lambda: hfkv.TriStateCache(model, "hfkv", backend="cpu", **hfkv_cfg), model),
         "hfkv-cpu+compiled": (lambda: hfkv.TriStateCache(model, "hfkv", backend="cpu", **hfkv_cfg), compiled),
-    }, compiled
+    }
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        raise ValueError(f"--entries: unknown {unknown}; allowed: {sorted(table)}")
+    return {name: table[name] for name in names}, {"dynamic=True": compiled, "dynamic=None": reference}
 
 
-def measure(model, context: int, budget: int, steps: int, warmup: int) -> dict:
+def measure(model, context: int, budget: int, steps: int, warmup: int, names: list[str]) -> dict:
     # Dynamo keeps at most recompile_limit graphs per code object, and both cache kinds go through the model's one
     # forward: a DynamicCache's graphs and a TriStateCache's (a few each, between their policy runs) share it
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    table, compiled = entries(model, budget)
+    table, compiled = entries(model, budget, names)
     ids = random_prompt(model.config.vocab_size, 1, context)
     caches = {name: make() for name, (make, _) in table.items()}
     with torch.inference_mode():
@@ -85,16 +94,20 @@ def measure(model, context: int, budget: int, steps: int, warmup: int) -> dict:
                 first[name] = dt  # the compiled entries' first step compiles
             if i >= warmup:
                 times[name].append(dt)
-    out = {"context": context, "budget": budget, "steps": steps, "warmup": warmup, "counts": dict(compiled.counts)}
+    counts = {k: dict(c.counts) for k, c in compiled.items()}
+    out = {"context": context, "budget": budget, "steps": steps, "warmup": warmup, "counts": counts}
     for name, ts in times.items():
         out[name] = {
             "ms_median": statistics.median(ts) * 1e3,
             "ms_mean": statistics.fmean(ts) * 1e3,
             "first_step_s": first[name],
+            "ms": [round(t * 1e3, 3) for t in ts],  # every timed step: where a recompile fell
         }
     for base, other in (("dynamic", "dynamic+compiled"), ("hfkv-torch", "hfkv-torch+compiled"),
                         ("hfkv-cpu", "hfkv-cpu+compiled"), ("dynamic", "hfkv-cpu"), ("dynamic", "hfkv-torch+compiled"),
                         ("dynamic", "hfkv-cpu+compiled"), ("dynamic+compiled", "hfkv-cpu+compiled")):  # fmt: skip
+        if base not in out or other not in out:
+            continue
         out[f"{other} vs {base}"] = {
             "speedup_median": out[base]["ms_median"] / out[other]["ms_median"],
             "speedup_mean": out[base]["ms_mean"] / out[other]["ms_mean"],
@@ -107,8 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="cpu-small,smollm2")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--warmup", type=int, default=12, help="steps dropped (compiles and recompiles happen here)")
+    ap.add_argument(
+        "--entries", default=",".join(ENTRIES), help="default: %(default)s; also hfkv-torch, hfkv-torch+compiled"
+    )
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--warmup", type=int, default=48, help="steps dropped (compiles and recompiles happen here)")
     quiet.add_arguments(ap, default_threads="1")
     ap.add_argument("--out", type=Path, default=OUT, help="default: %(default)s")
     args = ap.parse_args(argv)
@@ -125,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": [],
     }
     threads = torch.get_num_threads()
+    names = [e.strip() for e in args.entries.split(",") if e.strip()]
     try:
         for name in [m.strip() for m in args.models.split(",") if m.strip()]:
             model = load(name, args.context)
@@ -132,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.set_num_threads(n)
                 torch._dynamo.reset()
                 run = {"model": name, "threads": n, **measure(model, args.context, args.budget, args.steps,
-                                                               args.warmup)}  # fmt: skip
+                                                               args.warmup, names)}  # fmt: skip
                 result["runs"].append(run)
                 print(json.dumps({k: v for k, v in run.items() if " vs " in k or k in ("model", "threads")}),
                       flush=True)  # fmt: skip

@@ -739,6 +739,14 @@ COMPILE_FIGURES = "eval/results/compile_figures*.json"
 SUITE = "eval/results/transformers_suite"
 
 
+def steps_label(counts: dict[str, Any]) -> str:
+    """How many steps ran compiled and eagerly, per compiled wrapper (one wrapper in older files)."""
+    if "compiled" in counts:
+        counts = {"": counts}
+    return "; ".join(f"{f'{k}: ' if k else ''}{c.get('compiled', 0)} compiled, {c.get('eager', 0)} eager"
+                     for k, c in counts.items())  # fmt: skip
+
+
 def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """Decode steps under torch.compile against eager (eval/compile_figures.py): one table per run, each entry's
     ms per step (median and mean: a recompile inside the timed steps shows in the mean) and its first step."""
@@ -761,7 +769,7 @@ def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str
                 "",
                 f"{timing_note(res.get('quiet'))}; commit {res.get('git_commit', '?')}; "
                 f"{run['steps']} timed steps after {run['warmup']}; the compiled entries' steps: "
-                f"{counts.get('compiled', 0)} compiled, {counts.get('eager', 0)} eager.",
+                f"{steps_label(counts)}.",
                 "",
             ]
             base = run.get("dynamic", {}).get("ms_median")
@@ -1261,10 +1269,18 @@ python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;hfkv@1024:backen
     --out eval/results/cpu_cache_figures.json
 # decode steps under torch.compile (hfkv.compiled.CompiledDecode, inductor, fullgraph) against eager, 8k, 1 thread
 python -m eval.compile_figures --models cpu-small --wait-quiet 900 --out eval/results/compile_figures.json
+HF_HUB_OFFLINE=1 python -m eval.compile_figures --models smollm2 --wait-quiet 900 \\
+    --out eval/results/compile_figures_smollm2.json
 # transformers' own cache and generation tests with TriStateCache substituted (eval/transformers_suite/README.md)
 python -m eval.transformers_suite.run --preset none --out eval/results/transformers_suite
 python -m eval.transformers_suite.run --preset full --out eval/results/transformers_suite
-python -m eval.transformers_suite.run --preset hfkv --out eval/results/transformers_suite
+# each compressing preset on the tests the substitution reaches, then compared with the baseline
+for p in hfkv evict quant streaming arkv diffkv; do
+  python -m eval.transformers_suite.run --preset $p --only-exercised eval/results/transformers_suite/full.json \\
+      --out eval/results/transformers_suite
+  python -m eval.transformers_suite.compare eval/results/transformers_suite/none.json \\
+      eval/results/transformers_suite/$p.json
+done
 # the same at 32k tokens, 2 threads
 python -m eval.cpu_cache_figures --wait-quiet 900 --timed "hfkv;evict" --threads 2 --skip-memory --long-context 32768 \\
     --steps 32 --out eval/results/cpu_cache_figures_32k.json

@@ -13,7 +13,10 @@ Why ``dynamic=True`` by default: a policy run resizes some layers' pools and pag
 each at its own step, and under Dynamo's automatic dynamic shapes every first change of each of those sizes and ints
 recompiles the model (seconds each, dozens over a generation on a many-layer model; marking only the tensors dynamic
 still left the ints specialised). Traced dynamic from the start, a generation compiles a handful of graphs (the
-first steps, the ring's wrap) and then none.
+first steps, the ring's wrap) and then none. Duck sizing is off while tracing: by default two sizes equal at the
+trace (two layers' tables, both 41 pages wide) become one symbol, and the step at which they part recompiles.
+Not for ``backend="torch"``: its step is many plain ops over all-symbolic shapes, whose trace slows with every layer
+(docs/generate.md, "torch.compile"); pass ``dynamic=None`` for it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as shape_config
 
 from hfkv.cache import TriStateCache
 
@@ -49,6 +53,8 @@ class CompiledDecode:
     def __call__(self, input_ids: torch.Tensor, past_key_values: Any = None, **kwargs: Any):
         if self.traces(past_key_values, input_ids.shape[1]):
             self.counts["compiled"] += 1
-            return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+            # No duck sizing (module doc): layers whose tables happen to share a size now would not later
+            with shape_config.patch(use_duck_shape=False):
+                return self.compiled(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
         self.counts["eager"] += 1
         return self.model(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
