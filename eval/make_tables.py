@@ -744,7 +744,15 @@ def steps_label(counts: dict[str, Any]) -> str:
     if "compiled" in counts:
         counts = {"": counts}
     return "; ".join(f"{f'{k}: ' if k else ''}{c.get('compiled', 0)} compiled, {c.get('eager', 0)} eager"
-                     for k, c in counts.items())  # fmt: skip
+                     for k, c in counts.items() if c.get("compiled", 0) + c.get("eager", 0))  # fmt: skip
+
+
+def compiles_label(times_ms: list[float] | None, median: float) -> str:
+    """Timed steps over 10x the median (a recompile: seconds, against milliseconds), and their seconds."""
+    if times_ms is None:
+        return ""
+    slow = [t for t in times_ms if t > 10 * median]
+    return f"{len(slow)} ({sum(slow) / 1e3:.0f} s)" if slow else "0"
 
 
 def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -776,11 +784,11 @@ def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str
             rows = [
                 [f"`{e}`", fmt(run[e]["ms_median"], ".2f"), fmt(run[e]["ms_mean"], ".2f"),
                  fmt(base / run[e]["ms_median"], ".2f", "x") if base else "",
-                 fmt(run[e]["first_step_s"], ".2f")]  # fmt: skip
+                 fmt(run[e]["first_step_s"], ".2f"), compiles_label(run[e].get("ms"), run[e]["ms_median"])]  # fmt: skip
                 for e in entries
             ]
-            out += [md_table(["entry", "ms/step median", "mean", "vs dynamic (median)", "first step s"], rows,
-                             "lrrrr"), ""]  # fmt: skip
+            head = ["entry", "ms/step median", "mean", "vs dynamic (median)", "first step s", "steps > 10x median"]
+            out += [md_table(head, rows, "lrrrrr"), ""]
     return out
 
 
