@@ -69,45 +69,39 @@ def _assert_same_state(got, want, exact: bool) -> None:
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
+def _compiled_step_matches_eager(cache_backend: str, seed: int, new: int, exact: bool, **options) -> None:
+    """Compiled steps (``options`` go to torch.compile) give the eager tokens, with at least 8 steps compiled, and
+    leave the cache holding what the eager run holds (``_assert_same_state``)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+    def make():
+        return hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend=cache_backend)
+
+    eager = make()
+    ref = _decode(model, model, eager, ids, new=new)
+    torch._dynamo.reset()
+    step = CompiledDecode(model, **options)
+    compiled = make()
+    try:
+        assert torch.equal(_decode(model, step, compiled, ids, new=new), ref)
+    finally:
+        torch._dynamo.reset()
+    assert step.counts["compiled"] >= 8
+    _assert_same_state(compiled, eager, exact=exact)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_inductor_compiles_a_compressed_step(backend):
     """On the torch backend a step is torch ops; on the CPU backend the kernel is the operator
     hfkv::paged_attention_cpu, whose in-place score sums must land in the cache as eagerly (the policy reads them):
     the tokens and every held byte equal the eager run's."""
-    model = tiny_model("llama")
-    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-
-    def make():
-        return hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend=backend)
-
-    eager = make()
-    ref = _decode(model, model, eager, ids, new=10)
-    torch._dynamo.reset()
-    step = CompiledDecode(model)  # inductor
-    compiled = make()
-    try:
-        assert torch.equal(_decode(model, step, compiled, ids, new=10), ref)
-    finally:
-        torch._dynamo.reset()
-    assert step.counts["compiled"] >= 8
-    _assert_same_state(compiled, eager, exact=False)
+    _compiled_step_matches_eager(backend, seed=1, new=10, exact=False)  # inductor
 
 
 def test_the_cpu_kernel_steps_compile_to_the_eager_tokens():
     """Dynamo cannot trace ctypes: the CPU kernel goes into the graph as an operator (fullgraph=True holds)."""
-    model = tiny_model("llama")
-    cache = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu")
-    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2))
-    step = CompiledDecode(model, backend="eager")
-    eager = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend="cpu")
-    ref = _decode(model, model, eager, ids, new=12)
-    torch._dynamo.reset()
-    try:
-        assert torch.equal(_decode(model, step, cache, ids, new=12), ref)
-    finally:
-        torch._dynamo.reset()
-    assert step.counts["compiled"] >= 8
-    _assert_same_state(cache, eager, exact=True)
+    _compiled_step_matches_eager("cpu", seed=2, new=12, exact=True, backend="eager")
 
 
 def test_crop_while_dense_is_dynamic_caches_crop_and_assisted_decoding_matches_greedy():
