@@ -257,6 +257,33 @@ def test_sigterm_fails_the_running_trial_and_exits(tiny_dir, tmp_path):
     assert len(failed) == 1 and failed[0].user_attrs["failed_reason"] == "interrupted"
 
 
+def test_sigterm_whose_exception_a_finalizer_swallowed_still_fails_the_trial_and_exits(tiny_dir, tmp_path, monkeypatch):
+    """A handler run inside a finalizer loses its exception (the flaky CI exit 0 of the test above): still 143."""
+    from hfkv.calibration import worker
+
+    evaluate = worker._evaluate
+
+    def signalled_in_a_finalizer(*a, **k):
+        values = evaluate(*a, **k)
+
+        class Finalized:
+            def __del__(self):
+                worker._on_sigterm(signal.SIGTERM, None)  # Python prints "Exception ignored in" and goes on
+
+        Finalized()
+        return values
+
+    monkeypatch.setattr(worker, "_evaluate", signalled_in_a_finalizer)
+    monkeypatch.setattr(worker, "_terminating", type(worker._terminating)())
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # this process's own handlers stay as they are
+    args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", "f", "--n-trials", 2,
+                    "--max-solution-tokens", 16)  # fmt: skip
+    assert main(args) == 143
+    trials = optuna.load_study(study_name="f", storage=_sqlite(tmp_path, "f")).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL]
+    assert trials[0].user_attrs["failed_reason"] == "interrupted"
+
+
 def _two_workers(tiny_dir, tmp_path, storage_arg, name, n):
     """The command in this process (the parent does no trial) with two spawned worker processes."""
     args = cli_args(tiny_dir, tmp_path, "--base", "diffkv", "--study-name", name, "--storage", storage_arg,

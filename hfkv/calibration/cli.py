@@ -438,12 +438,17 @@ def run(args: argparse.Namespace) -> int:
         return cached[0]
 
     if args.n_workers == 1:
-        from hfkv.calibration.worker import _on_sigterm, _Terminated  # deferred: imports torch and optuna
+        from hfkv.calibration.worker import (  # deferred: imports torch and optuna
+            _on_sigterm,
+            _raise_if_terminating,
+            _Terminated,
+        )
 
         if threading.current_thread() is threading.main_thread():  # kill PID: fail the running trial, exit
             signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             run_worker(args, 0, loaded, ctx=ctx)
+            _raise_if_terminating()  # a signal whose exception was swallowed after the last trial
         except _Terminated:
             print("hfkv calibrate: terminated; finished trials are kept, re-run to resume", file=sys.stderr)
             return 143

@@ -18,6 +18,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -302,8 +303,19 @@ class _Terminated(BaseException):
     """SIGTERM, raised in the main thread so the running trial is marked failed before the worker exits."""
 
 
+_terminating = threading.Event()
+
+
 def _on_sigterm(signum, frame):
+    # Also kept as a flag: a handler that runs inside a finalizer or a C callback has its exception swallowed,
+    # and the worker would then finish the trial and exit 0 as if no signal had come.
+    _terminating.set()
     raise _Terminated()
+
+
+def _raise_if_terminating() -> None:
+    if _terminating.is_set():
+        raise _Terminated()
 
 
 def run_worker(
@@ -341,6 +353,7 @@ def run_worker(
     )
     try:
         while True:
+            _raise_if_terminating()
             trial = None
             with ctx.storage.lock():
                 st.fail_stale(study, args.grace_period, args.max_retry)
@@ -361,6 +374,7 @@ def run_worker(
             try:
                 with st.Heartbeat(study._storage, trial._trial_id, args.heartbeat_interval):
                     values = _evaluate(ctx, trial, objective, stats, progress and args.n_workers == 1)
+                _raise_if_terminating()
             except (KeyboardInterrupt, _Terminated):
                 _finish(study, trial, None, "interrupted")
                 raise
