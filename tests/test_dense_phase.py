@@ -188,7 +188,8 @@ def test_reset_drops_what_the_layer_held_and_the_next_prompt_decides_again():
 
 def test_a_dense_layer_shows_dynamic_caches_keys_and_values():
     """Code written for DynamicCache reads ``cache.layers[i].keys`` (shapes, dtypes): a dense layer's are
-    DynamicLayer's tensors; once stored in the window and tiers there is no such tensor, and they are None."""
+    DynamicLayer's tensors; once stored in the window and tiers, a copy of DynamicLayer's shape and dtype built on
+    each read (its values: tests/test_native_cache.py), never held: writing to it changes nothing."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(20, 13))
     dyn, cache = DynamicCache(), TriStateCache(model, "hfkv", budget=4096)
@@ -198,6 +199,11 @@ def test_a_dense_layer_shows_dynamic_caches_keys_and_values():
         assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
     stored = TriStateCache(model, "hfkv", budget=14, window=4)
     _generate(model, stored, ids, mask)
-    assert all(layer.keys is None and layer.values is None for layer in stored.layers)
+    for mine, ref in zip(stored.layers, dyn.layers, strict=True):
+        assert not mine.dense.active
+        assert mine.keys.shape == ref.keys.shape and mine.values.dtype == ref.values.dtype
+    before = stored.layers[0].keys.clone()
+    stored.layers[0].keys.zero_()
+    assert torch.equal(stored.layers[0].keys, before)
     with pytest.raises(AttributeError, match="read-only"):
         stored.layers[0].keys = ids

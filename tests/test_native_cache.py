@@ -217,3 +217,57 @@ def test_offloading_moves_storage_after_attention_and_back_before_the_next_updat
         assert mine[: 2 * steps - 1] == ["host", "device"] * (steps - 1) + ["host"]
     cache.reorder_cache(torch.tensor([0]))  # any other entry brings it back first
     assert not any(layer.offloaded.on_host for layer in layers)
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_stored_layers_keys_and_values_are_what_it_holds_at_each_position(backend, rotate):
+    """``layer.keys`` of a stored layer, for code written for DynamicCache: DynamicCache's ``[B, H, T, D]`` shape
+    and dtype, each position as the layer holds it: the window's token as it came, a tier's through that tier's
+    format (encoded and decoded, rotated and back), an evicted one zero. Built on each read: the cache's memory
+    does not change."""
+    from hfkv.quant.rotation import hadamard
+    from hfkv.quant.rotation import rotate as rot
+    from hfkv.states import EVICTED, MID, QUANTIZED, STATE_LABELS, WINDOW
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (2, 120), generator=torch.Generator().manual_seed(3))
+    dyn = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=dyn)  # the prompt's keys do not depend on the cache
+    seen = set()
+    for budget in (16, 32):  # the first evicts and quantizes, the second keeps every token, some in the mid tier
+        cache = hfkv.TriStateCache(model, "hfkv", budget=budget, window=4, backend=backend, rotate=rotate)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+        before = cache.stats().kv_bytes
+        for mine, ref in zip(cache.layers, dyn.layers, strict=True):
+            assert mine.window is not None and not mine.dense.active  # stored, not dense
+            states = mine.token_states()
+            for got, want, which in ((mine.keys, ref.keys, "key"), (mine.values, ref.values, "value")):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                h = hadamard(want.shape[-1]) if rotate else None
+                stored = rot(want, h) if rotate else want
+                for state in states.unique().tolist():
+                    at = states == state
+                    seen.add(state)
+                    if state == EVICTED:
+                        expect = torch.zeros_like(want)
+                    elif state == WINDOW:
+                        expect = want
+                    else:
+                        fmt = getattr(mine.layouts[state], which)
+                        expect = fmt.decode(fmt.encode(stored), torch.float32).to(want.dtype)
+                        expect = rot(expect, h) if rotate else expect
+                    if rotate and state not in (EVICTED, WINDOW):
+                        # Rotating in another shape rounds differently in the last bit: a value on a rounding edge
+                        # may take the next step (one token's in 12544 here), never more than the format's error.
+                        off = (got[at] - expect[at]).abs()
+                        assert (off > 1e-5).float().mean() < 0.01, STATE_LABELS[state]
+                        assert off.max() <= (expect[at] - want[at]).abs().max(), STATE_LABELS[state]
+                    else:
+                        torch.testing.assert_close(
+                            got[at], expect[at], atol=1e-5, rtol=1e-5, msg=lambda m, s=state: f"{STATE_LABELS[s]}: {m}"
+                        )
+        assert cache.stats().kv_bytes == before
+    assert {EVICTED, WINDOW, MID, QUANTIZED} <= seen

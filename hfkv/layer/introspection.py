@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hfkv.quant.rotation import rotate
 from hfkv.states import EVICTED, MID, ORIGINAL, QUANTIZED, TIER_NAMES, WINDOW
 from hfkv.stats import LayerStats
 from hfkv.storage import dense_kv_bytes, held_bytes
@@ -36,6 +37,35 @@ def held_tensors(layer) -> list[torch.Tensor]:
         return []
     stored = [*layer.window.held_tensors(), *layer.tiers.held_tensors()] if layer.window is not None else []
     return [*layer.dense.held_tensors(), *stored]
+
+
+def held_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)``, each ``[B, H, logical length, D]`` in the layer's dtype: every held token at its position
+    as attention reads it (dequantized, rotated back), evicted positions zero.
+
+    Why: code written for DynamicCache reads ``layer.keys`` (shapes, dtypes, a look at the values); a stored layer
+    holds pages, so this is a copy built on each read, a full-length tensor the cache does not keep (nor count in
+    its memory). :func:`token_states` says which positions are evicted.
+    """
+    bsz, heads, dim = layer.kv_shape
+    keys = torch.zeros(bsz, heads, layer.length, dim, dtype=layer.dtype, device=layer.device)
+    values = torch.zeros_like(keys)
+    if layer.window is None:  # reset, nothing held yet
+        return keys, values
+    tiers, window = layer.tiers, layer.window
+    for tier in range(tiers.num_tiers):
+        pos, _, valid = tiers.read_meta(tier)
+        b, h, s = valid.nonzero(as_tuple=True)
+        k, v, p, _ = tiers.gather_decoded(tier, b, h, s)
+        keys[b, h, p] = k.to(layer.dtype)
+        values[b, h, p] = v.to(layer.dtype)
+    live = window.pos >= 0
+    wpos = window.pos[live]
+    keys[:, :, wpos] = window.k[:, :, live]
+    values[:, :, wpos] = window.v[:, :, live]
+    if layer.rotation is not None:  # stored rotated (TriStateLayer.update); the rotation is its own inverse
+        keys, values = rotate(keys, layer.rotation), rotate(values, layer.rotation)
+    return keys, values
 
 
 def token_states(layer) -> torch.Tensor:

@@ -119,12 +119,13 @@ class TriStateLayer(CacheLayerMixin):
             self.build_storage()
 
     # ------------------------------------------------------ Cache protocol
-    # ``keys`` / ``values``: DynamicLayer's ``[B, H, T, D]`` tensors while the layer holds its sequence dense (code
-    # written for DynamicCache reads them: shapes, dtypes); None once it is stored in the window and tiers, whose
-    # tokens are not one tensor. Read-only: CacheLayerMixin's constructor sets them to None.
+    # ``keys`` / ``values``: DynamicLayer's ``[B, H, T, D]`` tensors, for code written for DynamicCache (shapes, dtypes,
+    # a look at the values). While the layer holds its sequence dense they are its tensors; once it is stored in the
+    # window and tiers, a copy built on each read (introspection.held_kv: dequantized, evicted positions zero), not
+    # part of what the cache holds. Read-only: CacheLayerMixin's constructor sets them to None.
     @property
     def keys(self) -> torch.Tensor | None:
-        return self.dense.k if self.dense.active else None
+        return self._held(0)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -133,12 +134,19 @@ class TriStateLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.dense.v if self.dense.active else None
+        return self._held(1)
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         if value is not None:
             raise AttributeError("TriStateLayer.values is read-only: what the layer holds is its own")
+
+    def _held(self, which: int) -> torch.Tensor | None:
+        if self.dense.active:
+            return (self.dense.k, self.dense.v)[which]
+        if not self.is_initialized:
+            return None
+        return introspection.held_kv(self)[which]
 
     def get_seq_length(self) -> int:
         return self.length
