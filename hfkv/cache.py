@@ -13,8 +13,11 @@ quantized tier or evicts it, and may later demote or evict it further, never bac
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import warnings
+import weakref
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig
@@ -27,7 +30,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from hfkv import export
+from hfkv import cache_state, export
 from hfkv.attention.interface import install
 from hfkv.config import TriStateConfig
 from hfkv.layer.layer import TriStateLayer
@@ -97,6 +100,8 @@ class TriStateCache(DynamicCache):
             )
         self.config = config
         install()
+        # The model, where given, for what a saved file names it by (cache_state.fingerprint); not kept alive.
+        self._model_ref = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         if isinstance(model, torch.nn.Module):
             model_config, self.model_shape = model.config, ModelShape.of(model)
         elif isinstance(model, PreTrainedConfig):
@@ -175,6 +180,60 @@ class TriStateCache(DynamicCache):
             return keys, values
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    # ------------------------------------------------------------ compress once, ask many
+    def fork(self, repeats: int = 1) -> TriStateCache:
+        """An independent copy to continue from (a question after a compressed context), the original untouched for
+        the next one; ``repeats`` > 1 repeats each row (several questions, or samples, in one batch).
+
+        It copies what the cache holds (the compressed bytes, not a context's worth of full-precision ones) and
+        recomputes nothing. Call it between forwards."""
+        tensors, layers = cache_state.capture(self)
+        new = self._empty_like()
+        device = next((t.device for t in tensors.values()), torch.device("cpu"))
+        cache_state.restore(new, {k: t.clone() for k, t in tensors.items()}, layers, device)
+        if repeats != 1:
+            if not isinstance(repeats, int) or repeats < 1:
+                raise ValueError(f"TriStateCache.fork: repeats={repeats!r} must be an int >= 1")
+            new.batch_repeat_interleave(repeats)
+        return new
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write what the cache holds, its config and the model it was made for to one safetensors file (atomically);
+        :meth:`load` reads it onto the same model in a later process. Call it between forwards."""
+        model = self._model_ref() if self._model_ref is not None else None
+        return cache_state.save(self, path, cache_state.model_id(self.model_shape, model))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        config: TriStateConfig | None = None,
+        device: torch.device | str | None = None,
+    ) -> TriStateCache:
+        """The cache :meth:`save` wrote, for ``model`` (the model it was made for: another one, or the same in
+        another dtype, is refused). ``config``: the file's when left out; one given must equal it. ``device``: the
+        model's by default."""
+        meta, tensors = cache_state.read(path)
+        cache_state.check(meta, cache_state.model_id(ModelShape.of(model), model), config, path)
+        cache = cls(model, config or TriStateConfig.from_dict(meta["config"]))
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        cache_state.restore(cache, {k: t.to(device) for k, t in tensors.items()}, meta["layers"], device)
+        return cache
+
+    def _empty_like(self) -> TriStateCache:
+        """A cache for the same model and config holding nothing (a subclass's own attributes are shared)."""
+        new = type(self).__new__(type(self))
+        TriStateCache.__init__(
+            new, self.model_config, self.config, offloading=self.offloading,
+            offload_only_non_sliding=getattr(self, "only_non_sliding", True),
+        )  # fmt: skip
+        new.model_shape, new._model_ref = self.model_shape, self._model_ref
+        for name, value in vars(self).items():
+            if name not in vars(new):
+                setattr(new, name, value)
+        return new
+
     def __repr__(self) -> str:
         n = sum(isinstance(layer, TriStateLayer) for layer in self.layers)
         return (
@@ -197,7 +256,6 @@ class TriStateCache(DynamicCache):
     def compressed_layers(self) -> list[TriStateLayer]:
         """The compressing layers, in model order (``LayerOwner``)."""
         return [layer for layer in self.layers if isinstance(layer, TriStateLayer)]
-
 
     def invalidate_rho(self) -> None:
         self._rho = None
