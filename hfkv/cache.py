@@ -218,7 +218,7 @@ class TriStateCache(DynamicCache):
         cache_state.check(meta, cache_state.model_id(ModelShape.of(model), model), config, path)
         cache = cls(model, config or TriStateConfig.from_dict(meta["config"]))
         device = torch.device(device) if device is not None else next(model.parameters()).device
-        cache_state.restore(cache, {k: t.to(device) for k, t in tensors.items()}, meta["layers"], device)
+        cache_state.restore(cache, {k: t.to(device, copy=True) for k, t in tensors.items()}, meta["layers"], device)
         return cache
 
     def _empty_like(self) -> TriStateCache:

@@ -130,9 +130,12 @@ def check(meta: dict[str, Any], model_id: dict[str, Any], config, path) -> None:
             f"TriStateCache.load: {str(path)!r} was made for another model ({'; '.join(diffs)}); a cache holds one "
             "model's keys and values: load it onto that model"
         )
-    if config is not None and config.to_dict() != meta["config"]:
-        mine, theirs = config.to_dict(), meta["config"]
-        fields = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+    if config is None:
+        return
+    # The backend is how the cache runs, not what it holds (every backend writes and reads the same bytes).
+    mine, theirs = config.to_dict(), meta["config"]
+    fields = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k) and k != "backend")
+    if fields:
         raise ValueError(
             f"TriStateCache.load: {str(path)!r} holds a cache of another config (fields {fields} differ: file "
             f"{ {k: theirs.get(k) for k in fields} }, given { {k: mine.get(k) for k in fields} }); leave config out to "

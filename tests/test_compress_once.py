@@ -1,0 +1,144 @@
+"""Compress once, ask many: a cache copied with ``fork()`` or written with ``save()`` and read with ``load()`` resumes
+exactly where the original was (docs/generate.md, "Compress once, ask many"), on the torch and CPU backends and on
+Triton's (its interpreter here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hfkv
+from hfkv.cache_state import capture
+from tests.models import tiny_model
+
+CONTEXT, QUESTION = 96, 6
+# Stored and compressing (evicts and quantizes), held dense (the budget covers the context), uncompressed.
+CASES = {
+    "hfkv-stored": ("hfkv", dict(budget=24, window=4)),
+    "diffkv-stored": ("diffkv", dict(budget=48, window=4, obs_window=8)),
+    "hfkv-dense": ("hfkv", dict(budget=4096)),
+    "full": ("full", {}),
+}
+# Triton's interpreter is slow: it runs the stored case, which reads pages (the others hold tensors as DynamicCache).
+COMBOS = [(c, b) for c in CASES for b in ("torch", "cpu")] + [("hfkv-stored", "triton")]
+
+
+def _ids(n: int, seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _cache(model, case: str, backend: str) -> hfkv.TriStateCache:
+    preset, kw = CASES[case]
+    return hfkv.TriStateCache(model, preset, **(kw if preset == "full" else dict(kw, backend=backend)))
+
+
+@torch.no_grad()
+def _compressed(model, case: str, backend: str, context: torch.Tensor) -> hfkv.TriStateCache:
+    cache = _cache(model, case, backend)
+    model(input_ids=context, past_key_values=cache)
+    return cache
+
+
+def _answer(model, cache, context, question, new: int = 6) -> torch.Tensor:
+    ids = torch.cat([context.expand(question.shape[0], -1), question], 1)
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)[:, ids.shape[1] :]
+
+
+def _snapshot(cache) -> dict[str, torch.Tensor]:
+    tensors, layers = capture(cache)
+    return {k: t.clone() for k, t in tensors.items()}, layers
+
+
+@pytest.mark.parametrize(("case", "backend"), COMBOS)
+def test_a_fork_answers_as_a_fresh_compression_and_leaves_the_original_bit_identical(case, backend):
+    model, context = tiny_model("llama"), _ids(CONTEXT, 0)
+    cache = _compressed(model, case, backend, context)
+    before, values = _snapshot(cache)
+    questions = [_ids(QUESTION, s) for s in ((1,) if backend == "triton" else (1, 2))]  # the interpreter: one
+    for q in questions:  # each question from its own fork, against compressing the context afresh for it
+        got = _answer(model, cache.fork(), context, q)
+        want = _answer(model, _compressed(model, case, backend, context), context, q)
+        assert torch.equal(got, want)
+    after, values_after = capture(cache)
+    assert values_after == values and after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # the original, bit for bit
+    if backend == "triton":
+        return
+    # Two questions in one batch from fork(repeats=2): each row as its own fork answered it.
+    both = _answer(model, cache.fork(repeats=2), context, torch.cat(questions))
+    for row, q in enumerate(questions):
+        assert torch.equal(both[row : row + 1], _answer(model, cache.fork(), context, q))
+
+
+@pytest.mark.parametrize(("case", "backend"), [c for c in COMBOS if c[0] != "diffkv-stored"])
+def test_save_then_load_gives_the_same_logits_and_state(case, backend, tmp_path):
+    model, context, q = tiny_model("llama"), _ids(CONTEXT, 0), _ids(QUESTION, 1)
+    cache = _compressed(model, case, backend, context)
+    path = cache.save(tmp_path / "context.safetensors")
+    loaded = hfkv.TriStateCache.load(path, model)
+    assert loaded.config == cache.config and loaded.get_seq_length() == cache.get_seq_length()
+    saved, values = capture(cache)
+    got, got_values = capture(loaded)
+    assert got_values == values and all(torch.equal(got[k], saved[k]) for k in saved)
+    with torch.no_grad():
+        want = model(input_ids=q, past_key_values=cache.fork()).logits
+        assert torch.equal(model(input_ids=q, past_key_values=loaded).logits, want)
+    again = hfkv.TriStateCache.load(path, model)  # the first one has taken the question
+    assert torch.equal(_answer(model, again, context, q), _answer(model, cache.fork(), context, q))
+
+
+def test_a_loaded_cache_in_a_new_process_gives_identical_logits(tmp_path):
+    model, context, q = tiny_model("llama"), _ids(CONTEXT, 0), _ids(QUESTION, 1)
+    cache = _compressed(model, "hfkv-stored", "cpu", context)
+    cache.save(tmp_path / "c.safetensors")
+    with torch.no_grad():
+        torch.save(model(input_ids=q, past_key_values=cache).logits, tmp_path / "want.pt")
+    script = textwrap.dedent(f"""
+        import torch, hfkv
+        from tests.models import tiny_model
+        model = tiny_model("llama")
+        cache = hfkv.TriStateCache.load({str(tmp_path / "c.safetensors")!r}, model)
+        q = torch.randint(0, 128, (1, {QUESTION}), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got = model(input_ids=q, past_key_values=cache).logits
+        assert torch.equal(got, torch.load({str(tmp_path / "want.pt")!r})), "logits differ"
+        print("identical")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "identical" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_file_for_another_model_or_config_or_a_damaged_one_gets_one_clear_error(tmp_path):
+    model, context = tiny_model("llama"), _ids(CONTEXT, 0)
+    cache = _compressed(model, "hfkv-stored", "cpu", context)
+    path, saved = cache.save(tmp_path / "c.safetensors"), capture(cache)[0]
+    with pytest.raises(ValueError, match="made for another model .*weights"):
+        hfkv.TriStateCache.load(path, tiny_model("llama", seed=1))  # same shape, other weights
+    with pytest.raises(ValueError, match="made for another model .*kv_heads"):
+        hfkv.TriStateCache.load(path, tiny_model("llama", num_key_value_heads=4))
+    with pytest.raises(ValueError, match=r"another config \(fields \['budget'\]"):
+        hfkv.TriStateCache.load(path, model, hfkv.TriStateConfig.from_preset("hfkv", budget=32, window=4))
+    # Another backend reads the same bytes: the cache loads, and holds what the file holds.
+    other = hfkv.TriStateCache.load(
+        path, model, hfkv.TriStateConfig.from_preset("hfkv", budget=24, window=4, backend="torch")
+    )
+    assert other.backend == "torch"
+    assert [t.equal(u) for t, u in zip(capture(other)[0].values(), saved.values(), strict=True)] == [True] * len(saved)
+    data = bytearray(path.read_bytes())
+    flipped = tmp_path / "flipped.safetensors"
+    data[-100] ^= 0xFF  # a byte of the tensors' data
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="is damaged"):
+        hfkv.TriStateCache.load(flipped, model)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[: len(data) // 2])
+    with pytest.raises(ValueError, match="not a readable hfkv cache file"):
+        hfkv.TriStateCache.load(cut, model)
+    with pytest.raises(FileNotFoundError, match="no file"):
+        hfkv.TriStateCache.load(tmp_path / "missing.safetensors", model)
+    # The file is written atomically: nothing but it is left in the folder.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "cut.safetensors", "flipped.safetensors"]
