@@ -8,6 +8,9 @@ Every cached token of every layer and KV head is kept in full precision, quantiz
     model.generate(**enc, past_key_values=cache)
     cache.stats()
 
+    context = hfkv.compress(model, context_ids, cfg, tokenizer=tok)  # before any question; then
+    model.generate(torch.cat([context_ids, question_ids], 1), past_key_values=context.fork())
+
 The public names are imported on first use (PEP 562): ``import hfkv`` alone loads neither torch nor
 transformers, so ``hfkv --help`` and ``hfkv --version`` answer at once.
 """
@@ -26,6 +29,7 @@ _LAZY = {
     "is_enabled": "hfkv.attention.interface",
     "TriStateCache": "hfkv.cache",
     "TriStateLayer": "hfkv.cache",
+    "compress": "hfkv.compress_once",
     "PRESETS": "hfkv.presets",
     "TierFormat": "hfkv.config",
     "TriStateConfig": "hfkv.config",
@@ -41,6 +45,7 @@ __all__ = [
     "TriStateCache",
     "TriStateConfig",
     "TriStateLayer",
+    "compress",
     "enable",
     "is_enabled",
 ]
@@ -48,6 +53,7 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports them
     from hfkv.attention.interface import enable, is_enabled
     from hfkv.cache import TriStateCache, TriStateLayer
+    from hfkv.compress_once import compress
     from hfkv.config import TierFormat, TriStateConfig
     from hfkv.presets import PRESETS
     from hfkv.stats import CacheStats, LayerStats

@@ -46,9 +46,7 @@ class ModelShape:
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "dtype not known yet"
-        return (
-            f"{self.name!r} ({self.layers} layers, {self.kv_heads} KV heads, head dim {self.head_dim}, {dtype})"
-        )
+        return f"{self.name!r} ({self.layers} layers, {self.kv_heads} KV heads, head dim {self.head_dim}, {dtype})"
 
     def check_call(self, layer_idx: int, key_states: torch.Tensor, config: Any = None) -> None:
         """Raise a ValueError naming both models where layer ``layer_idx``'s keys ``[B, H, T, D]`` come from a model

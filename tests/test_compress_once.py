@@ -142,3 +142,80 @@ def test_a_file_for_another_model_or_config_or_a_damaged_one_gets_one_clear_erro
         hfkv.TriStateCache.load(tmp_path / "missing.safetensors", model)
     # The file is written atomically: nothing but it is left in the folder.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "cut.safetensors", "flipped.safetensors"]
+
+
+# --------------------------------------------------------------------------- hfkv.compress: scores without the question
+REPEAT = torch.tensor([5, 6, 7, 8])
+
+
+@torch.no_grad()
+def test_reconstruction_scores_are_the_repetitions_largest_attention_on_each_context_token():
+    """Against the eager model's own attention weights over context + request + repetition, per chunk (each chunk
+    of the repetition follows the context alone): the largest over the chunk's queries and the group's heads."""
+    from hfkv.compress_once import score_context
+
+    model = tiny_model("llama", attn_implementation="eager")
+    context = _ids(40, 0)
+    t, r = context.shape[1], REPEAT.numel()
+    for chunk in (40, 16):
+        _, got = score_context(model, context, "reconstruction", REPEAT, chunk)
+        want = {}
+        for start in range(0, t, chunk):
+            ids = torch.cat([context, REPEAT.view(1, -1), context[:, start : start + chunk]], 1)
+            for i, att in enumerate(model(input_ids=ids, output_attentions=True).attentions):
+                heads = model.config.num_key_value_heads
+                b, hq, q, k = att.shape
+                part = att[:, :, t:, :t].reshape(b, heads, hq // heads, q - t, t).amax(dim=(2, 3))
+                want[i] = part if i not in want else torch.maximum(want[i], part)
+        assert got.keys() == want.keys()
+        for i in want:
+            torch.testing.assert_close(got[i], want[i], atol=1e-6, rtol=1e-5)
+    assert r == 4
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_compress_with_observation_scores_is_a_plain_prefill(backend):
+    model, context = tiny_model("llama"), _ids(CONTEXT, 0)
+    got = hfkv.compress(model, context, "hfkv", scores="observation", budget=24, window=4, backend=backend)
+    (want, want_values), (have, values) = capture(_compressed(model, "hfkv-stored", backend, context)), capture(got)
+    assert values == want_values and have.keys() == want.keys()
+    for k in want:  # a free-page stack holds ids below its count (the rest: what its growth left, unread)
+        n = want_values[int(k.split(".")[1])]["tiers.pool.n_free"] if k.endswith("free_stack") else None
+        assert torch.equal(have[k][:n], want[k][:n]), k
+
+
+@pytest.mark.parametrize("source", ["key_norm", "reconstruction"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_compress_keeps_what_its_scores_rank_highest_and_answers_from_a_fork(source, backend):
+    """Per row and head, no token the scores rank above a kept one is evicted (tokens all observed alike: past the
+    sinks, before the context's last queries), within the budget; a fork answers a question."""
+    from hfkv.compress_once import score_context
+    from hfkv.states import EVICTED
+
+    model, context = tiny_model("llama"), _ids(CONTEXT, 0)
+    cache = hfkv.compress(model, context, "hfkv", scores=source, repeat_prompt=REPEAT, chunk=32, budget=24, window=4,
+                          backend=backend)  # fmt: skip
+    _, scores = score_context(model, context, source, REPEAT, 32)
+    evicted_some = False
+    for layer in cache.compressed_layers():
+        states, score = layer.token_states(), scores[layer.layer_idx]
+        lo, hi = layer.cfg.sink_tokens, layer.score_start
+        for b, h in zip(*torch.where(torch.ones(states.shape[:2], dtype=torch.bool)), strict=True):
+            s, gone = score[b, h, lo:hi], states[b, h, lo:hi] == EVICTED
+            if gone.any() and (~gone).any():
+                evicted_some = True
+                assert s[gone].max() <= s[~gone].min()
+    assert evicted_some
+    st = cache.stats()
+    assert st.kv_bytes < st.dense_bytes
+    assert _answer(model, cache.fork(), context, _ids(QUESTION, 1)).shape == (1, 6)
+
+
+def test_compress_names_what_it_cannot_take():
+    model, context = tiny_model("llama"), _ids(8, 0)
+    with pytest.raises(ValueError, match="scores='attention' is not one of"):
+        hfkv.compress(model, context, scores="attention")
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        hfkv.compress(model, context, budget=24, window=4)
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
+        hfkv.compress(model, context[0])

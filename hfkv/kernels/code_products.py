@@ -85,8 +85,21 @@ def _halves(x):
 
 @triton.jit
 def _planes(
-    x, tile, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-    H: tl.constexpr, h: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr, QUADS: tl.constexpr, ASM: tl.constexpr,
+    x,
+    tile,
+    half,
+    meta,
+    live,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    H: tl.constexpr,
+    h: tl.constexpr,
+    LO: tl.constexpr,
+    COUNT: tl.constexpr,
+    QUADS: tl.constexpr,
+    ASM: tl.constexpr,
     KEYS: tl.constexpr,
 ):
     # Planes LO .. LO + COUNT - 1 of byte chunk h. KEYS: x [R, C, COUNT] the queries in the tree's order, the pieces'
@@ -112,9 +125,23 @@ def _planes(
 
 @triton.jit
 def _chunks(
-    x, pool_ptr, base, half, meta, live, BITS: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-    H: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr, QUADS: tl.constexpr, ASM: tl.constexpr,
-    ALIGN: tl.constexpr, KEYS: tl.constexpr,
+    x,
+    pool_ptr,
+    base,
+    half,
+    meta,
+    live,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    H: tl.constexpr,
+    LO: tl.constexpr,
+    COUNT: tl.constexpr,
+    QUADS: tl.constexpr,
+    ASM: tl.constexpr,
+    ALIGN: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     # Byte chunks LO .. LO + COUNT - 1, each read once for all its planes (x and the result as _planes').
     if COUNT == 1:

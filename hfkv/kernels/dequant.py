@@ -231,7 +231,13 @@ def _half_pairs_asm(lanes, scale, zero, MASK: tl.constexpr, SHIFT: tl.constexpr)
 
 @triton.jit
 def _piece_bytes(
-    word, scale, zero, SHIFT: tl.constexpr, MASK: tl.constexpr, LO: tl.constexpr, COUNT: tl.constexpr,
+    word,
+    scale,
+    zero,
+    SHIFT: tl.constexpr,
+    MASK: tl.constexpr,
+    LO: tl.constexpr,
+    COUNT: tl.constexpr,
     HALF: tl.constexpr = False,
 ):
     # the four bytes of each word, each one code of the plane at SHIFT, dequantised; joined lowest byte first

@@ -279,16 +279,25 @@ class TriStateLayer(CacheLayerMixin):
             return res
         return out.copy_(res)
 
-    def ingest_prefill(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+    def ingest_prefill(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        scaling: float,
+        scores: torch.Tensor | None = None,
+    ) -> None:
         """Fill an empty layer from a prompt's keys/values ``[B, H, T, D]`` (after RoPE) and its last queries
         ``[B, Hq, w', D]`` (``w' >= obs_window`` of the prompt's final positions; plain causal, no padding),
         leaving it exactly as a prefill forward through this cache would.
 
         Why: the prompt's attention output does not depend on the cache (prefill is dense), so an evaluation
         that compares many caches on one long prompt runs the model over it once and fills each cache from
-        the captured tensors (``hfkv.evaluation.shared_prefill``).
+        the captured tensors (``hfkv.evaluation.shared_prefill``). ``scores [B, H, T]``: each token's importance from
+        another source than the observation window (``hfkv.compress``: a context scored before any question), in
+        place of the window's, scaled to their total (``prefill.in_scale``).
         """
-        prefill.ingest(self, key, value, query, scaling)
+        prefill.ingest(self, key, value, query, scaling, scores)
 
     # ------------------------------------------------------------ policy runs and CUDA graphs
     def run_policy(self, exits: tuple[torch.Tensor, ...] | None = None) -> None:

@@ -31,7 +31,14 @@ def attend_prompt(layer, module, query, k: torch.Tensor, v: torch.Tensor, mask, 
     return out
 
 
-def ingest(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
+def ingest(
+    layer,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query: torch.Tensor,
+    scaling: float,
+    scores: torch.Tensor | None = None,
+) -> None:
     """Fill an empty ``layer`` from a prompt's tensors (``TriStateLayer.ingest_prefill``, which says what they are)."""
     if layer.is_initialized and layer.length:
         raise ValueError(f"ingest_prefill: layer {layer.layer_idx} already holds {layer.length} tokens")
@@ -46,10 +53,25 @@ def ingest(layer, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, s
     layer.length = key.shape[2]
     if layer.dense.active:
         layer.dense.ingest(key, value, query, scaling)
+        if scores is not None:
+            layer.dense.scores = in_scale(scores, layer.dense.scores, layer.dense.key_valid)
         return
     if layer.rotation is not None:  # as update() and attend() rotate a prompt's
         key, value, query = (rotate(x, layer.rotation) for x in (key, value, query))
-    admit_prompt(layer, key, value, query, None, scaling)
+    sums, key_valid = observe_prompt(layer, key, query, None, scaling)
+    if scores is not None:
+        sums = in_scale(scores, sums, key_valid)
+    place_prompt(layer, key, value, sums, key_valid)
+
+
+def in_scale(scores: torch.Tensor, sums: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """``scores [B, H, T]`` from another source (hfkv.compress), scaled per row and head to the total the observation
+    window's ``sums`` give the real tokens: their order is theirs, their size the one the thresholds and the
+    budget's policy were set for."""
+    valid = key_valid[:, None, :].to(scores.dtype)
+    want = (sums.float() * valid).sum(-1, keepdim=True)
+    have = (scores.float() * valid).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (scores.float() * valid * (want / have)).to(sums.dtype)
 
 
 def admit_prompt(layer, k, v, query, mask, scaling) -> None:

@@ -24,7 +24,13 @@ from pathlib import Path
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "paged_decode.cpp", "observation.cpp", "allocate.cpp", "encode.cpp", "meta.cpp", "compact.cpp", "reserve.cpp"
+        "paged_decode.cpp",
+        "observation.cpp",
+        "allocate.cpp",
+        "encode.cpp",
+        "meta.cpp",
+        "compact.cpp",
+        "reserve.cpp",
     )
 )
 HEADERS = (Path(__file__).with_name("simd.h"),)  # included by the sources: part of what a build's name hashes

@@ -309,8 +309,18 @@ def _paged_attention_op(
                   value=_Field(*fields[5:]))
         )  # fmt: skip
     heads = reads[0].shape[1]  # a ring's keys or a tier's table: [B, H, ..]
-    out, _ = _run(query, heads, query.shape[1] // heads, (_Part * len(described))(*described),
-                  sum(p.slots for p in described), q_start, pad_end, scaling, reduction, return_delta=False)
+    out, _ = _run(
+        query,
+        heads,
+        query.shape[1] // heads,
+        (_Part * len(described))(*described),
+        sum(p.slots for p in described),
+        q_start,
+        pad_end,
+        scaling,
+        reduction,
+        return_delta=False,
+    )
     return out
 
 
