@@ -271,3 +271,41 @@ def test_a_stored_layers_keys_and_values_are_what_it_holds_at_each_position(back
                         )
         assert cache.stats().kv_bytes == before
     assert {EVICTED, WINDOW, MID, QUANTIZED} <= seen
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_output_attentions_of_a_stored_layer_are_the_weights_its_attention_applied(backend, rotate):
+    """``output_attentions=True`` on a layer attending over its tiers: a prompt's weights are eager attention's over
+    DynamicCache, bit for bit up to float rounding; a decode step's are the softmax over the held tokens that its
+    output is the weighted sum of (the values as held), zero where a token is evicted, summing to one."""
+    from hfkv.states import EVICTED
+
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    cache = hfkv.TriStateCache(model, "hfkv", budget=16, window=4, backend=backend, rotate=rotate)
+    outputs = {}
+    hooks = [
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: outputs.__setitem__(i, a[0]))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        want = model(input_ids=ids, output_attentions=True, past_key_values=DynamicCache()).attentions
+        got = model(input_ids=ids, output_attentions=True, past_key_values=cache).attentions
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        tok = ids[:, -1:]
+        for step in range(3):
+            att = model(input_ids=tok, output_attentions=True, past_key_values=cache).attentions
+            for i, layer in enumerate(cache.layers):
+                assert not layer.dense.active
+                w, v = att[i], layer.values  # [B, Hq, 1, L], [B, H, L, D] as held
+                assert w.shape == (2, model.config.num_attention_heads, 1, 61 + step)
+                torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))
+                g = w.shape[1] // v.shape[1]
+                evicted = (layer.token_states() == EVICTED).repeat_interleave(g, 1)[:, :, None, :]
+                assert evicted.any() and not w.masked_select(evicted).any()
+                mixed = (w @ v.repeat_interleave(g, 1)).transpose(1, 2).reshape(2, 1, -1)
+                torch.testing.assert_close(mixed, outputs[i], atol=1e-5, rtol=1e-4)
+    for h in hooks:
+        h.remove()

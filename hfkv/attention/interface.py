@@ -45,7 +45,10 @@ def dispatch(original, module, query, key, value, attention_mask, *args, **kwarg
         out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
         # attend() returns ``out`` itself (hfkv.graphs' capture returns where its replay writes)
         return layer.attend(module, query, key, value, attention_mask, scaling, computed=out), weights
-    return layer.attend(module, query, key, value, attention_mask, scaling), None
+    weights = None  # a layer attending over its tiers materialises no probabilities: built only when asked for
+    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
+        weights = layer.attention_weights(query, attention_mask, scaling)
+    return layer.attend(module, query, key, value, attention_mask, scaling), weights
 
 
 def hfkv_attention(module, query, key, value, attention_mask, *args, **kwargs):

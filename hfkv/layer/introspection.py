@@ -39,33 +39,60 @@ def held_tensors(layer) -> list[torch.Tensor]:
     return [*layer.dense.held_tensors(), *stored]
 
 
-def held_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)``, each ``[B, H, logical length, D]`` in the layer's dtype: every held token at its position
-    as attention reads it (dequantized, rotated back), evicted positions zero.
+def held_kv(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keys, values, held)``: keys and values ``[B, H, logical length, D]`` in the layer's dtype, every held token at
+    its position as attention reads it (dequantized, rotated back), evicted positions zero; ``held [B, H, length]``
+    where a token is held. A chunk's window exits, between update() and attention, are held.
 
-    Why: code written for DynamicCache reads ``layer.keys`` (shapes, dtypes, a look at the values); a stored layer
-    holds pages, so this is a copy built on each read, a full-length tensor the cache does not keep (nor count in
-    its memory). :func:`token_states` says which positions are evicted.
+    Why: code written for DynamicCache reads ``layer.keys`` (shapes, dtypes, a look at the values), and
+    ``output_attentions`` asks for weights over every position; a stored layer holds pages, so this is a copy built
+    on each read, a full-length tensor the cache does not keep (nor count in its memory).
     """
     bsz, heads, dim = layer.kv_shape
     keys = torch.zeros(bsz, heads, layer.length, dim, dtype=layer.dtype, device=layer.device)
     values = torch.zeros_like(keys)
+    held = torch.zeros(bsz, heads, layer.length, dtype=torch.bool, device=layer.device)
     if layer.window is None:  # reset, nothing held yet
-        return keys, values
+        return keys, values, held
     tiers, window = layer.tiers, layer.window
     for tier in range(tiers.num_tiers):
         pos, _, valid = tiers.read_meta(tier)
         b, h, s = valid.nonzero(as_tuple=True)
         k, v, p, _ = tiers.gather_decoded(tier, b, h, s)
-        keys[b, h, p] = k.to(layer.dtype)
-        values[b, h, p] = v.to(layer.dtype)
+        keys[b, h, p], values[b, h, p], held[b, h, p] = k.to(layer.dtype), v.to(layer.dtype), True
     live = window.pos >= 0
-    wpos = window.pos[live]
-    keys[:, :, wpos] = window.k[:, :, live]
-    values[:, :, wpos] = window.v[:, :, live]
+    parts = [(window.k[:, :, live], window.v[:, :, live], window.pos[live])]
+    if layer._exits is not None:
+        parts.append(layer._exits[:3])
+    for k, v, p in parts:
+        keys[:, :, p], values[:, :, p], held[:, :, p] = k, v, True
     if layer.rotation is not None:  # stored rotated (TriStateLayer.update); the rotation is its own inverse
         keys, values = rotate(keys, layer.rotation), rotate(values, layer.rotation)
-    return keys, values
+    return keys, values, held
+
+
+def attention_weights(layer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """``[B, Hq, q, logical length]``: the softmax a chunk's queries (``query`` as the model made it, not rotated)
+    give every position, zero where a token is not held, as eager attention returns them (``output_attentions``).
+
+    Called between update() and attention: a prompt is attended densely over its own keys, a later chunk over what
+    the layer holds, its new tokens and window exits included (:func:`held_kv`)."""
+    chunk = layer._chunk[0]
+    if layer.length == chunk.shape[2]:  # a prompt
+        keys = chunk if layer.rotation is None else rotate(chunk, layer.rotation)
+        held = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
+    else:
+        keys, _, held = held_kv(layer)
+    q, total = query.shape[2], keys.shape[2]
+    g = query.shape[1] // keys.shape[1]
+    logits = query.float() @ keys.float().repeat_interleave(g, 1).transpose(-1, -2) * scaling
+    allowed = held.repeat_interleave(g, 1)[:, :, None, :]
+    if mask is None:  # plain causal
+        pos = torch.arange(total, device=keys.device)
+        allowed = allowed & (pos[None, :] <= pos[total - q :, None])
+    else:
+        allowed = allowed & mask[..., :total]
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
 
 
 def token_states(layer) -> torch.Tensor:

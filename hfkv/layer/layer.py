@@ -279,6 +279,11 @@ class TriStateLayer(CacheLayerMixin):
             return res
         return out.copy_(res)
 
+    def attention_weights(self, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+        """What ``output_attentions`` returns for this chunk, asked for before :meth:`attend` (which takes the chunk):
+        ``[B, Hq, q, logical length]``, zero where a token is not held (introspection.attention_weights)."""
+        return introspection.attention_weights(self, query, logical_mask(mask, query.shape[2]), scaling)
+
     def ingest_prefill(
         self,
         key: torch.Tensor,
