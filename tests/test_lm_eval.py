@@ -266,3 +266,37 @@ def test_hf_model_runs_the_testbed_alias_offline(tmp_path, monkeypatch):
     assert res["config"]["model"] == "hf"
     assert res["config"]["model_args"] == {"pretrained": TESTBED_PATH, "add_bos_token": True}
     assert res["results"]["testbed_kv_recall"][METRIC] == 1.0  # the testbed recalls both values
+
+
+def test_question_agnostic_compresses_the_context_before_the_question_is_read(monkeypatch):
+    """The prompt is split where RULER's question opens; the cache holds the context compressed before any question
+    token was seen (hfkv.compress with context_scores), and the generation is model.generate continuing from it."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from hfkv.evaluation import lm_eval_model
+
+    lm = HFKVLM(pretrained="testbed", hfkv_config="hfkv@48", question_agnostic="true", context_scores="key_norm",
+                batch_size=1, device="cpu")  # fmt: skip
+    context = " ".join(f"k{i}=v{i * 7 % 97}" for i in range(60))
+    question = "\nWhat are all the special magic numbers for k3 mentioned in the provided text?"
+    seen = []
+    real = lm_eval_model.compress
+    monkeypatch.setattr(
+        lm_eval_model, "compress", lambda model, ids, *a, **k: seen.append(ids) or real(model, ids, *a, **k)
+    )
+    gen = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}
+    (got,) = lm.generate_until([Instance("generate_until", {}, (context + question, gen), 0)])
+    (head,) = seen
+    assert lm.tokenizer.decode(head[0]).endswith(context) and "What" not in lm.tokenizer.decode(head[0])
+    ids = torch.tensor([lm.tok_encode(context + question)])
+    assert torch.equal(ids[:, : head.shape[1]], head)  # the prompt's own tokens, cut before the question
+    cache = real(lm.model, head, lm.hfkv_method.config, scores="key_norm")
+    assert cache.stats().kv_bytes < cache.stats().dense_bytes  # the context alone was compressed
+    out = lm.model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert got == lm.tokenizer.decode(out[0, ids.shape[1] :]).split("\n\n")[0]
+    assert lm.hfkv_stats()["context_scores"] == "key_norm"
+    with pytest.raises(ValueError, match="no question found"):
+        lm.generate_until([Instance("generate_until", {}, (context, gen), 0)])
+    with pytest.raises(ValueError, match="context_scores='attention' is not one of"):
+        HFKVLM(pretrained="testbed", question_agnostic=True, context_scores="attention")

@@ -10,7 +10,10 @@ with ``--model hf`` and ``--model hfkv``; everything but the cache is lm-eval's 
 path, or a baseline such as ``dynamic`` / ``quanto-int4`` for a like-for-like comparison); further
 ``model_args`` that name a ``TriStateConfig`` field (``budget=512``, ``alpha_h=0.8``, ``quantized.key=fp8``)
 or carry an ``hfkv.`` prefix (``hfkv.backend=torch``; ``backend`` alone is HFLM's own argument) are
-overrides. Only generation uses the cache: loglikelihood requests run the model without a cache,
+overrides. ``question_agnostic=true`` compresses each request's context before its question is read (the prompt
+split at its question, :mod:`hfkv.evaluation.question_split`; an hfkv config through :func:`hfkv.compress`, its
+scores from ``context_scores``: reconstruction, key_norm or observation), one request at a time. Only generation
+uses the cache: loglikelihood requests run the model without a cache,
 exactly as ``--model hf`` does. The cache statistics of the run land in the results JSON under
 ``config.hfkv`` (overall and per task).
 """
@@ -22,10 +25,12 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
+import torch
 from accelerate.utils import gather_object
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from hfkv.compress_once import SCORE_SOURCES, compress
 from hfkv.config import TriStateConfig, did_you_mean
 from hfkv.evaluation.methods import (
     QUANTIZED_OPTIONS,
@@ -36,6 +41,7 @@ from hfkv.evaluation.methods import (
     parse_method,
     parse_value,
 )
+from hfkv.evaluation.question_split import question_start
 from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
 from hfkv.testbed import TESTBED_PATH
 
@@ -43,7 +49,7 @@ PREFIX = "hfkv."
 _HFLM_PARAMS = set(inspect.signature(HFLM.__init__).parameters)
 _CONFIG_FIELDS = {f.name for f in fields(TriStateConfig)}
 #: The hfkv model's own model_args keys (the rest configure the cache, or HFLM and from_pretrained).
-HFKV_KEYS = ("pretrained", "hfkv_config")
+HFKV_KEYS = ("pretrained", "hfkv_config", "question_agnostic", "context_scores")
 #: from_pretrained keyword arguments HFLM forwards unchanged that a model_args key may name (besides
 #: HFLM's own arguments, read from its signature); any other key is refused before a model loads.
 FROM_PRETRAINED_KEYS = (
@@ -183,9 +189,20 @@ class _Tally:
 class HFKVLM(HFLM):
     """``HFLM`` whose generation runs through a fresh cache built from ``hfkv_config`` (+ overrides)."""
 
-    def __init__(self, pretrained: Any = TESTBED, hfkv_config: str = "hfkv", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        pretrained: Any = TESTBED,
+        hfkv_config: str = "hfkv",
+        question_agnostic: bool | str = False,
+        context_scores: str = "reconstruction",
+        **kwargs: Any,
+    ) -> None:
         # Check first: a misspelt key or a typo in the cache config must fail before a model is loaded.
         self.hfkv_method: Method = check_model_args({"hfkv_config": hfkv_config, **kwargs})
+        self.question_agnostic = _flag("question_agnostic", question_agnostic)
+        if context_scores not in SCORE_SOURCES:
+            raise ValueError(f"context_scores={context_scores!r} is not one of {SCORE_SOURCES}")
+        self.context_scores = context_scores
         overrides, kwargs = split_model_args(kwargs)
         self.hfkv_spec = str(hfkv_config)
         self.hfkv_overrides = dict(overrides)
@@ -214,11 +231,33 @@ class HFKVLM(HFLM):
         return out  # type: ignore[return-value]
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-        cache = self.hfkv_method.make_cache(self.model, max_cache_len=max_length)
+        if self.question_agnostic:
+            cache = self._context_before_question(context, max_length)
+        else:
+            cache = self.hfkv_method.make_cache(self.model, max_cache_len=max_length)
         out = super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
         kv, dense = kv_and_dense_bytes(self.model, cache, batch=int(context.shape[0]))
         self._hfkv_local[self._hfkv_task or "unknown"].add(_Tally(int(context.shape[0]), 1, kv, dense))
         return out
+
+    def _context_before_question(self, context, max_length: int):
+        """The cache holding the request's context, compressed before its question is read (``question_agnostic``):
+        an hfkv config through :func:`hfkv.compress` with ``context_scores``, any other cache by a forward over the
+        context; ``generate`` then reads the question from the prompt's remaining tokens."""
+        if context.shape[0] != 1:
+            raise ValueError(
+                f"question_agnostic runs one request at a time (each has its own question): batch_size=1, got a "
+                f"batch of {context.shape[0]}"
+            )
+        n = question_start(self.tokenizer, context[0].tolist())
+        head = context[:, :n]
+        if self.hfkv_method.config is not None:
+            return compress(self.model, head, self.hfkv_method.config, scores=self.context_scores,
+                            tokenizer=self.tokenizer)  # fmt: skip
+        cache = self.hfkv_method.make_cache(self.model, max_cache_len=max_length)
+        with torch.no_grad():
+            self.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
 
     def _hfkv_reduce(self) -> None:
         """Totals over all data-parallel ranks (every rank calls ``generate_until`` the same number of times)."""
@@ -237,6 +276,8 @@ class HFKVLM(HFLM):
         return {
             "method": self.hfkv_method.label,
             "spec": self.hfkv_spec,
+            "question_agnostic": self.question_agnostic,
+            **({"context_scores": self.context_scores} if self.question_agnostic else {}),
             "overrides": {k: _plain(v) for k, v in self.hfkv_overrides.items()},
             **{k: v for k, v in self.hfkv_method.describe().items() if k != "method"},
             **total.summary(),
@@ -257,6 +298,17 @@ def merge_tallies(parts: list[dict[str, tuple[int, int, int, int]]]) -> dict[str
         for task, values in part.items():
             merged[task].add(_Tally(*values))
     return dict(merged)
+
+
+def _flag(name: str, value: bool | str) -> bool:
+    """A boolean model_arg, which lm-eval's command line passes as a string."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name}={value!r} must be true or false")
 
 
 def _plain(v: Any) -> Any:
