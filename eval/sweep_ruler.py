@@ -49,12 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--force", action="store_true", help="re-run rows already in --out")
     ap.add_argument("--full-length", action="store_true", help="never stop a generation before EOS/max_gen_toks")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
+    ap.add_argument("--question-agnostic", action="store_true",
+                    help="compress each context before its question is read (hfkv.compress); rows go to "
+                    f"{OUT_DIR}/ruler_qa_<model>.jsonl unless --out names another file")  # fmt: skip
+    ap.add_argument("--context-scores", default="reconstruction,key_norm,observation",
+                    help="with --question-agnostic: the score sources each hfkv method runs with, comma-separated "
+                    "(default %(default)s); other caches hold the context as a prefill leaves it")  # fmt: skip
     return ap
 
 
 def out_path(args: argparse.Namespace) -> str:
     """``--out``, or the default file of ``--model`` under the working directory."""
-    return args.out or f"{OUT_DIR}/ruler_{os.path.basename(args.model)}.jsonl"
+    kind = "ruler_qa" if args.question_agnostic else "ruler"
+    return args.out or f"{OUT_DIR}/{kind}_{os.path.basename(args.model)}.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from hfkv.compress_once import SCORE_SOURCES
     from hfkv.evaluation.methods import expand_methods, stored_row_as_today
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
     from hfkv.evaluation.ruler import OFFLINE_TASKS, SharedPrefillLM, load_examples, tokenizer_path
@@ -81,20 +89,31 @@ def main(argv: list[str] | None = None) -> int:
     methods, skipped = expand_methods(args.methods)
     for spec, why in skipped:
         print(f"skipping {spec}: {why}", file=sys.stderr)
-    out = ResultFile(out_path(args), KEY, MATCH, normalize=stored_row_as_today)
+    sources = parse_list(args.context_scores) if args.question_agnostic else [None]
+    for src in sources:
+        if src is not None and src not in SCORE_SOURCES:
+            raise SystemExit(f"--context-scores: {src!r} is not one of {SCORE_SOURCES}")
+    key = KEY + ("context_scores",) if args.question_agnostic else KEY
+    out = ResultFile(out_path(args), key, MATCH, normalize=stored_row_as_today)
     tok_path = tokenizer_path(args.model)
     pre_model, tok = load_model(args.model, dtype=pre_dtype)
     model = pre_model if dtype == pre_dtype else copy.deepcopy(pre_model).to(dtype)
     extra = {"add_bos_token": True} if args.model == TESTBED else {}  # as `hfkv eval` sets it for the testbed
-    lm = SharedPrefillLM(model, tok, prefill_model=pre_model, stop_when_found=not args.full_length, **extra)
+    lm = SharedPrefillLM(model, tok, prefill_model=pre_model, stop_when_found=not args.full_length,
+                         question_agnostic=args.question_agnostic, **extra)  # fmt: skip
     base = {"model": args.model, "dtype": args.dtype}
     t_all = time.perf_counter()
     for task in tasks:
         for length in lengths:
             examples = load_examples(task, length, tok_path, args.start + args.limit)[args.start :]
             for ex in examples:
-                for m in methods:
+                # question-agnostic: every hfkv method with each score source, other caches once
+                runs = [(m, s) for m in methods for s in (sources if m.config is not None else sources[:1])]
+                for m, src in runs:
                     row_key = {**base, "task": task, "length": length, "doc_id": ex.doc_id, **m.describe()}
+                    if args.question_agnostic:
+                        row_key["context_scores"] = src if m.config is not None else "observation"
+                        lm.context_scores = row_key["context_scores"]
                     if not args.force and out.has(row_key):
                         continue
                     t0 = time.perf_counter()
@@ -111,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     out.append(row)
                     print(
-                        f"{task} {length} #{ex.doc_id} {m.label:<28} score={r['score']:.2f} "
+                        f"{task} {length} #{ex.doc_id} {m.label:<28} {src or '':<14} score={r['score']:.2f} "
                         f"mem={row['memory_ratio']:.3f} {row['wall_s']:.1f}s {r['output'][:40]!r}",
                         flush=True,
                     )

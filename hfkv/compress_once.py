@@ -34,7 +34,7 @@ from hfkv.cache import TriStateCache
 from hfkv.config import TriStateConfig
 from hfkv.layer.layer import TriStateLayer
 
-__all__ = ["REPEAT_PROMPT", "SCORE_SOURCES", "compress", "score_context"]
+__all__ = ["REPEAT_PROMPT", "SCORE_SOURCES", "compress", "key_norm_scores", "score_context"]
 
 SCORE_SOURCES = ("reconstruction", "key_norm", "observation")
 # KVzip's request to repeat the context, placed after it; the repetition follows it.
@@ -168,7 +168,13 @@ def score_context(
                 part = torch.cat([repeat.view(1, -1).expand(bsz, -1), input_ids[:, start : start + chunk]], 1)
                 model(input_ids=part, past_key_values=_alongside(context), use_cache=True, logits_to_keep=1)
             return recorder.captured, recorder.scores
-    if scores == "key_norm":  # lower is more important: the largest norm of each row and head scores 0
-        norms = {i: c[0].float().norm(dim=-1) for i, c in recorder.captured.items()}
-        return recorder.captured, {i: n.amax(-1, keepdim=True) - n for i, n in norms.items()}
+    if scores == "key_norm":
+        return recorder.captured, key_norm_scores(recorder.captured)
     return recorder.captured, {}
+
+
+def key_norm_scores(captured: dict[int, tuple]) -> dict[int, torch.Tensor]:
+    """``[B, H, T]`` per layer from :func:`score_context`'s captured keys: lower norm is more important, so each
+    token scores the largest norm of its row and head less its own."""
+    norms = {i: c[0].float().norm(dim=-1) for i, c in captured.items()}
+    return {i: n.amax(-1, keepdim=True) - n for i, n in norms.items()}

@@ -300,3 +300,24 @@ def test_question_agnostic_compresses_the_context_before_the_question_is_read(mo
         lm.generate_until([Instance("generate_until", {}, (context, gen), 0)])
     with pytest.raises(ValueError, match="context_scores='attention' is not one of"):
         HFKVLM(pretrained="testbed", question_agnostic=True, context_scores="attention")
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        "\nWhat is the special magic number for k3 mentioned in the provided text? The special magic number is",
+        "\nWhat are all the special magic numbers for k3 mentioned in the provided text?",
+        "\nQuestion: Find all variables that are assigned the value 12345 in the text above. Answer:",
+    ],
+)
+def test_question_start_cuts_the_prompts_own_tokens_before_the_last_question(question):
+    from transformers import AutoTokenizer
+
+    from hfkv.evaluation.question_split import question_start
+
+    tok = AutoTokenizer.from_pretrained(TESTBED_PATH)
+    context = "Question: an early line that is context.\n" + " ".join(f"k{i}=v{i}" for i in range(30))
+    ids = tok(context + question).input_ids
+    n = question_start(tok, ids)
+    assert tok.decode(ids).startswith(tok.decode(ids[:n])) and tok.decode(ids[:n]).endswith(context[-6:])
+    assert question.strip() in tok.decode(ids[n:])

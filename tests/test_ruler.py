@@ -75,3 +75,40 @@ def test_unknown_ruler_task_is_refused():
 
     with pytest.raises(ValueError, match="not one of RULER's offline tasks"):
         load_examples("niah_single_2", 4096, "testbed", 1)
+
+
+@pytest.mark.slow
+def test_question_agnostic_runner_generates_as_lm_eval_does(tmp_path):
+    """--question-agnostic in the sweep's runner (one context capture shared by every cache, then the question read
+    through each) gives what lm-eval's hfkv model with question_agnostic=true generates (hfkv.compress)."""
+    from lm_eval import simple_evaluate
+
+    from hfkv.evaluation.methods import parse_method
+    from hfkv.evaluation.ruler import SharedPrefillLM, load_examples, tokenizer_path
+    from hfkv.loading import load_model
+
+    examples = load_examples("niah_single_1", LENGTH, tokenizer_path("testbed"), 2)
+    model, tok = load_model("testbed")
+    lm = SharedPrefillLM(model, tok, stop_when_found=False, add_bos_token=True, question_agnostic=True)
+    for spec, scores in (("dynamic", "observation"), ("hfkv@64", "key_norm"), ("hfkv@64", "reconstruction")):
+        lm.context_scores = scores
+        got = [lm.generate_one(ex, parse_method(spec)) for ex in examples]
+        ref = simple_evaluate(
+            model="hfkv",
+            model_args={
+                "pretrained": "testbed",
+                "hfkv_config": spec,
+                "question_agnostic": True,
+                "context_scores": scores,
+            },  # fmt: skip
+            tasks=["niah_single_1"],
+            limit=2,
+            batch_size=1,
+            device="cpu",
+            log_samples=True,
+            metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer_path("testbed")},
+        )
+        by_input = {s["doc"]["input"]: s for s in ref["samples"]["niah_single_1"]}
+        samples = [by_input[ex.instance.doc["input"]] for ex in examples]
+        assert [g["output"] for g in got] == [s["resps"][0][0] for s in samples], (spec, scores)
+        assert ref["config"]["hfkv"]["context_scores"] == scores

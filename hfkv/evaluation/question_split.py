@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# The line that opens the question in each of lm-eval's RULER templates (niah_*, ruler_vt, ruler_cwe, ruler_fwe,
-# ruler_qa_*): the split is at the last one in the prompt.
+# The line that opens the question in each of lm-eval's RULER templates (niah_*: "What is" where one needle is
+# asked for, "What are all" otherwise; ruler_vt, ruler_cwe, ruler_fwe, ruler_qa_*): the split is at the last one.
 QUESTION_MARKERS: tuple[str, ...] = (
+    "\nWhat is the special magic",
     "\nWhat are all the special magic",
     "\nQuestion:",
-    "Question:",
 )
 
 

@@ -27,8 +27,11 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from hfkv.cache import TriStateLayer
+from hfkv.compress_once import REPEAT_PROMPT, key_norm_scores, score_context
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
+from hfkv.evaluation.question_split import question_start
 from hfkv.evaluation.shared_prefill import Prefill, fill_from_prefill, greedy, run_prefill
 from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
 from hfkv.testbed import TESTBED_PATH
@@ -123,6 +126,8 @@ class SharedPrefillLM(HFKVLM):
         self.prefill_model = prefill_model if prefill_model is not None else model
         self.stop_when_found = stop_when_found
         self._memo: tuple[tuple[int, ...], Prefill] | None = None
+        # question_agnostic: the context's capture and its scores per source, for the context now being asked about
+        self._context: tuple[tuple[int, ...], dict[int, tuple], dict[str, dict]] | None = None
         self._refs: Sequence[str] = ()
         self.last: dict[str, Any] = {}
 
@@ -143,8 +148,11 @@ class SharedPrefillLM(HFKVLM):
             raise ValueError("SharedPrefillLM generates one prompt at a time (batch_size=1)")
         if generation_kwargs.get("do_sample"):
             raise ValueError("SharedPrefillLM decodes greedily; do_sample must be false")
-        pre = self.prefill(context)
-        cache = fill_from_prefill(self.hfkv_method.make_cache(self.model), pre, dtype=self.model.dtype)
+        if self.question_agnostic:
+            cache, pre = self._context_then_question(context)
+        else:
+            pre = self.prefill(context)
+            cache = fill_from_prefill(self.hfkv_method.make_cache(self.model), pre, dtype=self.model.dtype)
         gc = self.model.generation_config.eos_token_id
         eos = {*(gc if isinstance(gc, (list, tuple)) else [gc] if gc is not None else [])}
         if self.tokenizer.eos_token_id is not None:
@@ -160,6 +168,37 @@ class SharedPrefillLM(HFKVLM):
         kv, dense = kv_and_dense_bytes(self.model, cache, batch=1)
         self.last = {"kv_bytes": kv, "dense_bytes": dense, "generated": len(new), "prompt_tokens": context.shape[1]}
         return torch.cat([context, torch.tensor([new], dtype=context.dtype, device=context.device)], dim=1)
+
+    def _context_then_question(self, context: torch.Tensor) -> tuple[Any, Prefill]:
+        """``question_agnostic``: the cache filled with the context alone, scored by ``context_scores`` (hfkv
+        configs; any other cache holds it as a prefill leaves it), then the question read through it; and the
+        next-token logits after the question. The context's forward and scores are shared by every method."""
+        n = question_start(self.tokenizer, context[0].tolist())
+        head, question = context[:, :n], context[:, n:]
+        source = self.context_scores if self.hfkv_method.config is not None else "observation"
+        key = tuple(head[0].tolist())
+        if self._context is None or self._context[0] != key:
+            self._context = None  # free the previous context's tensors first
+            captured, _ = score_context(self.prefill_model, head.to(self.prefill_model.device), "observation")
+            self._context = (key, captured, {"observation": {}, "key_norm": key_norm_scores(captured)})
+        _, captured, by_source = self._context
+        if source not in by_source:  # reconstruction: its own pass after the context
+            repeat = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+            by_source[source] = score_context(self.prefill_model, head.to(self.prefill_model.device), source,
+                                              repeat.to(self.prefill_model.device))[1]  # fmt: skip
+        scores, dtype = by_source[source], self.model.dtype
+        cache = self.hfkv_method.make_cache(self.model)
+        for i, layer in enumerate(cache.layers):
+            k, v, q, scaling = captured[i]
+            k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)
+            if isinstance(layer, TriStateLayer):
+                layer.ingest_prefill(k, v, q, scaling, scores=scores.get(i))
+            else:
+                cache.update(k, v, i)
+        with torch.no_grad():
+            out = self.model(input_ids=question.to(self.model.device), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)  # fmt: skip
+        return cache, Prefill([], [], [], [], out.logits[:, -1].float())
 
     def generate_one(self, example: RulerExample, method: Method) -> dict[str, Any]:
         """Score one example with one cache: output text, score, bytes held vs DynamicCache's."""
