@@ -40,6 +40,8 @@ from hfkv.evaluation.results import wilson_interval as wilson  # noqa: E402
 TESTBED = "eval/results/testbed_sweep.jsonl"
 FIDELITY = "eval/results/fidelity_sweep.jsonl"
 RULER = "eval/results/ruler_*.jsonl"
+COMPRESS_ONCE_TESTBED = "eval/results/compress_once_testbed.jsonl"
+COMPRESS_ONCE_RULER = "eval/results/compress_once_ruler_*.jsonl"
 BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 DEMO = "eval/results/demo.json"
@@ -782,13 +784,81 @@ def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str
             ]
             base = run.get("dynamic", {}).get("ms_median")
             rows = [
-                [f"`{e}`", fmt(run[e]["ms_median"], ".2f"), fmt(run[e]["ms_mean"], ".2f"),
-                 fmt(base / run[e]["ms_median"], ".2f", "x") if base else "",
-                 fmt(run[e]["first_step_s"], ".2f"), compiles_label(run[e].get("ms"), run[e]["ms_median"])]  # fmt: skip
+                [
+                    f"`{e}`",
+                    fmt(run[e]["ms_median"], ".2f"),
+                    fmt(run[e]["ms_mean"], ".2f"),
+                    fmt(base / run[e]["ms_median"], ".2f", "x") if base else "",
+                    fmt(run[e]["first_step_s"], ".2f"),
+                    compiles_label(run[e].get("ms"), run[e]["ms_median"]),
+                ]  # fmt: skip
                 for e in entries
             ]
             head = ["entry", "ms/step median", "mean", "vs dynamic (median)", "first step s", "steps > 10x median"]
             out += [md_table(head, rows, "lrrrrr"), ""]
+    return out
+
+
+def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, Any]]) -> list[str]:
+    """A context compressed before any question (hfkv.compress), then asked: the testbed and RULER."""
+    out = ["## Compress once, ask many: the question withheld", ""]
+    if not testbed and not ruler:
+        return [*out, f"No rows yet in `{COMPRESS_ONCE_TESTBED}` or `{COMPRESS_ONCE_RULER}`.", ""]
+    out += [
+        'Each context is compressed before its question is read (`hfkv.compress`, docs/generate.md "Compress once, '
+        'ask many"): hfkv methods with each score source (`reconstruction`: KVzip-style, `key_norm`, '
+        "`observation`: the context's own last queries), other caches as a prefill of the context leaves them; "
+        "`question_aware` puts the question in the prompt (what withholding it costs). 95% interval: Wilson.",
+        "",
+    ]
+    if testbed:
+        rows = sorted(last_per_key(testbed, ("method", "context_scores", "questions")),
+                      key=lambda r: (row_key(r), r["context_scores"]))  # fmt: skip
+        q = rows[0]["questions"]
+        out += [
+            f"### Testbed `kv_recall` (`{COMPRESS_ONCE_TESTBED}`; {provenance_note(rows)}; {wall_note(rows)})",
+            "",
+            f"{rows[0]['contexts']} contexts, {q} questions each, every answer from a `fork()` of one compressed "
+            "context (its value's digits checked); memory = bytes held after compressing the context / a "
+            "DynamicCache's (question_aware: at the end of its run).",
+            "",
+            md_table(
+                ["method", "context scores", "memory", "correct", "accuracy", "95% interval"],
+                [
+                    [
+                        r["method"],
+                        r["context_scores"],
+                        pct(r["memory_ratio"]),
+                        f"{r['correct']}/{r['asked']}",
+                        f"{r['accuracy']:.3f}",
+                        f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]",
+                    ]
+                    for r in rows
+                ],
+                "llrrrr",
+            ),  # fmt: skip
+            "",
+        ]
+    if ruler:
+        rows = last_per_key(ruler, (*RULER_KEY, "context_scores"))
+        for task, length in sorted({(r["task"], r["length"]) for r in rows}):
+            sel = [r for r in rows if (r["task"], r["length"]) == (task, length)]
+            groups: dict[tuple, list[dict[str, Any]]] = {}
+            for r in sel:
+                groups.setdefault((r["method"], r["context_scores"]), []).append(r)
+            table = []
+            for (method, scores), rs in sorted(groups.items(), key=lambda kv: (row_key(kv[1][0]), kv[0][1])):
+                n, mean = len(rs), sum(r["score"] for r in rs) / len(rs)
+                lo, hi = wilson(mean * n, n)
+                mem = sum(r["memory_ratio"] for r in rs) / n
+                table.append([method, scores, str(n), f"{mean:.3f}", f"[{lo:.3f}, {hi:.3f}]", pct(mem)])
+            out += [
+                f"### RULER {task} at {length} tokens, question withheld (`{COMPRESS_ONCE_RULER}`; "
+                f"{provenance_note(sel)}; {wall_note(sel)})",
+                "",
+                md_table(["method", "context scores", "n", "score", "95% interval", "memory"], table, "llrrrr"),
+                "",
+            ]
     return out
 
 
@@ -811,8 +881,9 @@ def suite_section(root: Path) -> list[str]:
         "that pass with DynamicCache, how many pass with every DynamicCache built as TriStateCache(preset); "
         "*exercised*: the tests that built a cache.",
         "",
-        md_table(["preset", "pass with DynamicCache", "pass with the preset", "exercised", "exercised, pass"], rows,
-                 "lrrrr"),  # fmt: skip
+        md_table(
+            ["preset", "pass with DynamicCache", "pass with the preset", "exercised", "exercised, pass"], rows, "lrrrr"
+        ),  # fmt: skip
         "",
         "Failures with DynamicCache's passes, by cause:" if causes else "No failure among DynamicCache's passes.",
         "",
@@ -1222,6 +1293,10 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += compile_figures_section(
         [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(COMPILE_FIGURES))]
     )
+    lines += compress_once_section(
+        read_rows(root / COMPRESS_ONCE_TESTBED),
+        [r for p in sorted(root.glob(COMPRESS_ONCE_RULER)) for r in read_rows(p)],
+    )
     lines += suite_section(root)
     lines += COMMANDS.splitlines()
     demo = root / DEMO
@@ -1385,6 +1460,11 @@ for t in niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
 for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
     python -m eval.sweep_ruler --tasks $t --lengths 8192 --limit 4 --threads 1 --methods dynamic \\
         --out eval/results/ruler_smollm2.jsonl; done
+# compress once, ask many (the question withheld)
+python eval/compress_once_testbed.py --out eval/results/compress_once_testbed.jsonl
+python eval/sweep_ruler.py --question-agnostic --tasks niah_single_1 --lengths 4096 --limit 10 \\
+    --methods dynamic,hfkv@128,hfkv@256,hfkv@512,evict@256,streaming@256,quanto-int4 \\
+    --out eval/results/compress_once_ruler_smollm2.jsonl
 # then
 python -m eval.make_tables
 ```

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
     ap.add_argument("--question-agnostic", action="store_true",
                     help="compress each context before its question is read (hfkv.compress); rows go to "
-                    f"{OUT_DIR}/ruler_qa_<model>.jsonl unless --out names another file")  # fmt: skip
+                    f"{OUT_DIR}/compress_once_ruler_<model>.jsonl unless --out names another file")  # fmt: skip
     ap.add_argument("--context-scores", default="reconstruction,key_norm,observation",
                     help="with --question-agnostic: the score sources each hfkv method runs with, comma-separated "
                     "(default %(default)s); other caches hold the context as a prefill leaves it")  # fmt: skip
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def out_path(args: argparse.Namespace) -> str:
     """``--out``, or the default file of ``--model`` under the working directory."""
-    kind = "ruler_qa" if args.question_agnostic else "ruler"
+    kind = "compress_once_ruler" if args.question_agnostic else "ruler"
     return args.out or f"{OUT_DIR}/{kind}_{os.path.basename(args.model)}.jsonl"
 
 
