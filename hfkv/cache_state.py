@@ -68,8 +68,11 @@ def restore(cache, tensors: dict[str, torch.Tensor], layers: list[dict[str, Any]
 
 def model_id(shape, model: torch.nn.Module | None) -> dict[str, Any]:
     """What a file names its model by: the shape (``hfkv.model_shape.ModelShape``) and, where the cache was made
-    from the model itself (not its config), the weights' :func:`fingerprint`."""
-    out = {"name": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    from the model itself (not its config), the weights' :func:`fingerprint`; :func:`check` compares what the file
+    has."""
+    out = {}
+    if shape is not None:  # None: a cache made without a model or config (the full preset), known by nothing
+        out = {"name": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
     if model is not None:
         out["weights"] = fingerprint(model)
     return out

@@ -221,3 +221,24 @@ def test_compress_names_what_it_cannot_take():
         hfkv.compress(model, context, budget=24, window=4)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
         hfkv.compress(model, context[0])
+
+
+@pytest.mark.parametrize("kind", ["config-less full", "sliding layers"])
+def test_fork_and_load_keep_transformers_own_layers(kind, tmp_path):
+    """A cache made without a model (its DynamicLayers made as first updated) and a model whose sliding layers stay
+    DynamicSlidingWindowLayer: fork and load give the original's logits."""
+    if kind == "sliding layers":
+        model = tiny_model("gemma2")
+        cache = hfkv.TriStateCache(model, "hfkv", budget=24, window=4, backend="cpu")
+    else:
+        model = tiny_model("llama")
+        cache = hfkv.TriStateCache(None, "full")
+    context, q = _ids(60, 0), _ids(4, 1)
+    with torch.no_grad():
+        model(input_ids=context, past_key_values=cache)
+        fork, loaded = cache.fork(), hfkv.TriStateCache.load(cache.save(tmp_path / "c.safetensors"), model)
+        want = model(input_ids=q, past_key_values=cache).logits
+        for other in (fork, loaded):
+            assert torch.equal(model(input_ids=q, past_key_values=other).logits, want)
+    kinds = {type(layer).__name__ for layer in loaded.layers}
+    assert kinds == ({"DynamicSlidingWindowLayer", "TriStateLayer"} if kind == "sliding layers" else {"DynamicLayer"})
