@@ -309,3 +309,22 @@ def test_output_attentions_of_a_stored_layer_are_the_weights_its_attention_appli
                 torch.testing.assert_close(mixed, outputs[i], atol=1e-5, rtol=1e-4)
     for h in hooks:
         h.remove()
+
+
+def test_attention_weights_of_a_stored_layer_carry_gradients_as_eager_ones_do():
+    """transformers' retain_grad check: with grad enabled, a stored layer's output is its weights times the held
+    values, so a loss reaches the weights; the logits are those of the no-grad step."""
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    caches = [hfkv.TriStateCache(model, "quant", backend="cpu") for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=ids, past_key_values=cache)
+        want = model(input_ids=ids[:, -1:], past_key_values=caches[0], output_attentions=True).logits
+    out = model(input_ids=ids[:, -1:], past_key_values=caches[1], output_attentions=True)
+    assert not caches[1].layers[0].dense.active
+    for a in out.attentions:
+        a.retain_grad()
+    out.logits.sum().backward()
+    assert all(a.grad is not None and a.grad.abs().sum() > 0 for a in out.attentions)
+    torch.testing.assert_close(out.logits.detach(), want, atol=1e-5, rtol=1e-4)

@@ -45,10 +45,14 @@ def dispatch(original, module, query, key, value, attention_mask, *args, **kwarg
         out, weights = original(module, query, key, value, attention_mask, *args, **kwargs)
         # attend() returns ``out`` itself (hfkv.graphs' capture returns where its replay writes)
         return layer.attend(module, query, key, value, attention_mask, scaling, computed=out), weights
-    weights = None  # a layer attending over its tiers materialises no probabilities: built only when asked for
-    if kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False):
-        weights = layer.attention_weights(query, attention_mask, scaling)
-    return layer.attend(module, query, key, value, attention_mask, scaling), weights
+    # A layer attending over its tiers materialises no probabilities: they are built only when asked for.
+    if not (kwargs.get("output_attentions") or getattr(getattr(module, "config", None), "output_attentions", False)):
+        return layer.attend(module, query, key, value, attention_mask, scaling), None
+    weights, values = layer.attention_weights(query, attention_mask, scaling)
+    out = layer.attend(module, query, key, value, attention_mask, scaling)
+    if torch.is_grad_enabled() and query.requires_grad:  # gradients reach the weights (retain_grad) through it
+        out = (weights @ values.to(weights.dtype)).transpose(1, 2).contiguous()
+    return out, weights
 
 
 def hfkv_attention(module, query, key, value, attention_mask, *args, **kwargs):

@@ -71,18 +71,21 @@ def held_kv(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return keys, values, held
 
 
-def attention_weights(layer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """``[B, Hq, q, logical length]``: the softmax a chunk's queries (``query`` as the model made it, not rotated)
-    give every position, zero where a token is not held, as eager attention returns them (``output_attentions``).
+def attention_weights(
+    layer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, values)``: the softmax ``[B, Hq, q, logical length]`` a chunk's queries (``query`` as the model made
+    it, not rotated) give every position, zero where a token is not held, as eager attention returns them
+    (``output_attentions``), and the values ``[B, Hq, length, D]`` they weigh (as held, repeated per query head).
 
     Called between update() and attention: a prompt is attended densely over its own keys, a later chunk over what
     the layer holds, its new tokens and window exits included (:func:`held_kv`)."""
-    chunk = layer._chunk[0]
-    if layer.length == chunk.shape[2]:  # a prompt
-        keys = chunk if layer.rotation is None else rotate(chunk, layer.rotation)
+    k, v, _ = layer._chunk
+    if layer.length == k.shape[2]:  # a prompt
+        keys, values = (k, v) if layer.rotation is None else (rotate(k, layer.rotation), rotate(v, layer.rotation))
         held = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
     else:
-        keys, _, held = held_kv(layer)
+        keys, values, held = held_kv(layer)
     q, total = query.shape[2], keys.shape[2]
     g = query.shape[1] // keys.shape[1]
     logits = query.float() @ keys.float().repeat_interleave(g, 1).transpose(-1, -2) * scaling
@@ -92,7 +95,8 @@ def attention_weights(layer, query: torch.Tensor, mask: torch.Tensor | None, sca
         allowed = allowed & (pos[None, :] <= pos[total - q :, None])
     else:
         allowed = allowed & mask[..., :total]
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
+    weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0).to(query.dtype)
+    return weights, values.repeat_interleave(g, 1)
 
 
 def token_states(layer) -> torch.Tensor:

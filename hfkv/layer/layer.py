@@ -279,9 +279,10 @@ class TriStateLayer(CacheLayerMixin):
             return res
         return out.copy_(res)
 
-    def attention_weights(self, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    def attention_weights(self, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``output_attentions`` returns for this chunk, asked for before :meth:`attend` (which takes the chunk):
-        ``[B, Hq, q, logical length]``, zero where a token is not held (introspection.attention_weights)."""
+        ``[B, Hq, q, logical length]``, zero where a token is not held, and the values they weigh
+        (introspection.attention_weights)."""
         return introspection.attention_weights(self, query, logical_mask(mask, query.shape[2]), scaling)
 
     def ingest_prefill(
