@@ -31,10 +31,30 @@ def test_hfkv_eval_runs_ruler_offline(tmp_path):
     assert all(r[str(LENGTH)] in (0.0, 1.0) for r in rows)  # RULER's own per-example score
 
 
+def _lm_eval_samples(examples, **model_args) -> tuple[dict, list[dict]]:
+    """lm-eval's hfkv model on the testbed over niah_single_1's first 2 documents: its results and, in the order of
+    ``examples``, its samples of the same generated documents."""
+    from lm_eval import simple_evaluate
+
+    from hfkv.evaluation.ruler import tokenizer_path
+
+    ref = simple_evaluate(
+        model="hfkv",
+        model_args={"pretrained": "testbed", **model_args},
+        tasks=["niah_single_1"],
+        limit=2,
+        batch_size=1,
+        device="cpu",
+        log_samples=True,
+        metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer_path("testbed")},
+    )
+    by_input = {s["doc"]["input"]: s for s in ref["samples"]["niah_single_1"]}
+    return ref, [by_input[ex.instance.doc["input"]] for ex in examples]
+
+
 @pytest.mark.slow
 def test_shared_prefill_runner_scores_like_lm_eval(tmp_path):
     """The sweep's runner (one prompt forward, each cache filled from it) gives lm-eval's generations and scores."""
-    from lm_eval import simple_evaluate
 
     from hfkv.evaluation.methods import parse_method
     from hfkv.evaluation.ruler import SharedPrefillLM, load_examples, tokenizer_path
@@ -45,18 +65,7 @@ def test_shared_prefill_runner_scores_like_lm_eval(tmp_path):
     lm = SharedPrefillLM(model, tok, stop_when_found=False, add_bos_token=True)
     for spec in ("dynamic", "evict@64:window=16", "hfkv@64"):
         got = [lm.generate_one(ex, parse_method(spec)) for ex in examples]
-        ref = simple_evaluate(
-            model="hfkv",
-            model_args={"pretrained": "testbed", "hfkv_config": spec},
-            tasks=["niah_single_1"],
-            limit=2,
-            batch_size=1,
-            device="cpu",
-            log_samples=True,
-            metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer_path("testbed")},
-        )
-        by_input = {s["doc"]["input"]: s for s in ref["samples"]["niah_single_1"]}
-        samples = [by_input[ex.instance.doc["input"]] for ex in examples]  # the same generated documents
+        _, samples = _lm_eval_samples(examples, hfkv_config=spec)
         assert [g["output"] for g in got] == [s["resps"][0][0] for s in samples], spec
         assert [g["score"] for g in got] == [s[str(LENGTH)] for s in samples], spec
         assert all(0 < g["kv_bytes"] <= g["dense_bytes"] * 1.1 for g in got)
@@ -81,7 +90,6 @@ def test_unknown_ruler_task_is_refused():
 def test_question_agnostic_runner_generates_as_lm_eval_does(tmp_path):
     """--question-agnostic in the sweep's runner (one context capture shared by every cache, then the question read
     through each) gives what lm-eval's hfkv model with question_agnostic=true generates (hfkv.compress)."""
-    from lm_eval import simple_evaluate
 
     from hfkv.evaluation.methods import parse_method
     from hfkv.evaluation.ruler import SharedPrefillLM, load_examples, tokenizer_path
@@ -93,22 +101,6 @@ def test_question_agnostic_runner_generates_as_lm_eval_does(tmp_path):
     for spec, scores in (("dynamic", "observation"), ("hfkv@64", "key_norm"), ("hfkv@64", "reconstruction")):
         lm.context_scores = scores
         got = [lm.generate_one(ex, parse_method(spec)) for ex in examples]
-        ref = simple_evaluate(
-            model="hfkv",
-            model_args={
-                "pretrained": "testbed",
-                "hfkv_config": spec,
-                "question_agnostic": True,
-                "context_scores": scores,
-            },  # fmt: skip
-            tasks=["niah_single_1"],
-            limit=2,
-            batch_size=1,
-            device="cpu",
-            log_samples=True,
-            metadata={"max_seq_lengths": [LENGTH], "tokenizer": tokenizer_path("testbed")},
-        )
-        by_input = {s["doc"]["input"]: s for s in ref["samples"]["niah_single_1"]}
-        samples = [by_input[ex.instance.doc["input"]] for ex in examples]
+        ref, samples = _lm_eval_samples(examples, hfkv_config=spec, question_agnostic=True, context_scores=scores)
         assert [g["output"] for g in got] == [s["resps"][0][0] for s in samples], (spec, scores)
         assert ref["config"]["hfkv"]["context_scores"] == scores
