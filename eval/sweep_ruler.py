@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     out.append(row)
                     print(
-                        f"{task} {length} #{ex.doc_id} {m.label:<28} {row_key.get('context_scores', ''):<14} score={r['score']:.2f} "
+                        f"{task} {length} #{ex.doc_id} {m.label:<28} {row_key.get('context_scores', ''):<14} "
+                        f"score={r['score']:.2f} "
                         f"mem={row['memory_ratio']:.3f} {row['wall_s']:.1f}s {r['output'][:40]!r}",
                         flush=True,
                     )
