@@ -18,7 +18,6 @@ Rows already in the file are skipped unless --force. The committed rows were mad
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import re
 import time
@@ -90,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                     ids = torch.cat([ctx, q], 1)
                     if src == "question_aware":  # the question in the prompt: compressed with it in view
                         run = m.make_cache(model)
-                    else:
-                        run = cache.fork() if hasattr(cache, "fork") else copy.deepcopy(cache)
+                    elif hasattr(cache, "fork"):
+                        run = cache.fork()
+                    else:  # transformers' caches have no fork (a QuantizedCache cannot be deep-copied): again
+                        run = m.make_cache(model)
+                        with torch.no_grad():
+                            model(input_ids=ctx, past_key_values=run)
                     gen = model.generate(ids, past_key_values=run, max_new_tokens=3, do_sample=False)
                     if src == "question_aware":  # held at the end, over the prompt and 2 of 3 new tokens
                         kv, dense = kv_and_dense_bytes(model, run, batch=1)
