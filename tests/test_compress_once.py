@@ -99,9 +99,11 @@ def test_a_loaded_cache_in_a_new_process_gives_identical_logits(tmp_path):
     cache.save(tmp_path / "c.safetensors")
     with torch.no_grad():
         torch.save(model(input_ids=q, past_key_values=cache).logits, tmp_path / "want.pt")
+    # The same threads as this process: a CPU's sums (the model's and the kernel's) split by thread count.
     script = textwrap.dedent(f"""
         import torch, hfkv
         from tests.models import tiny_model
+        torch.set_num_threads({torch.get_num_threads()})
         model = tiny_model("llama")
         cache = hfkv.TriStateCache.load({str(tmp_path / "c.safetensors")!r}, model)
         q = torch.randint(0, 128, (1, {QUESTION}), generator=torch.Generator().manual_seed(1))
