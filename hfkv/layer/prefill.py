@@ -58,10 +58,7 @@ def ingest(
         return
     if layer.rotation is not None:  # as update() and attend() rotate a prompt's
         key, value, query = (rotate(x, layer.rotation) for x in (key, value, query))
-    sums, key_valid = observe_prompt(layer, key, query, None, scaling)
-    if scores is not None:
-        sums = in_scale(scores, sums, key_valid)
-    place_prompt(layer, key, value, sums, key_valid)
+    admit_prompt(layer, key, value, query, None, scaling, scores)
 
 
 def in_scale(scores: torch.Tensor, sums: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
@@ -74,9 +71,12 @@ def in_scale(scores: torch.Tensor, sums: torch.Tensor, key_valid: torch.Tensor) 
     return (scores.float() * valid * (want / have)).to(sums.dtype)
 
 
-def admit_prompt(layer, k, v, query, mask, scaling) -> None:
-    """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows)."""
+def admit_prompt(layer, k, v, query, mask, scaling, scores: torch.Tensor | None = None) -> None:
+    """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows; ``scores``:
+    another source's, in place of the window's, scaled to their total: :func:`in_scale`)."""
     sums, key_valid = observe_prompt(layer, k, query, mask, scaling)
+    if scores is not None:
+        sums = in_scale(scores, sums, key_valid)
     place_prompt(layer, k, v, sums, key_valid)
 
 
