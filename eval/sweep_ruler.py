@@ -33,12 +33,15 @@ DEFAULT_METHODS = (
 KEY = ("model", "dtype", "task", "length", "doc_id", "method")
 MATCH = ("config", "options")
 OUT_DIR = "hfkv-out/eval"  # a run's default folder, under the working directory; eval/results/ only by --out
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")  # the *_pydoc task files
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=[DEFAULT_METHODS], help="method specs (default: %(default)s)")
-    ap.add_argument("--tasks", default="niah_single_1", help="RULER offline tasks, comma-separated")
+    ap.add_argument("--tasks", default="niah_single_1",
+                    help="RULER offline tasks, or their essay-haystack ones on the Python reference (*_pydoc: "
+                    "eval/tasks/ruler_pydoc), comma-separated")  # fmt: skip
     ap.add_argument("--lengths", default="4096", help="max_seq_lengths, comma-separated (default 4096)")
     ap.add_argument("--limit", type=int, default=12, help="examples per task and length (default 12)")
     ap.add_argument("--start", type=int, default=0, help="first example index (default 0)")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from hfkv.compress_once import SCORE_SOURCES
     from hfkv.evaluation.methods import expand_methods, stored_row_as_today
     from hfkv.evaluation.results import ResultFile, git_commit, parse_list, provenance
-    from hfkv.evaluation.ruler import OFFLINE_TASKS, SharedPrefillLM, load_examples, tokenizer_path
+    from hfkv.evaluation.ruler import OFFLINE_TASKS, PYDOC_TASKS, SharedPrefillLM, load_examples, tokenizer_path
     from hfkv.loading import TESTBED, load_model, parse_dtype
 
     git_commit()
@@ -80,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     tasks = parse_list(args.tasks)
     for t in tasks:
-        if t not in OFFLINE_TASKS:
-            raise SystemExit(f"--tasks: {t!r} is not one of RULER's offline tasks {OFFLINE_TASKS}")
+        if t not in OFFLINE_TASKS + PYDOC_TASKS:
+            raise SystemExit(f"--tasks: {t!r} is not one of RULER's offline tasks {OFFLINE_TASKS + PYDOC_TASKS}")
     lengths = [int(x) for x in parse_list(args.lengths)]
     if args.limit < 1:
         raise SystemExit(f"--limit={args.limit} must be >= 1")
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     for task in tasks:
         for length in lengths:
-            examples = load_examples(task, length, tok_path, args.start + args.limit)[args.start :]
+            examples = load_examples(task, length, tok_path, args.start + args.limit, TASKS_DIR)[args.start :]
             for ex in examples:
                 # question-agnostic: every hfkv method with each score source, other caches once
                 runs = [(m, s) for m in methods for s in (sources if m.config is not None else sources[:1])]

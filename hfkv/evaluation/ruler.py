@@ -32,6 +32,7 @@ from hfkv.compress_once import REPEAT_PROMPT, key_norm_scores, score_context
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
 from hfkv.evaluation.question_split import question_start
+from hfkv.evaluation.ruler_pydoc import TASK_NAMES as PYDOC_TASKS
 from hfkv.evaluation.shared_prefill import Prefill, fill_from_prefill, greedy, run_prefill
 from hfkv.loading import SMOLLM2, TESTBED, smollm2_gguf
 from hfkv.testbed import TESTBED_PATH
@@ -46,7 +47,7 @@ OFFLINE_TASKS: tuple[str, ...] = (
     "ruler_fwe",
 )
 
-__all__ = ["OFFLINE_TASKS", "RulerExample", "SharedPrefillLM", "load_examples", "tokenizer_path"]
+__all__ = ["OFFLINE_TASKS", "PYDOC_TASKS", "RulerExample", "SharedPrefillLM", "load_examples", "tokenizer_path"]
 
 
 def tokenizer_path(spec: str) -> str:
@@ -92,13 +93,23 @@ class RulerExample:
         return float(self.task_obj.process_results(self.instance.doc, [text])[str(self.length)])
 
 
-def load_examples(task: str, length: int, tokenizer: str, limit: int | None) -> list[RulerExample]:
-    """The first ``limit`` examples of a RULER task at one length, as lm-eval builds them."""
+def load_examples(
+    task: str, length: int, tokenizer: str, limit: int | None, include_path: str | os.PathLike | None = None
+) -> list[RulerExample]:
+    """The first ``limit`` examples of a RULER task at one length, as lm-eval builds them.
+
+    ``task`` is one of :data:`OFFLINE_TASKS`, or of the essay-haystack tasks rebuilt on the Python reference
+    (:data:`hfkv.evaluation.ruler_pydoc.TASK_NAMES`), whose lm-eval task files are in ``include_path``
+    (the repository's ``eval/tasks``).
+    """
     # deferred: lm-eval's task registry is heavy (the [eval] extra)
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    if task not in OFFLINE_TASKS:
-        raise ValueError(f"task {task!r} is not one of RULER's offline tasks {OFFLINE_TASKS}")
+    if task in PYDOC_TASKS:
+        if include_path is None:
+            raise ValueError(f"task {task!r} is an lm-eval task file of eval/tasks: pass include_path")
+    elif task not in OFFLINE_TASKS:
+        raise ValueError(f"task {task!r} is not one of RULER's offline tasks {OFFLINE_TASKS + PYDOC_TASKS}")
     # RULER draws its needles from the global RNGs: seed them as simple_evaluate does before it builds tasks, so
     # these are the documents `hfkv eval` scores, in every process (a resumed sweep compares the same ones).
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
@@ -106,7 +117,8 @@ def load_examples(task: str, length: int, tokenizer: str, limit: int | None) -> 
     random.seed(DEFAULT_RANDOM_SEED)
     np.random.seed(DEFAULT_OTHER_SEED)
     torch.manual_seed(DEFAULT_OTHER_SEED)
-    tm = TaskManager(metadata={"max_seq_lengths": [int(length)], "tokenizer": tokenizer, "pretrained": tokenizer})
+    metadata = {"max_seq_lengths": [int(length)], "tokenizer": tokenizer, "pretrained": tokenizer}
+    tm = TaskManager(include_path=None if include_path is None else str(include_path), metadata=metadata)
     task_obj = get_task_dict([task], tm)[task]
     task_obj.build_all_requests(limit=limit, rank=0, world_size=1)
     return [RulerExample(task, int(length), int(inst.doc_id), inst, task_obj) for inst in task_obj.instances]
