@@ -9,10 +9,15 @@ questions asked, correct answers with a Wilson interval, and the bytes held afte
 DynamicCache's for the context. hfkv methods run with each ``--context-scores`` source (hfkv.compress); other caches
 hold the context as a prefill leaves it. ``question_aware`` rows put each question in the prompt instead (the
 context is compressed with the question in view, once per question): what withholding the question costs.
+``--per-question`` rows (``"compressed": "per_question"``) compress the context afresh for every question instead of
+forking one compressed context: what answering many questions from one compression costs (nothing, if ``fork``
+copies exactly what a fresh compression holds).
 
 Rows already in the file are skipped unless --force. The committed rows were made with
 
     python eval/compress_once_testbed.py --out eval/results/compress_once_testbed.jsonl
+    python eval/compress_once_testbed.py --per-question --methods hfkv@48,hfkv@64 --context-scores reconstruction \
+        --out eval/results/compress_once_testbed.jsonl
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 import time
 
 DEFAULT_METHODS = "dynamic,hfkv@48,hfkv@64,hfkv@96,evict@64,evict@96,streaming@96,quanto-int4"
-KEY = ("method", "context_scores", "questions")
+KEY = ("method", "context_scores", "questions", "compressed")  # compressed: absent (once) or "per_question"
 MATCH = ("config", "options")
 OUT_DIR = "hfkv-out/eval"
 
@@ -36,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--questions", type=int, default=3, help="questions per context (default 3)")
     ap.add_argument("--limit", type=int, default=100, help="test prompts (default 100, the whole set)")
     ap.add_argument("--out", default=f"{OUT_DIR}/compress_once_testbed.jsonl", help="result file")
+    ap.add_argument("--per-question", action="store_true",
+                    help="compress the context afresh for each question instead of forking one compression "
+                    "(hfkv methods, question-agnostic sources)")  # fmt: skip
     ap.add_argument("--force", action="store_true", help="re-run rows already in --out")
     ap.add_argument("--threads", type=int, default=1)
     return ap
@@ -66,9 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     methods, _ = expand_methods([args.methods])
     sources = parse_list(args.context_scores)
     out = ResultFile(args.out, KEY, MATCH, normalize=stored_row_as_today)
+    if args.per_question:
+        methods = [m for m in methods if m.config is not None]
+        sources = [s for s in sources if s != "question_aware"]
+        if not methods or not sources:
+            raise SystemExit("--per-question compares hfkv methods under question-agnostic --context-scores")
     for m in methods:
         for src in sources if m.config is not None else ["observation"]:
             row_key = {**m.describe(), "context_scores": src, "questions": args.questions}
+            if args.per_question:
+                row_key["compressed"] = "per_question"
             if not args.force and out.has(row_key):
                 continue
             t0, asked, correct, ratios = time.perf_counter(), 0, 0, []
@@ -89,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     ids = torch.cat([ctx, q], 1)
                     if src == "question_aware":  # the question in the prompt: compressed with it in view
                         run = m.make_cache(model)
+                    elif args.per_question:
+                        run = hfkv.compress(model, ctx, m.config, scores=src, tokenizer=tok)
                     elif hasattr(cache, "fork"):
                         run = cache.fork()
                     else:  # transformers' caches have no fork (a QuantizedCache cannot be deep-copied): again

@@ -812,22 +812,24 @@ def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, A
         "",
     ]
     if testbed:
-        rows = sorted(last_per_key(testbed, ("method", "context_scores", "questions")),
-                      key=lambda r: (row_key(r), r["context_scores"]))  # fmt: skip
+        rows = sorted(last_per_key(testbed, ("method", "context_scores", "questions", "compressed")),
+                      key=lambda r: (row_key(r), r["context_scores"], r.get("compressed") or ""))  # fmt: skip
         q = rows[0]["questions"]
         out += [
             f"### Testbed `kv_recall` (`{COMPRESS_ONCE_TESTBED}`; {provenance_note(rows)}; {wall_note(rows)})",
             "",
-            f"{rows[0]['contexts']} contexts, {q} questions each, every answer from a `fork()` of one compressed "
-            "context (its value's digits checked); memory = bytes held after compressing the context / a "
-            "DynamicCache's (question_aware: at the end of its run).",
+            f"{rows[0]['contexts']} contexts, {q} questions each (its value's digits checked); *compressed*: once, "
+            "every answer from a `fork()` of that one compressed context, or afresh for each question "
+            "(`--per-question`); memory = bytes held after compressing the context / a DynamicCache's "
+            "(question_aware: at the end of its run).",
             "",
             md_table(
-                ["method", "context scores", "memory", "correct", "accuracy", "95% interval"],
+                ["method", "context scores", "compressed", "memory", "correct", "accuracy", "95% interval"],
                 [
                     [
                         r["method"],
                         r["context_scores"],
+                        "per question" if r.get("compressed") == "per_question" else "once",
                         pct(r["memory_ratio"]),
                         f"{r['correct']}/{r['asked']}",
                         f"{r['accuracy']:.3f}",
@@ -835,7 +837,7 @@ def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, A
                     ]
                     for r in rows
                 ],
-                "llrrrr",
+                "lllrrrr",
             ),  # fmt: skip
             "",
         ]
