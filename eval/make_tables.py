@@ -799,8 +799,11 @@ def compile_figures_section(files: list[tuple[str, dict[str, Any]]]) -> list[str
     return out
 
 
-def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, Any]]) -> list[str]:
-    """A context compressed before any question (hfkv.compress), then asked: the testbed and RULER."""
+def compress_once_section(
+    testbed: list[dict[str, Any]], ruler: list[dict[str, Any]], aware_ruler: list[dict[str, Any]] | None = None
+) -> list[str]:
+    """A context compressed before any question (hfkv.compress), then asked: the testbed and RULER (beside each
+    question-agnostic RULER table, ``aware_ruler``'s rows of the same methods: the question in the prompt)."""
     out = ["## Compress once, ask many: the question withheld", ""]
     if not testbed and not ruler:
         return [*out, f"No rows yet in `{COMPRESS_ONCE_TESTBED}` or `{COMPRESS_ONCE_RULER}`.", ""]
@@ -843,16 +846,23 @@ def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, A
         ]
     if ruler:
         rows = last_per_key(ruler, (*RULER_KEY, "context_scores"))
+        aware = last_per_key(aware_ruler or [], RULER_KEY)
+        cells: dict[tuple, dict[tuple, tuple[int, float, float]]] = {}
         for task, length in sorted({(r["task"], r["length"]) for r in rows}):
             sel = [r for r in rows if (r["task"], r["length"]) == (task, length)]
+            methods = {r["method"] for r in sel}
             groups: dict[tuple, list[dict[str, Any]]] = {}
             for r in sel:
                 groups.setdefault((r["method"], r["context_scores"]), []).append(r)
-            table = []
+            for r in aware:  # the same methods with the question in the prompt (eval/results/ruler_*.jsonl)
+                if (r["task"], r["length"]) == (task, length) and r["method"] in methods and r["method"] != "dynamic":
+                    groups.setdefault((r["method"], "question_aware"), []).append(r)
+            table, cell = [], cells.setdefault((task, length), {})
             for (method, scores), rs in sorted(groups.items(), key=lambda kv: (row_key(kv[1][0]), kv[0][1])):
                 n, mean = len(rs), sum(r["score"] for r in rs) / len(rs)
                 lo, hi = wilson(mean * n, n)
                 mem = sum(r["memory_ratio"] for r in rs) / n
+                cell[(method, scores)] = (n, mean, mem)
                 table.append([method, scores, str(n), f"{mean:.3f}", f"[{lo:.3f}, {hi:.3f}]", pct(mem)])
             out += [
                 f"### RULER {task} at {length} tokens, question withheld (`{COMPRESS_ONCE_RULER}`; "
@@ -861,7 +871,56 @@ def compress_once_section(testbed: list[dict[str, Any]], ruler: list[dict[str, A
                 md_table(["method", "context scores", "n", "score", "95% interval", "memory"], table, "llrrrr"),
                 "",
             ]
+        out += compress_once_targets(cells)
     return out
+
+
+TARGETS = ((0.10, 0.95), (0.20, 0.99))  # (memory at most, share of the full cache's average score at least)
+DEFAULT_SCORES = "reconstruction"  # hfkv.compress's default score source: the one the targets judge
+
+
+def compress_once_targets(cells: dict[tuple, dict[tuple, tuple[int, float, float]]]) -> list[str]:
+    """Per length: the tasks the full cache solves (mean >= 0.3), and at each memory target the question-agnostic
+    hfkv setting and the baseline with the highest average score over those tasks (among the settings run on all
+    of them), as a share of the full cache's average."""
+    out = [
+        "### Compress once against the targets",
+        "",
+        "Per length, over the tasks the full cache solves (`dynamic` mean >= 0.3): the average score of the full "
+        f"cache, and at each memory bound the best hfkv budget with `hfkv.compress`'s default scores "
+        f"(`{DEFAULT_SCORES}`) and the best other cache with any score source, both question-agnostic, as a share "
+        "of the full cache's average (ties: the lower memory). Memory is the mean over those tasks. A setting "
+        "counts only if it ran on every one of them.",
+        "",
+    ]
+    table = []
+    for length in sorted({length for _, length in cells}):
+        per_task = {task: c for (task, n), c in cells.items() if n == length}
+        solved = sorted(t for t, c in per_task.items() if ("dynamic", "observation") in c
+                        and c[("dynamic", "observation")][1] >= 0.3)  # fmt: skip
+        if not solved:
+            table.append([str(length), "none", "-", "-", "-", "-", "-"])
+            continue
+        full = sum(per_task[t][("dynamic", "observation")][1] for t in solved) / len(solved)
+        common = set.intersection(*(set(per_task[t]) for t in solved)) - {("dynamic", "observation")}
+        common = {k for k in common if k[1] != "question_aware"}
+        avg = {k: (sum(per_task[t][k][1] for t in solved) / len(solved),
+                   sum(per_task[t][k][2] for t in solved) / len(solved)) for k in common}  # fmt: skip
+        row = [str(length), ", ".join(f"`{t}`" for t in solved), f"{full:.3f}"]
+        for bound, _ in TARGETS:
+            for hfkv_side in (True, False):
+                fits = [(v[0], -v[1], k) for k, v in avg.items() if v[1] <= bound
+                        and (k[1] == DEFAULT_SCORES if hfkv_side else not k[0].startswith("hfkv"))]  # fmt: skip
+                if not fits:
+                    row.append("-")
+                    continue
+                score, neg_mem, (method, source) = max(fits)
+                row.append(f"{method} {source}: {score / full:.1%} at {pct(-neg_mem)}")
+        table.append(row)
+    header = ["length", "tasks solved", "full cache"]
+    for bound, share in TARGETS:
+        header += [f"hfkv ≤{bound:.0%} (target ≥{share:.0%})", f"best other ≤{bound:.0%}"]
+    return [*out, md_table(header, table, "llrllll"), ""]
 
 
 def suite_section(root: Path) -> list[str]:
@@ -1298,6 +1357,7 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     lines += compress_once_section(
         read_rows(root / COMPRESS_ONCE_TESTBED),
         [r for p in sorted(root.glob(COMPRESS_ONCE_RULER)) for r in read_rows(p)],
+        ruler,
     )
     lines += suite_section(root)
     lines += COMMANDS.splitlines()

@@ -259,6 +259,39 @@ def test_ruler_no_solved_task_and_best_cell_labels():
     assert mt.ruler_cell({"method": "hfkv", "preset": "hfkv", "budget": 256, "score": 0.5}) == "0.500 (@256)"
 
 
+def _agnostic(task, method, doc, score, mem, scores="reconstruction", length=4096):
+    budget = int(method.split("@")[1]) if "@" in method else None
+    return {"model": "m", "dtype": "bf16", "task": task, "length": length, "doc_id": doc, "method": method,
+            "preset": method.split("@")[0], "budget": budget, "context_scores": scores, "score": score,
+            "memory_ratio": mem}  # fmt: skip
+
+
+def test_compress_once_targets_judge_the_default_scores_over_the_solved_tasks():
+    rows = []
+    for task, ok in (("a", (1.0, 1.0)), ("b", (1.0, 0.5)), ("c", (0.1, 0.1))):
+        for doc in (0, 1):
+            rows.append(_agnostic(task, "dynamic", doc, 1.0 if task != "c" else 0.1, 1.0, "observation"))
+            rows.append(_agnostic(task, "hfkv@128", doc, ok[doc], 0.05))  # a: 1.0, b: 0.75 -> 87.5% of full
+            rows.append(_agnostic(task, "hfkv@128", doc, 1.0, 0.05, "key_norm"))  # not the default scores
+            rows.append(_agnostic(task, "hfkv@256", doc, 1.0, 0.15))  # 100% at 15%
+            rows.append(_agnostic(task, "evict@256", doc, 0.5, 0.08, "observation"))  # 50% at 8%
+        if task == "a":  # ran on one solved task only: not a candidate
+            rows += [_agnostic(task, "streaming@64", d, 1.0, 0.02, "observation") for d in (0, 1)]
+    aware = [{**_agnostic("a", "hfkv@128", d, 1.0, 0.05), "context_scores": None} for d in (0, 1)]
+    text = "\n".join(mt.compress_once_section([], rows, aware))
+    (line,) = [x for x in text.splitlines() if x.startswith("| 4096 ")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:3] == ["4096", "`a`, `b`", "1.000"]
+    assert cells[3:] == [
+        "hfkv@128 reconstruction: 87.5% at 5.0%",
+        "evict@256 observation: 50.0% at 8.0%",
+        "hfkv@256 reconstruction: 100.0% at 15.0%",
+        "evict@256 observation: 50.0% at 8.0%",
+    ]
+    assert "| hfkv@128 | question_aware | 2 | 1.000 |" in text  # the question-aware rows beside, for task a only
+    assert text.count("| question_aware |") == 1
+
+
 def test_wilson_interval():
     from hfkv.evaluation.results import wilson_interval
 
