@@ -53,6 +53,27 @@ def test_a_compiled_decode_step_gives_the_eager_tokens(case):
         assert step.counts["eager"] == 0
 
 
+def test_a_compressed_step_is_not_recompiled_for_state_made_on_first_use():
+    """Dynamo guards on every Python attribute a traced step reads: state a layer made lazily (the window's empty
+    exits, once built on the first push that displaced nothing) recompiled the step once it existed. Between policy
+    runs a compressed step recompiles for nothing of that kind (what remains: sizes 0 and 1, which Dynamo
+    specialises)."""
+    from torch._dynamo.utils import guard_failures
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    guard_failures.clear()
+    step = CompiledDecode(model, backend="eager")
+    try:
+        _decode(model, step, CASES["evict"](model), ids, new=40)
+        reasons = [str(r) for failures in guard_failures.values() for r in failures]
+    finally:
+        torch._dynamo.reset()
+    assert step.counts["compiled"] >= 16
+    assert reasons == [], reasons
+
+
 def _assert_same_state(got, want, exact: bool) -> None:
     """Every compressed layer holds the same positions and score sums (what attention adds to in place and the
     policy reads): bit for bit, or (``exact=False``: inductor's model arithmetic rounds otherwise) to 1e-4. A

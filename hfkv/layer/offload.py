@@ -59,7 +59,7 @@ class Offload:
             ring = layer.window
             ring.flush()
             ring._k, ring._v = move(ring._k), move(ring._v)
-            ring._empty = None  # views of the old tensors
+            ring._empty = ring.empties()  # on the device the ring is now on
             layer.tiers.pool.data = move(layer.tiers.pool.data)
         layer.reads.reset()
         layer.policy.ahead = None

@@ -52,7 +52,9 @@ class WindowRing:
         self._score = torch.zeros(batch, heads, cap, dtype=torch.float32, device=device)
         self.start = 0  # ring slot of the oldest token
         self.count = 0  # tokens held
-        self._empty: tuple[torch.Tensor, ...] | None = None  # what a push that displaces nothing returns
+        # What a push that displaces nothing returns. Made with the ring's tensors, never on first use: a compiled
+        # decode step would otherwise guard on whether it exists yet, and recompile once it does.
+        self._empty = self.empties()
         self.pending: PendingWrite | None = None
         self._popped: tuple[int, int] | None = None  # (first slot, n): popped as views, not yet emptied
 
@@ -180,9 +182,13 @@ class WindowRing:
             self._pos[s0 : s0 + n].fill_(-1)
             self._score[:, :, s0 : s0 + n].zero_()
 
+    def empties(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k, v, pos, score)`` holding no token, shaped, typed and placed as the ring's own tensors."""
+        bsz, heads, _, dim = self._k.shape
+        return (self._k.new_empty(bsz, heads, 0, dim), self._v.new_empty(bsz, heads, 0, dim),
+                self._pos.new_empty(0), self._score.new_empty(bsz, heads, 0))  # fmt: skip
+
     def _nothing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._empty is None:
-            self._empty = self._take(self.order()[:0])
         return self._empty
 
     def push(
@@ -231,7 +237,7 @@ class WindowRing:
         self.clear_popped()
         self.flush()
         self._k, self._v, self._score = self._k[index], self._v[index], self._score[index]
-        self._empty = None
+        self._empty = self.empties()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.pos, self.score]
