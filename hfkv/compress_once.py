@@ -73,9 +73,13 @@ def _repetition_scores(query: torch.Tensor, key: torch.Tensor, context: int, sca
     bsz, hq, q, dim = query.shape
     heads, total = key.shape[1], key.shape[2]
     g = hq // heads
-    logits = torch.einsum("bhgqd,bhkd->bhgqk", query.view(bsz, heads, g, q, dim).float(), key.float()) * scaling
-    new = torch.arange(total - q, total, device=key.device)  # each query's own position among the keys
-    logits.masked_fill_(torch.arange(total, device=key.device).view(1, -1) > new.view(-1, 1), float("-inf"))
+    # The scaling goes on the queries, not on the [.., q, total] logits: a pass over the largest tensor saved (and
+    # with a power of two, as 1/sqrt(64) is, the same bits).
+    scaled = query.float().mul_(scaling) if query.dtype != torch.float32 else query * scaling
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", scaled.view(bsz, heads, g, q, dim), key.float())
+    # Causal: only the repetition's own keys (the last q) can come after a query; no context key ever does.
+    later = torch.ones(q, q, dtype=torch.bool, device=key.device).triu_(1)
+    logits[..., total - q :].masked_fill_(later, float("-inf"))
     probs = logits.softmax(-1)[..., :context]  # [B, H, g, q, context]
     return probs.amax(dim=(2, 3))
 
