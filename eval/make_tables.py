@@ -879,6 +879,15 @@ TARGETS = ((0.10, 0.95), (0.20, 0.99))  # (memory at most, share of the full cac
 DEFAULT_SCORES = "reconstruction"  # hfkv.compress's default score source: the one the targets judge
 
 
+def _side(setting: tuple[str, str]) -> bool | None:
+    """A (method, score source) setting: True for hfkv with the default scores, False for any other cache, None
+    for hfkv with another source (not judged)."""
+    method, source = setting
+    if not method.startswith("hfkv"):
+        return False
+    return True if source == DEFAULT_SCORES else None
+
+
 def compress_once_targets(cells: dict[tuple, dict[tuple, tuple[int, float, float]]]) -> list[str]:
     """Per length: the tasks the full cache solves (mean >= 0.3), and at each memory target the question-agnostic
     hfkv setting and the baseline with the highest average score over those tasks (among the settings run on all
@@ -909,8 +918,7 @@ def compress_once_targets(cells: dict[tuple, dict[tuple, tuple[int, float, float
         row = [str(length), ", ".join(f"`{t}`" for t in solved), f"{full:.3f}"]
         for bound, _ in TARGETS:
             for hfkv_side in (True, False):
-                fits = [(v[0], -v[1], k) for k, v in avg.items() if v[1] <= bound
-                        and (k[1] == DEFAULT_SCORES if hfkv_side else not k[0].startswith("hfkv"))]  # fmt: skip
+                fits = [(v[0], -v[1], k) for k, v in avg.items() if v[1] <= bound and _side(k) == hfkv_side]
                 if not fits:
                     row.append("-")
                     continue

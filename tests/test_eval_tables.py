@@ -275,6 +275,7 @@ def test_compress_once_targets_judge_the_default_scores_over_the_solved_tasks():
             rows.append(_agnostic(task, "hfkv@128", doc, 1.0, 0.05, "key_norm"))  # not the default scores
             rows.append(_agnostic(task, "hfkv@256", doc, 1.0, 0.15))  # 100% at 15%
             rows.append(_agnostic(task, "evict@256", doc, 0.5, 0.08, "observation"))  # 50% at 8%
+            rows.append(_agnostic(task, "evict@128", doc, 0.95, 0.04))  # the default scores, not hfkv: 95% at 4%
         if task == "a":  # ran on one solved task only: not a candidate
             rows += [_agnostic(task, "streaming@64", d, 1.0, 0.02, "observation") for d in (0, 1)]
     aware = [{**_agnostic("a", "hfkv@128", d, 1.0, 0.05), "context_scores": None} for d in (0, 1)]
@@ -284,9 +285,9 @@ def test_compress_once_targets_judge_the_default_scores_over_the_solved_tasks():
     assert cells[:3] == ["4096", "`a`, `b`", "1.000"]
     assert cells[3:] == [
         "hfkv@128 reconstruction: 87.5% at 5.0%",
-        "evict@256 observation: 50.0% at 8.0%",
+        "evict@128 reconstruction: 95.0% at 4.0%",
         "hfkv@256 reconstruction: 100.0% at 15.0%",
-        "evict@256 observation: 50.0% at 8.0%",
+        "evict@128 reconstruction: 95.0% at 4.0%",
     ]
     assert "| hfkv@128 | question_aware | 2 | 1.000 |" in text  # the question-aware rows beside, for task a only
     assert text.count("| question_aware |") == 1
