@@ -278,12 +278,13 @@ def test_compress_once_targets_judge_the_default_scores_over_the_solved_tasks():
             rows.append(_agnostic(task, "evict@128", doc, 0.95, 0.04))  # the default scores, not hfkv: 95% at 4%
         if task == "a":  # ran on one solved task only: not a candidate
             rows += [_agnostic(task, "streaming@64", d, 1.0, 0.02, "observation") for d in (0, 1)]
+    rows += [_agnostic("d", "dynamic", d, 1.0, 1.0, "observation") for d in (0, 1)]  # solved, nothing else run
     aware = [{**_agnostic("a", "hfkv@128", d, 1.0, 0.05), "context_scores": None} for d in (0, 1)]
     text = "\n".join(mt.compress_once_section([], rows, aware))
     (line,) = [x for x in text.splitlines() if x.startswith("| 4096 ")]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[:3] == ["4096", "`a`, `b`", "1.000"]
-    assert cells[3:] == [
+    assert cells[:4] == ["4096", "`a`, `b`", "`d`", "1.000"]
+    assert cells[4:] == [
         "hfkv@128 reconstruction: 87.5% at 5.0%",
         "evict@128 reconstruction: 95.0% at 4.0%",
         "hfkv@256 reconstruction: 100.0% at 15.0%",
