@@ -42,6 +42,7 @@ FIDELITY = "eval/results/fidelity_sweep.jsonl"
 RULER = "eval/results/ruler_*.jsonl"
 COMPRESS_ONCE_TESTBED = "eval/results/compress_once_testbed.jsonl"
 COMPRESS_ONCE_RULER = "eval/results/compress_once_ruler_*.jsonl"
+COMPRESS_ONCE_COST = "eval/results/compress_once_cost_*.json"
 BENCH_DIR = "eval/results/bench"
 CPU_FIGURES = "eval/results/cpu_cache_figures.json"
 DEMO = "eval/results/demo.json"
@@ -879,6 +880,35 @@ TARGETS = ((0.10, 0.95), (0.20, 0.99))  # (memory at most, share of the full cac
 DEFAULT_SCORES = "reconstruction"  # hfkv.compress's default score source: the one the targets judge
 
 
+def compress_once_cost_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What hfkv.compress costs per score source against a plain prefill (eval/compress_once_cost.py)."""
+    from hfkv.evaluation.quiet import verdict
+
+    out = []
+    for name, res in runs:
+        out += [
+            f"### What compressing a context costs (`eval/results/{name}`; {res['model']}, {res['dtype']}, "
+            f"{res['threads']} thread(s); {timing_note(res.get('quiet'))})",
+            "",
+        ]
+        if verdict(res.get("quiet")) is not None:
+            continue
+        table = [
+            [str(run["length"]), entry, f"{run['ms_median'][entry] / 1e3:.1f}", f"{run['ms_mean'][entry] / 1e3:.1f}",
+             f"{run['x_prefill'][entry]:.2f}x"]
+            for run in res["runs"] for entry in run["ms_median"]
+        ]  # fmt: skip
+        out += [
+            f"Wall time of one context, {res['runs'][0]['rounds']} interleaved rounds: `prefill` is the model over "
+            "the context into a DynamicCache; `compress:<source>` is `hfkv.compress` with that score source "
+            f"(`hfkv@{res['budget']}`), its prefill included.",
+            "",
+            md_table(["tokens", "entry", "median s", "mean s", "median / prefill"], table, "llrrr"),
+            "",
+        ]
+    return out
+
+
 def _side(setting: tuple[str, str]) -> bool | None:
     """A (method, score source) setting: True for hfkv with the default scores, False for any other cache, None
     for hfkv with another source (not judged)."""
@@ -1370,6 +1400,9 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
         read_rows(root / COMPRESS_ONCE_TESTBED),
         [r for p in sorted(root.glob(COMPRESS_ONCE_RULER)) for r in read_rows(p)],
         ruler,
+    )
+    lines += compress_once_cost_section(
+        [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(COMPRESS_ONCE_COST))]
     )
     lines += suite_section(root)
     lines += COMMANDS.splitlines()

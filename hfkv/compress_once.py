@@ -9,7 +9,8 @@ changes is where a context's scores come from (``scores=``):
 - ``"reconstruction"`` (KVzip, Kim et al. 2025): after the context, the model is asked to repeat it, and each context
   token is scored by the most attention any query of the repetition gives it (over the query heads sharing its KV
   head). A token the model needs to reproduce the context is one some question may need. The repetition runs in
-  chunks of ``chunk`` tokens, each attending to the whole context, so it costs about one more prefill.
+  chunks of ``chunk`` tokens, each attending to the whole context (measured: eval/README.md, "What compressing a
+  context costs").
 - ``"key_norm"``: a key's L2 norm, lower is more important (Devoto et al. 2024); no extra pass.
 - ``"observation"``: the prefill's own observation window, what ``model(context, past_key_values=cache)`` gives.
 

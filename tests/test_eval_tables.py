@@ -294,6 +294,20 @@ def test_compress_once_targets_judge_the_default_scores_over_the_solved_tasks():
     assert text.count("| question_aware |") == 1
 
 
+def test_compress_once_cost_table_gives_each_source_against_prefill_and_no_speed_from_a_busy_run():
+    quiet = {"max_load": 0.5, "load_before": 0.2, "load_after": 0.3, "busy": False, "quiet_after": True}
+    run = {"length": 4096, "rounds": 3, "ms_median": {"prefill": 10_000.0, "compress:reconstruction": 35_000.0},
+           "ms_mean": {"prefill": 10_500.0, "compress:reconstruction": 36_000.0},
+           "x_prefill": {"prefill": 1.0, "compress:reconstruction": 3.5}}  # fmt: skip
+    res = {"model": "smollm2", "dtype": "fp32", "threads": 2, "budget": 256, "quiet": quiet, "runs": [run]}
+    text = "\n".join(mt.compress_once_cost_section([("compress_once_cost_m.json", res)]))
+    assert "| 4096 | compress:reconstruction | 35.0 | 36.0 | 3.50x |" in text
+    assert "| 4096 | prefill | 10.0 | 10.5 | 1.00x |" in text
+    busy = {**res, "quiet": {**quiet, "busy": True}}
+    text = "\n".join(mt.compress_once_cost_section([("compress_once_cost_m.json", busy)]))
+    assert "busy" in text and "3.50x" not in text
+
+
 def test_wilson_interval():
     from hfkv.evaluation.results import wilson_interval
 
