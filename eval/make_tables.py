@@ -1569,9 +1569,40 @@ for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
         --out eval/results/ruler_smollm2.jsonl; done
 # compress once, ask many (the question withheld)
 python eval/compress_once_testbed.py --out eval/results/compress_once_testbed.jsonl
+python eval/compress_once_testbed.py --per-question --methods hfkv@48,hfkv@64 --context-scores reconstruction \\
+    --out eval/results/compress_once_testbed.jsonl
 python eval/sweep_ruler.py --question-agnostic --tasks niah_single_1 --lengths 4096 --limit 10 \\
     --methods dynamic,hfkv@128,hfkv@256,hfkv@512,evict@256,streaming@256,quanto-int4 \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --tasks niah_single_1 --lengths 4096 --limit 8 --methods quant@none \\
+    --context-scores observation --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --tasks niah_single_1 --lengths 8192 --limit 6 \\
+    --methods dynamic,hfkv@256,hfkv@512,hfkv@1024,evict@512,streaming@512 --context-scores reconstruction,key_norm \\
+    --out eval/results/compress_once_ruler_smollm2.jsonl
+# the *_pydoc tasks: which the full cache solves (limit 5 at 2k and 4k, 3 at 8k), then the caches where it does
+P=niah_single_2_pydoc,niah_single_3_pydoc,niah_multikey_1_pydoc,niah_multivalue_pydoc,niah_multiquery_pydoc
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks $P --lengths 4096,2048 --limit 5 \\
+    --methods dynamic --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks $P --lengths 8192 --limit 3 \\
+    --methods dynamic --out eval/results/compress_once_ruler_smollm2.jsonl
+M=hfkv@128,hfkv@256,hfkv@512,evict@256,streaming@256,quant@none,quanto-int4
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 4096 --limit 5 \\
+    --methods dynamic,$M --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_multivalue_pydoc --lengths 4096 --limit 5 \\
+    --methods dynamic,$M --context-scores reconstruction,observation \\
+    --out eval/results/compress_once_ruler_smollm2.jsonl
+M8=hfkv@256,hfkv@512,hfkv@1024,evict@512,streaming@512
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 8192 --limit 3 \\
+    --methods dynamic,$M8 --context-scores reconstruction,observation \\
+    --out eval/results/compress_once_ruler_smollm2.jsonl
+# the same with the question in the prompt (tabled beside)
+python eval/sweep_ruler.py --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc --lengths 4096 --limit 5 \\
+    --methods dynamic,$M --out eval/results/ruler_smollm2.jsonl
+python eval/sweep_ruler.py --threads 1 --tasks niah_single_1,niah_single_2_pydoc --lengths 8192 --limit 6 \\
+    --methods dynamic,$M8 --out eval/results/ruler_smollm2.jsonl   # niah_single_2_pydoc: --limit 3
+# what compressing a context costs (quiet machine)
+python eval/compress_once_cost.py --lengths 4096 --rounds 3 --wait-quiet 400 \\
+    --out eval/results/compress_once_cost_smollm2.json
 # then
 python -m eval.make_tables
 ```
