@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 
 
+def out_path(args: argparse.Namespace) -> Path:
+    """``--out``, or the default file of ``--model`` under the working directory."""
+    return args.out or Path(f"hfkv-out/eval/compress_once_cost_{os.path.basename(args.model)}.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet.add_arguments(ap, default_threads="all")
     ap.add_argument("--out", type=Path, default=None, help="default hfkv-out/eval/compress_once_cost_<model>.json")
     args = ap.parse_args(argv)
-    out = args.out or Path(f"hfkv-out/eval/compress_once_cost_{os.path.basename(args.model)}.json")
+    out = out_path(args)
     (threads,) = args.threads if len(args.threads) == 1 else (None,)
     if threads is None:
         raise SystemExit(f"--threads: one thread count, got {args.threads}")
