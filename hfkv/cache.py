@@ -63,8 +63,8 @@ class TriStateCache(DynamicCache):
     """Drop-in ``past_key_values`` for ``model.generate``: ``TriStateCache(model, cfg)``.
 
     ``model``: the model, or its config alone (``TriStateCache(model.config, cfg)``: shapes and layer types come
-    from it, storage is allocated on the first update, as ``DynamicCache(config=...)`` does), or None for the
-    uncompressed ``full`` preset (layers made as they are first updated, as ``DynamicCache()``). ``cfg`` is a
+    from it, storage is allocated on the first update, as ``DynamicCache(config=...)`` does), or None (layers made
+    as they are first updated, as ``DynamicCache()``; compressing ones take every layer as full attention). ``cfg`` is a
     ``TriStateConfig``, a preset name, or None for the ``hfkv`` preset. ``offloading``: as DynamicCache's (on CUDA, a
     layer's storage goes to host memory after its attention and comes back before its next update). The model keeps
     its attention implementation (hfkv.attention.interface). Use a fresh cache per request (or ``reset()``).
@@ -114,17 +114,16 @@ class TriStateCache(DynamicCache):
                 f"{type(model).__name__}"
             )
         self.model_config = model_config.get_text_config(decoder=True) if model_config is not None else None
+        # Whether every layer exists: made from the model's config, or (without one) once a layer is updated again,
+        # since a forward reaches every layer before the next forward begins. The OQ ratios wait for it (rho).
+        self.layers_known = model_config is not None or not config.compress
         if model_config is None:
-            if config.compress:
-                raise ValueError(
-                    f"TriStateCache: preset {config.name!r} compresses, which needs the model or its config (layer "
-                    "types, KV heads and per-head thresholds come from it): TriStateCache(model.config, cfg); "
-                    "without either only the uncompressed 'full' preset is made, as DynamicCache()"
-                )
             self.alpha_h = self.alpha_l = None
+            if config.compress:
+                _check_layerless(config)
             Cache.__init__(
-                self, layer_class_to_replicate=DynamicLayer, offloading=offloading,
-                offload_only_non_sliding=offload_only_non_sliding,
+                self, layer_class_to_replicate=self._next_layer if config.compress else DynamicLayer,
+                offloading=offloading, offload_only_non_sliding=offload_only_non_sliding,
             )  # fmt: skip
         else:
             Cache.__init__(
@@ -162,7 +161,24 @@ class TriStateCache(DynamicCache):
             )
         return layers
 
+    def _next_layer(self) -> TriStateLayer:
+        """The next layer of a compressing cache made without the model's config (``layer_class_to_replicate``:
+        transformers' update appends one per new layer index): every layer is taken as full attention."""
+        return TriStateLayer(self, len(self.layers))
+
+    def _grow_thresholds(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Without the model's config, a new layer's thresholds, from its first keys' shape (scalar alphas only:
+        _check_layerless)."""
+        if self.alpha_h is None or self.alpha_h.shape[0] <= layer_idx:
+            _, heads, _, dim = key_states.shape
+            self.alpha_h, self.alpha_l = self.config.validate_for_model(layer_idx + 1, heads, dim)
+        elif not self.layers_known and layer_idx < len(self.layers) and self.layers[layer_idx].get_seq_length():
+            self.layers_known = True  # a layer updated again: the first forward has made every layer
+            self.invalidate_rho()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.model_config is None and self.config.compress:
+            self._grow_thresholds(layer_idx, key_states)
         # A layer's first call checks that the calling model is the one the cache was built for (after that, its
         # storage is made for these shapes and would fail on others anyway): one error naming both models.
         shape = self.model_shape
@@ -229,6 +245,7 @@ class TriStateCache(DynamicCache):
             offload_only_non_sliding=getattr(self, "only_non_sliding", True),
         )  # fmt: skip
         new.model_shape, new._model_ref = self.model_shape, self._model_ref
+        new.alpha_h, new.alpha_l, new.layers_known = self.alpha_h, self.alpha_l, self.layers_known  # made so far
         for name, value in vars(self).items():
             if name not in vars(new):
                 setattr(new, name, value)
@@ -262,7 +279,7 @@ class TriStateCache(DynamicCache):
 
     def rho(self, layer_idx: int) -> torch.Tensor | None:
         """OQ ratio of ``layer_idx`` per row, once every compressed layer has its prefill statistics."""
-        if not self.config.oq_ratios:
+        if not self.config.oq_ratios or not self.layers_known:
             return None
         if self._rho is None:
             layers = self.compressed_layers()
@@ -335,6 +352,17 @@ class TriStateCache(DynamicCache):
             budget_unit=self.config.budget_unit,
             head_adaptive=self.config.head_adaptive,
         )
+
+
+def _check_layerless(config: TriStateConfig) -> None:
+    """A compressing cache without the model's config makes its layers as they are first updated, so it cannot
+    resolve thresholds given per layer (how many layers is not known): one clear error naming the fix."""
+    for name in ("alpha_h", "alpha_l"):
+        if isinstance(getattr(config, name), list | tuple):
+            raise ValueError(
+                f"TriStateCache: TriStateConfig.{name} is given per layer, which needs the model's layer count: "
+                "make the cache with the model or its config, TriStateCache(model.config, cfg), or give a scalar"
+            )
 
 
 export.register(TriStateCache, TriStateCache)

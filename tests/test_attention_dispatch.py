@@ -13,6 +13,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hfkv
+from hfkv.layer.handoff import set_pending
 from hfkv.layer.masks import logical_mask
 from tests.models import left_padded_batch, tiny_model
 
@@ -160,6 +161,52 @@ def test_the_full_preset_without_a_model_is_dynamic_cache():
     cache = hfkv.TriStateCache(None, "full")
     assert torch.equal(_greedy(model, cache, ids, mask), ref)
     assert len(cache.layers) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("preset", ["hfkv", "evict", "quant", "diffkv"])
+def test_a_compressing_cache_without_a_config_makes_its_layers_as_they_are_updated(preset, backend):
+    """``TriStateCache(None, preset)``, as ``DynamicCache()``: layers made on their first update, shapes and
+    thresholds from their first keys, the OQ ratios once a layer is updated again (every layer exists then). It
+    generates the tokens, holds the states and bytes, and finds the ratios of the cache made from the model."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths=(26, 19))
+    options = dict(budget=16, window=4) if preset in ("hfkv", "evict") else dict(window=4)
+    by_model = hfkv.TriStateCache(model, preset, backend=backend, **options)
+    ref = _greedy(model, by_model, ids, mask, new=12)
+    layerless = hfkv.TriStateCache(None, preset, backend=backend, **options)
+    assert layerless.layers == [] and not layerless.layers_known
+    assert torch.equal(_greedy(model, layerless, ids, mask, new=12), ref)
+    assert len(layerless.layers) == model.config.num_hidden_layers and layerless.layers_known
+    for i in range(len(layerless.layers)):
+        assert torch.equal(layerless.token_states(i), by_model.token_states(i))
+        assert torch.equal(layerless.layers[i].keys, by_model.layers[i].keys)
+    assert layerless.stats().kv_bytes == by_model.stats().kv_bytes
+    want = by_model.oq_ratios()
+    got = layerless.oq_ratios()
+    assert (got is None) == (want is None) and (want is None or all(torch.equal(got[i], want[i]) for i in want))
+    fork = layerless.fork()  # made again from what it holds, its layers by the same factory
+    assert len(fork.layers) == len(layerless.layers) and torch.equal(fork.token_states(1), by_model.token_states(1))
+
+
+def test_update_alone_on_a_layerless_cache_as_transformers_tests_call_it():
+    """transformers' synthetic cache tests call ``update`` with no attention call between: a layer held dense
+    takes the keys as DynamicCache does; one storing tokens compressed (which scores them in the attention call)
+    refuses the second update; thresholds given per layer need the layer count."""
+    one = torch.tensor([1.0, 2.0])[None, None, :, None].expand(1, 1, 2, 8).contiguous()
+    cache = hfkv.TriStateCache(None, "evict")
+    cache.update(one, one, 0)
+    cache.update(one[:, :, :1] * 3, one[:, :, :1] * 3, 0)
+    cache.update(one * 10, one * 10, 1)
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
+    assert cache.layers[1].keys[0, 0, :, 0].tolist() == [10.0, 20.0]
+    stored = hfkv.TriStateCache(None, "quant")  # no dense phase: stored from the first token
+    stored.update(one, one, 0)
+    with pytest.raises(RuntimeError, match="not followed by an attention call"):
+        stored.update(one, one, 0)
+    set_pending(None)
+    with pytest.raises(ValueError, match="alpha_h is given per layer"):
+        hfkv.TriStateCache(None, "hfkv", alpha_h=[1.0, 2.0])
 
 
 def test_two_threads_keep_their_hand_offs_apart():

@@ -356,8 +356,8 @@ def test_misuse_errors_are_clear():
     assert not cache.is_croppable
     with pytest.raises(TypeError, match="model's config first"):
         hfkv.TriStateCache(model, model.config)
-    with pytest.raises(ValueError, match="needs the model or its config"):
-        hfkv.TriStateCache(None, "hfkv")
+    with pytest.raises(ValueError, match="needs the model's layer count"):
+        hfkv.TriStateCache(None, "hfkv", alpha_l=[0.0, 0.1])
     with pytest.raises(TypeError, match=r"its config \(PreTrainedConfig\) or None"):
         hfkv.TriStateCache(ids, "hfkv")
     with pytest.raises(ValueError, match="alpha_h"):

@@ -21,10 +21,12 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from hfkv.layer.handoff import pending, set_pending
+from hfkv.layer.masks import mask_rows
 
 __all__ = ["dispatch", "enable", "hfkv_attention", "install", "is_enabled", "pending", "set_pending"]
 
@@ -38,6 +40,9 @@ def dispatch(original, module, query, key, value, attention_mask, *args, **kwarg
     if layer is None:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     set_pending(None)
+    stepped = layer.take_stepped()
+    if stepped is not None:
+        return _step_through(layer, stepped, original, module, query, attention_mask, *args, **kwargs)
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -53,6 +58,24 @@ def dispatch(original, module, query, key, value, attention_mask, *args, **kwarg
     if torch.is_grad_enabled() and query.requires_grad:  # gradients reach the weights (retain_grad) through it
         out = (weights @ values.to(weights.dtype)).transpose(1, 2).contiguous()
     return out, weights
+
+
+def _step_through(layer, stepped, original, module, query, attention_mask, *args, **kwargs):
+    """A chunk a layer recording its past attends a token at a time (hfkv.layer.rollback): each token through the
+    layer's update() and this dispatch, as greedy decoding's steps would; the outputs joined as the chunk's, the
+    weights (where asked for) zero past each token's own position."""
+    keys, values = stepped
+    q, start = query.shape[2], layer.get_seq_length()
+    outs, weights = [], []
+    for t in range(q):
+        k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        mask = mask_rows(attention_mask, t, t + 1, start + t + 1)
+        out, w = dispatch(original, module, query[:, :, t : t + 1], k, v, mask, *args, **kwargs)
+        outs.append(out)
+        weights.append(w)
+    if any(w is None for w in weights):
+        return torch.cat(outs, 1), None
+    return torch.cat(outs, 1), torch.cat([F.pad(w, (0, start + q - w.shape[-1])) for w in weights], 2)
 
 
 def hfkv_attention(module, query, key, value, attention_mask, *args, **kwargs):

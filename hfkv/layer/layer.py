@@ -12,6 +12,7 @@ with its own state, holding a reference to the layer for what they share:
 - ``moves`` (:mod:`hfkv.storage.moves`): tokens written to, moved between and dropped from the tiers;
 - ``reads`` (:mod:`hfkv.layer.reads`): attention over the held slots and the kept launch plan;
 - ``cursor`` (:mod:`hfkv.layer.step_cursor`): the device-side step a CUDA graph replays;
+- ``rollback`` (:mod:`hfkv.layer.rollback`): the past record that lets ``crop`` undo a forward exactly;
 - :mod:`hfkv.layer.prefill` and :mod:`hfkv.layer.introspection`: a prompt's admission, and what the layer holds.
 
 What it needs of its cache is :class:`hfkv.layer.owner.LayerOwner` (the layer sits below ``hfkv.cache``).
@@ -33,6 +34,7 @@ from hfkv.layer.owner import LayerOwner
 from hfkv.layer.padding import Padding
 from hfkv.layer.policy_runner import PolicyRunner
 from hfkv.layer.reads import Reads
+from hfkv.layer.rollback import Rollback
 from hfkv.layer.step_cursor import StepCursor
 from hfkv.quant.formats import QuantFormat
 from hfkv.quant.record import RecordLayout
@@ -72,6 +74,7 @@ class TriStateLayer(CacheLayerMixin):
         self.reads = Reads(self)
         self.cursor = StepCursor(self)
         self.offloaded = Offload(self)
+        self.rollback = Rollback(self)
         self.budget: Budget | None = None  # made for the layer's shapes (lazy_initialization)
         self.moves: Moves | None = None  # with the window and tiers (build_storage), once the layer compresses
 
@@ -88,7 +91,7 @@ class TriStateLayer(CacheLayerMixin):
         self.rotation = hadamard(dim, self.device) if cfg.rotate else None
 
         def layout(name: str) -> RecordLayout:
-            if name == "mid" and not cfg.uses_mid_tier():
+            if (name == "mid" and not cfg.uses_mid_tier()) or (name == "quantized" and not cfg.uses_quantized_tier()):
                 name = "original"  # an empty tier: never written, so its layout only has to be valid
             tier, group = getattr(cfg, name), cfg.group_for(name, dim)
             return RecordLayout(
@@ -169,26 +172,50 @@ class TriStateLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Whether :meth:`crop` can put the layer back as it was: while it holds its sequence dense (every token
-        exact, nothing scored into a decision yet), as DynamicLayer does; not once it stores tokens compressed."""
-        return not self.is_initialized or self.dense.active
+        exact, nothing scored into a decision yet), as DynamicLayer does, and while it records its past
+        (:meth:`activate_past_recording`) back to where the record began."""
+        return not self.is_initialized or self.dense.active or self.rollback.recording
+
+    def activate_past_recording(self) -> None:
+        """What transformers' ``Cache.activate_past_recording()`` calls before assisted decoding: from now on a
+        crop puts the layer back exactly (hfkv.layer.rollback)."""
+        self.rollback.recording = True
+
+    @property
+    def record_past(self) -> bool:
+        return self.rollback.recording
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:  # generate() sets it False when it hands the cache back
+        self.rollback.recording = bool(on)
+        if not on:
+            self.rollback.drop()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (assisted and prompt-lookup decoding reject candidates so),
-        as DynamicLayer does, while the layer is dense; once it stores tokens compressed, raise: evicted and
-        quantized tokens cannot be restored, and the window's last tokens would leave holes in its ring."""
+        """Drop the last ``-tokens_to_remove`` tokens (assisted and prompt-lookup decoding reject candidates so):
+        exactly, back to where the past record began (hfkv.layer.rollback; ``crop(0)`` ends the record); else as
+        DynamicLayer does while the layer is dense; once it stores tokens compressed and records nothing, raise:
+        evicted and quantized tokens cannot be restored, and the window's last tokens would leave holes in its ring."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"TriStateCache.crop({tokens_to_remove}): pass a negative number of tokens to remove, as DynamicCache "
                 "takes it"
             )
         n = -tokens_to_remove
+        if self.rollback.holds() and self.rollback.crop(n):
+            return
         if n == 0 or not self.is_initialized:
             return
         if not self.dense.active:
+            recorded = (
+                f"it recorded only its last {self.rollback.tokens()} tokens"
+                if self.rollback.recording
+                else "it records no past (cache.activate_past_recording(), as assisted decoding calls it)"
+            )
             raise ValueError(
-                f"TriStateCache cannot be cropped: layer {self.layer_idx} holds {self.length} tokens compressed "
-                "(past its budget), and evicted and quantized tokens cannot be restored (is_croppable is False). "
-                "Give assisted/speculative decoding a budget that covers the sequence, the 'full' preset or "
+                f"TriStateCache cannot be cropped by {n} tokens: layer {self.layer_idx} holds {self.length} tokens "
+                f"compressed (past its budget) and {recorded}; evicted and quantized tokens cannot be restored. Call "
+                "activate_past_recording() before the forwards a crop must undo, or use the 'full' preset or "
                 "DynamicCache."
             )
         self.dense.crop(n)
@@ -203,13 +230,25 @@ class TriStateLayer(CacheLayerMixin):
         self.offloaded.prefetch()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if pending() is not None:
+        stale = pending()
+        if stale is not None and stale.attends_densely():
+            # Its keys and values were taken as DynamicCache takes them (code that calls update() alone, as
+            # transformers' own cache tests do); only that chunk's queries are not in its scores.
+            set_pending(None)
+        elif stale is not None:
+            shape = self.cache.model_shape
+            built = f" (built for {shape.describe()})" if shape is not None else ""
             raise RuntimeError(
-                "hfkv: a cache layer's update() was not followed by an attention call: the model using this cache "
-                f"(built for {self.cache.model_shape.describe()}) looks its attention function up without "
-                "transformers' ALL_ATTENTION_FUNCTIONS.get_interface, so compressed tokens would be ignored, or its "
-                "attention does not call past_key_values.update with standard K/V."
+                f"hfkv: a cache layer's update() was not followed by an attention call: the model using this cache"
+                f"{built} looks its attention function up without transformers' ALL_ATTENTION_FUNCTIONS."
+                "get_interface, so compressed tokens would be ignored, or its attention does not call "
+                "past_key_values.update with standard K/V (a layer storing tokens compressed scores them in the "
+                "attention call after each update)."
             )
+        if self.rollback.steps_through(key_states, value_states):
+            set_pending(self)  # the dispatch attends it a token at a time, each through update() again
+            return key_states, value_states
+        self.rollback.arrived(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.offloaded.prefetch()  # where the cache's prefetch did not (it does before each update)
@@ -243,6 +282,10 @@ class TriStateLayer(CacheLayerMixin):
         return key_states, value_states
 
     # ------------------------------------------------------------ attention
+    def take_stepped(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chunk update() left to be attended a token at a time (hfkv.layer.rollback), or None."""
+        return self.rollback.take_stepped()
+
     def attends_densely(self) -> bool:
         """Whether update() held this chunk dense: the model's own attention over the keys and values update()
         returned is then DynamicCache's, bit for bit, and :meth:`attend` only observes (``computed``)."""
@@ -255,6 +298,7 @@ class TriStateLayer(CacheLayerMixin):
         where a replayed graph reads it), one this layer's attention returned for the same query shape; a Triton
         decode step writes it in place, any other path copies. ``computed``: a dense chunk's output, which the
         model's own attention computed (the dispatch); without it, SDPA computes it."""
+        self.rollback.attended(module, query, mask, scaling)
         mask = logical_mask(mask, query.shape[2])
         if self.dense.active:  # update() held this chunk dense (the keys and values are never rotated there)
             res = self.dense.attend(module, query, mask, scaling, computed)
@@ -335,7 +379,9 @@ class TriStateLayer(CacheLayerMixin):
 
     def decode_steps_before_policy(self, limit: int = 4096) -> int:
         """How many of the next one-token steps run no policy run (at most ``limit``): the steps a CUDA graph of
-        one of them can replay (hfkv.graphs)."""
+        one of them can replay (hfkv.graphs); none while recording the past (each update is recorded)."""
+        if self.rollback.recording:
+            return 0
         return self.policy.steps_before(limit)
 
     def replayed_step(self, checked: bool = True) -> None:
@@ -347,7 +393,7 @@ class TriStateLayer(CacheLayerMixin):
     def step_traces(self, query_length: int) -> bool:
         """Whether Dynamo can trace this layer's next step of ``query_length`` tokens (hfkv.compiled): one token,
         held dense and staying so, or stored on a backend of torch ops with no policy run due."""
-        if query_length != 1 or not self.is_initialized or self.length == 0:
+        if query_length != 1 or not self.is_initialized or self.length == 0 or self.rollback.recording:
             return False
         if self.dense.active:
             return self._stays_dense(1)
@@ -371,6 +417,7 @@ class TriStateLayer(CacheLayerMixin):
         self.offloaded.prefetch()
         index = index.to(self.device)
         self.policy.ahead = None  # prepared for rows that are no longer these
+        self.rollback.drop()  # recorded for those rows
         self.kv_shape = (index.numel(), *self.kv_shape[1:])
         self.dense.select_rows(index)
         if self.window is not None:
@@ -393,6 +440,7 @@ class TriStateLayer(CacheLayerMixin):
         self._select_rows(indices)
 
     def reset(self) -> None:
+        self.rollback.drop()  # recording stays on, as DynamicSlidingWindowLayer's does
         if self.is_initialized:  # the next prompt decides again whether it is held dense (begin)
             self.window = self.tiers = self.moves = None
             self.dense.reset()

@@ -31,3 +31,16 @@ def logical_mask(mask: object, query_length: int) -> torch.Tensor | None:
         causal = pos[None, :] <= (pos[kv - query_length :])[:, None]  # [q, kv]
         return mask.bool()[:, None, None, :] & causal[None, None]
     raise ValueError(f"hfkv: an attention mask of shape {tuple(mask.shape)}; expected [B, 1, q, kv] or [B, kv]")
+
+
+def mask_rows(mask: object, start: int, stop: int, kv: int) -> object:
+    """The mask a forward of queries ``start:stop`` of a chunk over its first ``kv`` keys would have been given: the
+    same form, cut (a 4D mask to those rows and columns, a 2D padding mask to those columns; None stays None).
+    Why: a chunk attended a token at a time, or again in part (hfkv.layer.rollback), passes each call its own."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    if mask.dim() == 4:
+        return mask[:, :, start:stop, :kv]
+    if mask.dim() == 2:
+        return mask[:, :kv]
+    raise ValueError(f"hfkv: an attention mask of shape {tuple(mask.shape)}; expected [B, 1, q, kv] or [B, kv]")
