@@ -631,5 +631,3 @@ def test_a_cache_serves_any_model_of_its_shape():
     own = stranger(input_ids=ids, past_key_values=hfkv.TriStateCache(stranger, "hfkv", budget=16, window=4)).logits
     lent = stranger(input_ids=ids, past_key_values=hfkv.TriStateCache(model, "hfkv", budget=16, window=4)).logits
     assert torch.equal(lent, own)
-
-

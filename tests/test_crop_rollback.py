@@ -29,8 +29,10 @@ def _inputs(model, seed: int = 0):
     kv, hq, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
 
     def part(n):
-        return torch.randn(1, kv, n, d, generator=g), torch.randn(1, kv, n, d, generator=g), torch.randn(
-            1, hq, n, d, generator=g
+        return (
+            torch.randn(1, kv, n, d, generator=g),
+            torch.randn(1, kv, n, d, generator=g),
+            torch.randn(1, hq, n, d, generator=g),
         )
 
     return part(PROMPT), part(CHUNK), d**-0.5
