@@ -15,8 +15,9 @@ changes is where a context's scores come from (``scores=``):
 - ``"observation"``: the prefill's own observation window, what ``model(context, past_key_values=cache)`` gives.
 
 Every source's scores are scaled per row and KV head to the observation window's total (``prefill.in_scale``),
-so the thresholds and the budget mean what they mean after a prefill. The returned cache is the caller's to
-``fork()`` per question or ``save()``.
+so the thresholds and the budget mean what they mean after a prefill; with ``head_adaptive`` (a layer's heads
+share its room by score) per row only, so the heads keep the source's proportions to each other, as KVzip ranks.
+The returned cache is the caller's to ``fork()`` per question or ``save()``.
 """
 
 from __future__ import annotations

@@ -244,3 +244,28 @@ def test_fork_and_load_keep_transformers_own_layers(kind, tmp_path):
             assert torch.equal(model(input_ids=q, past_key_values=other).logits, want)
     kinds = {type(layer).__name__ for layer in loaded.layers}
     assert kinds == ({"DynamicSlidingWindowLayer", "TriStateLayer"} if kind == "sliding layers" else {"DynamicLayer"})
+
+
+@pytest.mark.parametrize("head_adaptive", [False, True], ids=["per-head", "head-adaptive"])
+def test_external_scores_keep_their_proportions_across_heads_only_where_heads_share_the_room(head_adaptive):
+    """Scores from another source are scaled to the observation window's total (prefill.in_scale): per head where
+    each head keeps its own share of the budget, so both heads keep as many tokens; per row under head_adaptive,
+    so the head the source scores ten times higher takes the room, as KVzip's ranking across heads would (scaled
+    per head there, the two would keep 20 and 18)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    t, d = 48, model.config.hidden_size // model.config.num_attention_heads
+    key, value = torch.randn(1, 2, t, d, generator=g), torch.randn(1, 2, t, d, generator=g)
+    query = torch.randn(1, 4, t, d, generator=g)
+    scores = torch.rand(1, 2, t, generator=g) + 0.5
+    scores[:, 1] *= 0.1  # the source finds head 1 ten times less used
+    cache = hfkv.TriStateCache(model, "evict", budget=24, window=4, head_adaptive=head_adaptive, backend="torch")
+    cache.layers[0].ingest_prefill(key, value, query, d**-0.5, scores)
+    kept = (cache.token_states(0) != 3).sum(-1)[0]  # [heads]: tokens not evicted
+    sums = cache.token_scores(0)[0].nan_to_num(0.0)
+    if head_adaptive:  # every token of head 0 outranks every one of head 1: head 1 keeps only its window
+        assert kept[1] == 4 and kept[0] > kept[1]
+    else:
+        assert kept[0] == kept[1]
+    held = cache.token_states(0)[0] != 3
+    assert (sums > 0).eq(held).all()  # what is held was scored

@@ -54,20 +54,24 @@ def ingest(
     if layer.dense.active:
         layer.dense.ingest(key, value, query, scaling)
         if scores is not None:
-            layer.dense.scores = in_scale(scores, layer.dense.scores, layer.dense.key_valid)
+            dense = layer.dense
+            dense.scores = in_scale(scores, dense.scores, dense.key_valid, per_head=not layer.cfg.head_adaptive)
         return
     if layer.rotation is not None:  # as update() and attend() rotate a prompt's
         key, value, query = (rotate(x, layer.rotation) for x in (key, value, query))
     admit_prompt(layer, key, value, query, None, scaling, scores)
 
 
-def in_scale(scores: torch.Tensor, sums: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+def in_scale(scores: torch.Tensor, sums: torch.Tensor, key_valid: torch.Tensor, per_head: bool = True) -> torch.Tensor:
     """``scores [B, H, T]`` from another source (hfkv.compress), scaled per row and head to the total the observation
     window's ``sums`` give the real tokens: their order is theirs, their size the one the thresholds and the
-    budget's policy were set for."""
+    budget's policy were set for. ``per_head=False`` (``head_adaptive``, where a layer's heads share its room by
+    score): one scale per row, so the heads keep the source's proportions to each other (KVzip ranks its scores
+    across heads, giving a head whose repetition reads nothing of the context nothing)."""
     valid = key_valid[:, None, :].to(scores.dtype)
-    want = (sums.float() * valid).sum(-1, keepdim=True)
-    have = (scores.float() * valid).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    dims = (-1,) if per_head else (-2, -1)
+    want = (sums.float() * valid).sum(dims, keepdim=True)
+    have = (scores.float() * valid).sum(dims, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return (scores.float() * valid * (want / have)).to(sums.dtype)
 
 
@@ -76,7 +80,7 @@ def admit_prompt(layer, k, v, query, mask, scaling, scores: torch.Tensor | None 
     another source's, in place of the window's, scaled to their total: :func:`in_scale`)."""
     sums, key_valid = observe_prompt(layer, k, query, mask, scaling)
     if scores is not None:
-        sums = in_scale(scores, sums, key_valid)
+        sums = in_scale(scores, sums, key_valid, per_head=not layer.cfg.head_adaptive)
     place_prompt(layer, k, v, sums, key_valid)
 
 
