@@ -410,7 +410,7 @@ def test_a_model_whose_layers_are_all_sliding_is_warned_about():
         hfkv.TriStateCache(tiny_model("gemma2", num_hidden_layers=4), "hfkv", budget=64)  # its full layers compress
 
 
-@pytest.mark.parametrize("op", ["select", "repeat"])
+@pytest.mark.parametrize("op", ["select", "select-tuple", "repeat"])
 def test_batch_surgery_matches_dynamic_cache(op):
     model = tiny_model("llama")
     ids, mask = left_padded_batch(lengths=(20, 14, 9))
@@ -420,9 +420,11 @@ def test_batch_surgery_matches_dynamic_cache(op):
         model(input_ids=ids, attention_mask=mask, past_key_values=c)
         if op == "select":
             c.batch_select_indices(torch.tensor([2, 0]))
+        elif op == "select-tuple":  # as transformers' own cache tests pass them
+            c.batch_select_indices((2, 0))
         else:
             c.batch_repeat_interleave(2)
-    keep = [2, 0] if op == "select" else [0, 0, 1, 1, 2, 2]
+    keep = [0, 0, 1, 1, 2, 2] if op == "repeat" else [2, 0]
     nxt = torch.randint(3, 128, (len(keep), 1), generator=torch.Generator().manual_seed(2))
     am = torch.cat([mask[keep], torch.ones(len(keep), 1, dtype=mask.dtype)], 1)
     pos = am.long().cumsum(-1)[:, -1:] - 1

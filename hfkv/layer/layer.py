@@ -415,7 +415,7 @@ class TriStateLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.offloaded.prefetch()
-        index = index.to(self.device)
+        index = torch.as_tensor(index, dtype=torch.long).to(self.device)  # DynamicLayer takes a tuple or list too
         self.policy.ahead = None  # prepared for rows that are no longer these
         self.rollback.drop()  # recorded for those rows
         self.kv_shape = (index.numel(), *self.kv_shape[1:])
