@@ -200,8 +200,15 @@ def test_update_alone_on_a_layerless_cache_as_transformers_tests_call_it():
     cache.update(one * 10, one * 10, 1)
     assert cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0]
     assert cache.layers[1].keys[0, 0, :, 0].tolist() == [10.0, 20.0]
+    rows = torch.arange(1.0, 4.0)[:, None, None, None] * one  # 3 rows
+    picked = hfkv.TriStateCache(None, "evict")
+    picked.update(rows, rows, 0)
+    picked.batch_select_indices((0, 2))  # a tuple, before any attention call
+    assert torch.equal(picked.layers[0].keys, rows[[0, 2]])
     stored = hfkv.TriStateCache(None, "quant")  # no dense phase: stored from the first token
     stored.update(one, one, 0)
+    with pytest.raises(RuntimeError, match="read keys and values after the attention call"):
+        _ = stored.layers[0].keys  # the chunk is placed by the attention call: not held yet
     with pytest.raises(RuntimeError, match="not followed by an attention call"):
         stored.update(one, one, 0)
     set_pending(None)

@@ -172,6 +172,7 @@ class DensePhase:
         self.queries = None  # made again for the new rows
         if self.k is not None:
             self.k, self.v = self.k[index], self.v[index]
+        if self.scores is not None:  # None: keys taken by update() alone, not attended yet (observed when they are)
             self.scores, self.key_valid = self.scores[index], self.key_valid[index]
 
     # ------------------------------------------------------------ what it holds

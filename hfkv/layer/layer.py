@@ -149,6 +149,11 @@ class TriStateLayer(CacheLayerMixin):
             return (self.dense.k, self.dense.v)[which]
         if not self.is_initialized:
             return None
+        if self._chunk is not None:
+            raise RuntimeError(
+                f"hfkv: layer {self.layer_idx} stores tokens compressed and its last update() was not followed by "
+                "an attention call, which places and scores them: read keys and values after the attention call"
+            )
         return introspection.held_kv(self)[which]
 
     def get_seq_length(self) -> int:

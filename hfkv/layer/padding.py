@@ -64,7 +64,8 @@ class Padding:
             self.pad_end = self.pad_end[index]
         if self.sink_end is not None:
             self.sink_end = self.sink_end[index]
-        self.refresh(unpadded=not self.padded)
+        if self.pad_end is not None:  # None: no prompt attended yet, so no padding read from a mask
+            self.refresh(unpadded=not self.padded)
 
     def reset(self) -> None:
         self.pad_end = self.sink_end = None
