@@ -1595,6 +1595,13 @@ M8=hfkv@256,hfkv@512,hfkv@1024,evict@512,streaming@512
 python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 8192 --limit 3 \\
     --methods dynamic,$M8 --context-scores reconstruction,observation \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
+# reconstruction scores with a layer's heads sharing its room by score (head_adaptive: KVzip's ranking across heads)
+HA=hfkv@128:head_adaptive=true,hfkv@256:head_adaptive=true,hfkv@512:head_adaptive=true
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc \\
+    --lengths 4096 --limit 5 --methods $HA --context-scores reconstruction \\
+    --out eval/results/compress_once_ruler_smollm2.jsonl   # niah_single_2_pydoc: evict@256:head_adaptive=true too
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_1 --lengths 4096 --limit 8 \\
+    --methods $HA --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
 # the same with the question in the prompt (tabled beside)
 python eval/sweep_ruler.py --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc --lengths 4096 --limit 5 \\
     --methods dynamic,$M --out eval/results/ruler_smollm2.jsonl
