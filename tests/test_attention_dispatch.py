@@ -14,7 +14,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hfkv
 from hfkv.layer.handoff import set_pending
-from hfkv.layer.masks import logical_mask
+from hfkv.layer.masks import logical_mask, mask_rows
 from tests.models import left_padded_batch, tiny_model
 
 
@@ -117,6 +117,13 @@ def test_every_mask_form_reads_the_same(q, past):
     assert logical_mask(None, q) is None
     with pytest.raises(TypeError, match="BlockMask is not supported"):
         logical_mask(object(), q)
+    # A chunk attended a token at a time (hfkv.layer.rollback): each form cut to one query's row and the keys up to
+    # it reads as that row of the whole chunk's mask.
+    for form in (boolean, additive, pad):
+        for t in range(q):
+            row = mask_rows(form, t, t + 1, past + t + 1)
+            assert torch.equal(logical_mask(row, 1), boolean[:, :, t : t + 1, : past + t + 1])
+    assert mask_rows(None, 0, 1, past + 1) is None
 
 
 def test_asking_for_mask_sizes_outside_a_forward_leaves_nothing_behind():
