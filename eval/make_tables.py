@@ -1602,6 +1602,9 @@ python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2
     --out eval/results/compress_once_ruler_smollm2.jsonl   # niah_single_2_pydoc: evict@256:head_adaptive=true too
 python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_1 --lengths 4096 --limit 8 \\
     --methods $HA --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 8192 --limit 3 \\
+    --methods hfkv@256:head_adaptive=true,hfkv@512:head_adaptive=true,hfkv@1024:head_adaptive=true \\
+    --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
 # the same with the question in the prompt (tabled beside)
 python eval/sweep_ruler.py --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc --lengths 4096 --limit 5 \\
     --methods dynamic,$M --out eval/results/ruler_smollm2.jsonl

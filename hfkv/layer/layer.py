@@ -91,12 +91,17 @@ class TriStateLayer(CacheLayerMixin):
         self.rotation = hadamard(dim, self.device) if cfg.rotate else None
 
         def layout(name: str) -> RecordLayout:
-            if (name == "mid" and not cfg.uses_mid_tier()) or (name == "quantized" and not cfg.uses_quantized_tier()):
+            if name == "mid" and not cfg.uses_mid_tier():
                 name = "original"  # an empty tier: never written, so its layout only has to be valid
             tier, group = getattr(cfg, name), cfg.group_for(name, dim)
-            return RecordLayout(
-                QuantFormat(tier.key, dim, group, self.dtype), QuantFormat(tier.value, dim, group, self.dtype)
-            )
+            try:
+                key = QuantFormat(tier.key, dim, group, self.dtype)
+                value = QuantFormat(tier.value, dim, group, self.dtype)
+            except ValueError:
+                if name != "quantized" or cfg.uses_quantized_tier():
+                    raise
+                return layout("original")  # never written (evict, streaming): any valid layout, e.g. 1-wide heads
+            return RecordLayout(key, value)
 
         self.layouts = tuple(layout(name) for name in TIER_NAMES)  # indexed by state
         self.kv_shape = (bsz, heads, dim)  # rows, KV heads, head dim: what the storage is built for
