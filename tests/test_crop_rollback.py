@@ -119,6 +119,12 @@ def test_crop_zero_ends_the_record_and_record_past_false_drops_it():
         cache.crop(-4)
     cache.crop(-3)
     assert cache.get_seq_length() == PROMPT + 2
+    dense = hfkv.TriStateCache(model, "hfkv", budget=4096)  # held dense: a crop past the record crops as DynamicLayer
+    _forward(dense, module, pk, pv, pq, scaling, False)
+    dense.activate_past_recording()
+    _forward(dense, module, ck[:, :, :2], cv[:, :, :2], cq[:, :, :2], scaling, False)
+    dense.crop(-4)
+    assert dense.get_seq_length() == PROMPT - 2 and not dense.layers[0].rollback.holds()
     for layer in cache.layers:  # as transformers' DeferredStopCheck.finish does
         layer.record_past = False
     _forward(cache, module, ck[:, :, 2:3], cv[:, :, 2:3], cq[:, :, 2:3], scaling, False)

@@ -228,6 +228,7 @@ class TriStateLayer(CacheLayerMixin):
                 "activate_past_recording() before the forwards a crop must undo, or use the 'full' preset or "
                 "DynamicCache."
             )
+        self.rollback.drop()  # a crop past the record's start: the record no longer describes the layer
         self.dense.crop(n)
         self.length -= n
 
