@@ -35,8 +35,9 @@ from hfkv.attention.interface import attn_configs
 from hfkv.cache import TriStateCache
 from hfkv.config import TriStateConfig
 from hfkv.layer.layer import TriStateLayer
+from hfkv.policy.layer_shares import layer_shares
 
-__all__ = ["REPEAT_PROMPT", "SCORE_SOURCES", "compress", "key_norm_scores", "score_context"]
+__all__ = ["REPEAT_PROMPT", "SCORE_SOURCES", "compress", "fill", "key_norm_scores", "score_context"]
 
 SCORE_SOURCES = ("reconstruction", "key_norm", "observation")
 # KVzip's request to repeat the context, placed after it; the repetition follows it.
@@ -143,18 +144,49 @@ def compress(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     cache = TriStateCache(model, config, **overrides)
+    if cache.config.layer_adaptive and scores != "reconstruction":
+        raise ValueError(
+            f"hfkv.compress: layer_adaptive=True shares the room by reconstruction scores (a probability each, on "
+            f"one scale in every layer); scores={scores!r} has no such scale: use scores='reconstruction'"
+        )
     if scores == "observation" or not cache.config.compress:
         model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
     repeat = _repeat_ids(model, tokenizer, repeat_prompt).to(device) if scores == "reconstruction" else None
     captured, own = score_context(model, input_ids, scores, repeat, chunk)
+    return fill(cache, captured, own)
+
+
+def fill(cache: DynamicCache, captured: dict[int, tuple], scores: dict[int, torch.Tensor],
+         dtype: torch.dtype | None = None) -> DynamicCache:  # fmt: skip
+    """``cache`` (empty: a TriStateCache, or any cache a forward would fill) filled from :func:`score_context`'s
+    ``captured`` tensors (cast to ``dtype`` if given), each compressed layer's tokens scored by ``scores`` (none: the
+    observation window's) and, with ``layer_adaptive``, its room shared by them (:func:`hfkv.policy.layer_shares`)."""
+    shares: dict[int, float] = {}
+    if isinstance(cache, TriStateCache) and cache.config.layer_adaptive:
+        stored = [i for i, layer in enumerate(cache.layers) if isinstance(layer, TriStateLayer)]
+        missing = [i for i in stored if i not in scores]
+        if missing:
+            raise ValueError(f"layer_adaptive: layers {missing} have no scores to share the room by")
+        kept = _even_exact_tokens(cache.config, captured[stored[0]][0], dtype)
+        shares = dict(zip(stored, layer_shares([scores[i] for i in stored], kept), strict=True))
     for i, layer in enumerate(cache.layers):
         key, value, query, scaling = captured[i]
+        if dtype is not None:
+            key, value, query = key.to(dtype), value.to(dtype), query.to(dtype)
         if isinstance(layer, TriStateLayer):
-            layer.ingest_prefill(key, value, query, scaling, scores=own[i])
+            layer.ingest_prefill(key, value, query, scaling, scores=scores.get(i), room_share=shares.get(i))
         else:
             cache.update(key, value, i)
     return cache
+
+
+def _even_exact_tokens(cfg: TriStateConfig, key: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """The full-precision tokens a KV head's budget buys (what an even split keeps exact, the window included)."""
+    if cfg.budget_unit == "fp_tokens":
+        return cfg.budget
+    token_bytes = 2 * key.shape[-1] * (dtype or key.dtype).itemsize
+    return max(1, cfg.budget // token_bytes)
 
 
 @torch.no_grad()

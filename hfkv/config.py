@@ -217,6 +217,11 @@ class TriStateConfig:
     # them to the heads whose attention is concentrated and starves the ones that read a needle: on RULER's
     # niah_single_1 at 4k, evict@256 goes from 18/24 to 0/24 with it, hfkv@256 from 19/24 to 7/24.
     head_adaptive: bool = False
+    # Layers share the cache's room by score (KVzip ranks across layers as across heads): each compressed layer's room
+    # outside the window is its share of a context's highest reconstruction scores, between a quarter and four times
+    # an even split's, the total unchanged (hfkv.policy.layer_shares). Only hfkv.compress scores every layer before
+    # it places any; a cache whose layers are filled by the model's forward, one at a time, cannot, and raises.
+    layer_adaptive: bool = False
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 8
@@ -268,11 +273,22 @@ class TriStateConfig:
         w = "TriStateConfig"
         if not isinstance(self.name, str) or not self.name:
             raise _fail(f"{w}.name", self.name, "a non-empty string")
-        for f in ("compress", "oq_ratios", "head_adaptive", "stagger", "run_ahead", "dense_phase", "rotate"):
+        flags = (
+            "compress",
+            "oq_ratios",
+            "head_adaptive",
+            "layer_adaptive",
+            "stagger",
+            "run_ahead",
+            "dense_phase",
+            "rotate",
+        )
+        for f in flags:
             if not isinstance(getattr(self, f), bool):
                 raise _fail(f"{w}.{f}", getattr(self, f), "true or false")
-        if self.rotate and not self.compress:
-            raise _fail(f"{w}.rotate", self.rotate, "false where compress is false (nothing is stored compressed)")
+        for f in ("rotate", "layer_adaptive"):
+            if getattr(self, f) and not self.compress:
+                raise _fail(f"{w}.{f}", True, "false where compress is false (nothing is stored compressed)")
         for f, lo in (
             ("window", 1),
             ("sink_tokens", 0),
@@ -364,7 +380,7 @@ class TriStateConfig:
     def _validate_budget(self, w: str) -> None:
         b = self.budget
         if b is None:
-            for f in ("oq_ratios", "head_adaptive"):
+            for f in ("oq_ratios", "head_adaptive", "layer_adaptive"):
                 if getattr(self, f):
                     raise _fail(
                         f"{w}.{f}",
@@ -375,6 +391,10 @@ class TriStateConfig:
         if not _is_int(b):
             raise _fail(f"{w}.budget", b, f"{BUDGET_UNIT_TEXT[self.budget_unit]}, or None")
         self.budget = b = int(b)
+        if self.layer_adaptive and self.budget_unit == "tokens":
+            raise _fail(
+                f"{w}.layer_adaptive", True, "false with budget_unit='tokens' (it shares a memory budget's bytes)"
+            )
         if self.budget_unit == "bytes":
             # Bytes are checked against the model (record sizes, dtype) when the cache is built.
             if b <= 0:
@@ -609,6 +629,8 @@ class TriStateConfig:
             parts.append(f"carry={self.carry:g}")
         if self.head_adaptive:
             parts.append("head_adaptive")
+        if self.layer_adaptive:
+            parts.append("layer_adaptive")
         if self.stagger:
             parts.append("stagger")
         if not self.run_ahead:

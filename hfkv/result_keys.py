@@ -18,7 +18,13 @@ __all__ = ["LATER_FIELDS", "PREDATED_FIELDS", "key_dict", "stored_key"]
 #: existed (:func:`key_dict` leaves them out at that value). ``dense_phase`` behaves as before only where the budget
 #: never covers the sequence (hfkv.layer.dense); the stored rows where it covered part of it (the testbed's
 #: arith_cot above its prompts' length) were run again when it came.
-LATER_FIELDS: dict[str, Any] = {"stagger": False, "run_ahead": True, "rotate": False, "dense_phase": True}
+LATER_FIELDS: dict[str, Any] = {
+    "stagger": False,
+    "run_ahead": True,
+    "rotate": False,
+    "dense_phase": True,
+    "layer_adaptive": False,
+}
 #: Fields added before that rule, which :func:`key_dict` writes at every value: rows stored before them ran at
 #: this value.
 PREDATED_FIELDS: dict[str, Any] = {"carry": 0.0}

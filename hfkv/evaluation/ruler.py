@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from hfkv.cache import TriStateLayer
-from hfkv.compress_once import REPEAT_PROMPT, key_norm_scores, score_context
+from hfkv.compress_once import REPEAT_PROMPT, fill, key_norm_scores, score_context
 from hfkv.evaluation.lm_eval_model import HFKVLM
 from hfkv.evaluation.methods import Method, kv_and_dense_bytes
 from hfkv.evaluation.question_split import question_start
@@ -198,15 +197,7 @@ class SharedPrefillLM(HFKVLM):
             repeat = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
             by_source[source] = score_context(self.prefill_model, head.to(self.prefill_model.device), source,
                                               repeat.to(self.prefill_model.device))[1]  # fmt: skip
-        scores, dtype = by_source[source], self.model.dtype
-        cache = self.hfkv_method.make_cache(self.model)
-        for i, layer in enumerate(cache.layers):
-            k, v, q, scaling = captured[i]
-            k, v, q = k.to(dtype), v.to(dtype), q.to(dtype)
-            if isinstance(layer, TriStateLayer):
-                layer.ingest_prefill(k, v, q, scaling, scores=scores.get(i))
-            else:
-                cache.update(k, v, i)
+        cache = fill(self.hfkv_method.make_cache(self.model), captured, by_source[source], self.model.dtype)
         with torch.no_grad():
             out = self.model(input_ids=question.to(self.model.device), past_key_values=cache, use_cache=True,
                              logits_to_keep=1)  # fmt: skip

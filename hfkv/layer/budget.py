@@ -37,6 +37,9 @@ class Budget:
         self.cost: tuple[int | None, ...] | None = None
         self.window_cost = self.cap = self.room = None
         self.fidelity: tuple[float | None, ...] | None = None
+        # The layer's room as a multiple of the config's (TriStateConfig.layer_adaptive); None: not given yet.
+        self._share: float | None = None if cfg.layer_adaptive else 1.0
+        self._even: tuple[int, int] | None = None  # (cap, reserve) of an even split, what a share scales
         if self.memory_budget:
             self._init_memory_budget(dim)
 
@@ -54,16 +57,10 @@ class Budget:
         # Bytes of one record per tier (None: the mid tier is off), what the allocator trades.
         self.cost = tuple(lay.nbytes if used else None for lay, used in zip(layouts, on, strict=True))
         self.window_cost = token_bytes + 4
-        self.cap = cfg.budget * token_bytes if cfg.budget_unit == "fp_tokens" else cfg.budget
+        cap = cfg.budget * token_bytes if cfg.budget_unit == "fp_tokens" else cfg.budget
         reserve = capacity * self.window_cost
-        self.room = int(cfg.slack * (self.cap - reserve))
-        if self.room < self.cost[0]:
-            raise ValueError(
-                f"TriStateConfig.budget={cfg.budget} ({cfg.budget_unit} per KV head = {self.cap} bytes) leaves "
-                f"{self.room} bytes outside the window, less than one {self.cost[0]}-byte record: the window "
-                f"(window + interval = {capacity} tokens x {self.window_cost} bytes) takes "
-                f"{reserve}; raise the budget or lower window/interval"
-            )
+        self._even = (cap, reserve)
+        self._set_room(1.0 if self._share is None else self._share)
         used = [(name, getattr(cfg, name), c) for name, c in zip(TIER_NAMES, self.cost, strict=True) if c is not None]
         for (hi, hi_fmt, hi_c), (lo, lo_fmt, lo_c) in zip(used, used[1:], strict=False):
             if lo_c > hi_c:
@@ -79,6 +76,49 @@ class Budget:
                 tier_fidelity(lay.key.name, lay.value.name, lay.key.group_size, dim) if c is not None else None
                 for lay, c in zip(layouts, self.cost, strict=True)
             )
+
+    def _set_room(self, share: float) -> None:
+        """``cap`` and ``room`` with the room outside the window ``share`` times an even split's: the window's
+        reserve is the same in every layer (its tokens are the newest, whatever the layer)."""
+        cfg = self.cfg
+        cap, reserve = self._even
+        self.cap = reserve + round(share * (cap - reserve))
+        self.room = int(cfg.slack * (self.cap - reserve))
+        if self.room < self.cost[0]:
+            given = "" if share == 1.0 else f", {share:.3g} times an even split's room (layer_adaptive)"
+            raise ValueError(
+                f"TriStateConfig.budget={cfg.budget} ({cfg.budget_unit} per KV head = {cap} bytes{given}) leaves "
+                f"{self.room} bytes outside the window of layer {self.layer.layer_idx}, less than one "
+                f"{self.cost[0]}-byte record: the window (window + interval = {reserve // self.window_cost} tokens x "
+                f"{self.window_cost} bytes) takes {reserve}; raise the budget or lower window/interval"
+            )
+
+    @property
+    def share(self) -> float | None:
+        """The layer's room outside the window as a multiple of an even split's (``TriStateConfig.layer_adaptive``:
+        :func:`hfkv.compress` sets it from every layer's scores before the layer's tokens are placed; 1 otherwise).
+        None: a layer_adaptive layer that was not given one yet."""
+        return self._share
+
+    @share.setter
+    def share(self, share: float | None) -> None:
+        if share is None:  # a file saved before shares existed holds none: an even split, unless shares are asked
+            self._share = None if self.cfg.layer_adaptive else 1.0
+            return
+        share = float(share)
+        if not share > 0 or share == float("inf"):
+            raise ValueError(
+                f"layer {self.layer.layer_idx}: a room share must be a positive finite number, got {share}"
+            )
+        if share != 1.0 and not self.memory_budget:
+            raise ValueError(
+                f"layer {self.layer.layer_idx}: a room share of {share:.3g} needs a memory budget (budget_unit "
+                f"'fp_tokens' or 'bytes'), not TriStateConfig.budget={self.cfg.budget!r} {self.cfg.budget_unit}"
+            )
+        self._share = share
+        if self.memory_budget:
+            self._set_room(share)
+            self._cap_memo = None
 
     def refresh_peak(self) -> None:
         """``tier_peak`` from the tiers' counts as they are now (one read)."""

@@ -122,6 +122,13 @@ class TriStateLayer(CacheLayerMixin):
 
     def begin(self, first: int) -> None:
         """An empty layer's first chunk of ``first`` tokens: held dense while the budget keeps it exact, else stored."""
+        if self.budget.share is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: TriStateConfig.layer_adaptive=True shares the room by every layer's scores "
+                "of a context scored whole, which a forward filling the layers one at a time cannot give: fill the "
+                "cache with hfkv.compress(model, input_ids, config) (scores='reconstruction'), or set "
+                "layer_adaptive=False"
+            )
         self.dense.active = self.dense.eligible() and self.dense.fits(first)
         if not self.dense.active and self.window is None:
             self.build_storage()
@@ -347,6 +354,7 @@ class TriStateLayer(CacheLayerMixin):
         query: torch.Tensor,
         scaling: float,
         scores: torch.Tensor | None = None,
+        room_share: float | None = None,
     ) -> None:
         """Fill an empty layer from a prompt's keys/values ``[B, H, T, D]`` (after RoPE) and its last queries
         ``[B, Hq, w', D]`` (``w' >= obs_window`` of the prompt's final positions; plain causal, no padding),
@@ -356,9 +364,10 @@ class TriStateLayer(CacheLayerMixin):
         that compares many caches on one long prompt runs the model over it once and fills each cache from
         the captured tensors (``hfkv.evaluation.shared_prefill``). ``scores [B, H, T]``: each token's importance from
         another source than the observation window (``hfkv.compress``: a context scored before any question), in
-        place of the window's, scaled to their total (``prefill.in_scale``).
+        place of the window's, scaled to their total (``prefill.in_scale``). ``room_share``: the layer's room outside
+        the window as a multiple of an even split's (``TriStateConfig.layer_adaptive``; ``hfkv.policy.layer_shares``).
         """
-        prefill.ingest(self, key, value, query, scaling, scores)
+        prefill.ingest(self, key, value, query, scaling, scores, room_share)
 
     # ------------------------------------------------------------ policy runs and CUDA graphs
     def run_policy(self, exits: tuple[torch.Tensor, ...] | None = None) -> None:

@@ -38,6 +38,7 @@ def ingest(
     query: torch.Tensor,
     scaling: float,
     scores: torch.Tensor | None = None,
+    room_share: float | None = None,
 ) -> None:
     """Fill an empty ``layer`` from a prompt's tensors (``TriStateLayer.ingest_prefill``, which says what they are)."""
     if layer.is_initialized and layer.length:
@@ -49,6 +50,8 @@ def ingest(
         )
     if not layer.is_initialized:
         layer.lazy_initialization(key, value)
+    if room_share is not None:
+        layer.budget.share = room_share
     layer.begin(key.shape[2])
     layer.length = key.shape[2]
     if layer.dense.active:

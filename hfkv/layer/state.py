@@ -25,7 +25,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "padding": ("pad_end", "sink_end", "padded", "_pad_max"),
     "dense": ("active", "k", "v", "scores", "key_valid", "queries", "pending", "pending_start", "scaling"),
     "policy": ("steps", "runs", "runs_ahead"),
-    "budget": ("tier_peak",),
+    "budget": ("tier_peak", "share"),
     "offloaded": ("requested", "on_host"),
 }
 # What the layer's first tensors told it: enough to make the derived parts again.
