@@ -1571,6 +1571,10 @@ for t in niah_multikey_2 niah_multikey_3 ruler_vt ruler_fwe ruler_cwe; do
 python eval/compress_once_testbed.py --out eval/results/compress_once_testbed.jsonl
 python eval/compress_once_testbed.py --per-question --methods hfkv@48,hfkv@64 --context-scores reconstruction \\
     --out eval/results/compress_once_testbed.jsonl
+T=hfkv@48:head_adaptive=true,layer_adaptive=true,hfkv@48:head_adaptive=true
+T=$T,hfkv@64:head_adaptive=true,layer_adaptive=true,hfkv@64:head_adaptive=true
+python eval/compress_once_testbed.py --context-scores reconstruction --methods $T \\
+    --out eval/results/compress_once_testbed.jsonl
 python eval/sweep_ruler.py --question-agnostic --tasks niah_single_1 --lengths 4096 --limit 10 \\
     --methods dynamic,hfkv@128,hfkv@256,hfkv@512,evict@256,streaming@256,quanto-int4 \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
@@ -1605,6 +1609,28 @@ python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_1
 python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 8192 --limit 3 \\
     --methods hfkv@256:head_adaptive=true,hfkv@512:head_adaptive=true,hfkv@1024:head_adaptive=true \\
     --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 5 \
+    --methods hfkv@256:head_adaptive=true,score_prior=4 hfkv@256:head_adaptive=true,score_prior=1 \
+    hfkv@256:head_adaptive=true,score_prior=64 --context-scores reconstruction \
+    --out eval/results/compress_once_ruler_smollm2.jsonl   # the score prior (default 16)
+# layers sharing the room by reconstruction score too (layer_adaptive), beside head_adaptive alone
+LA="hfkv@256:head_adaptive=true,layer_adaptive=true hfkv@320:head_adaptive=true,layer_adaptive=true"
+HA2="hfkv@256:head_adaptive=true hfkv@320:head_adaptive=true hfkv@512:head_adaptive=true"
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 10 \
+    --methods $LA hfkv@512:head_adaptive=true,layer_adaptive=true $HA2 --context-scores reconstruction \
+    --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --start 5 \
+    --limit 5 --methods dynamic --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_multivalue_pydoc --lengths 4096 --limit 5 \
+    --methods $LA hfkv@320:head_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \
+    --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 4096 --limit 8 \
+    --methods hfkv@128:head_adaptive=true,layer_adaptive=true $LA hfkv@512:head_adaptive=true,layer_adaptive=true \
+    hfkv@320:head_adaptive=true --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 8192 --limit 3 \
+    --methods hfkv@256:head_adaptive=true,layer_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \
+    hfkv@512:head_adaptive=true hfkv@1024:head_adaptive=true --context-scores reconstruction \
+    --out eval/results/compress_once_ruler_smollm2.jsonl
 # the same with the question in the prompt (tabled beside)
 python eval/sweep_ruler.py --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc --lengths 4096 --limit 5 \\
     --methods dynamic,$M --out eval/results/ruler_smollm2.jsonl
