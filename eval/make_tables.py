@@ -1609,28 +1609,31 @@ python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_1
 python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_2_pydoc --lengths 8192 --limit 3 \\
     --methods hfkv@256:head_adaptive=true,hfkv@512:head_adaptive=true,hfkv@1024:head_adaptive=true \\
     --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 5 \
-    --methods hfkv@256:head_adaptive=true,score_prior=4 hfkv@256:head_adaptive=true,score_prior=1 \
-    hfkv@256:head_adaptive=true,score_prior=64 --context-scores reconstruction \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 5 \\
+    --methods hfkv@256:head_adaptive=true,score_prior=4 hfkv@256:head_adaptive=true,score_prior=1 \\
+    hfkv@256:head_adaptive=true,score_prior=64 --context-scores reconstruction \\
     --out eval/results/compress_once_ruler_smollm2.jsonl   # the score prior (default 16)
 # layers sharing the room by reconstruction score too (layer_adaptive), beside head_adaptive alone
 LA="hfkv@256:head_adaptive=true,layer_adaptive=true hfkv@320:head_adaptive=true,layer_adaptive=true"
 HA2="hfkv@256:head_adaptive=true hfkv@320:head_adaptive=true hfkv@512:head_adaptive=true"
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 10 \
-    --methods $LA hfkv@512:head_adaptive=true,layer_adaptive=true $HA2 --context-scores reconstruction \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --limit 10 \\
+    --methods $LA hfkv@512:head_adaptive=true,layer_adaptive=true $HA2 --context-scores reconstruction \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --start 5 \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_2_pydoc --lengths 4096 --start 5 \\
     --limit 5 --methods dynamic --out eval/results/compress_once_ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_multivalue_pydoc --lengths 4096 --limit 5 \
-    --methods $LA hfkv@320:head_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_multivalue_pydoc --lengths 4096 --limit 5 \\
+    --methods $LA hfkv@320:head_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \\
     --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 4096 --limit 8 \
-    --methods hfkv@128:head_adaptive=true,layer_adaptive=true $LA hfkv@512:head_adaptive=true,layer_adaptive=true \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 4096 --limit 8 \\
+    --methods hfkv@128:head_adaptive=true,layer_adaptive=true $LA hfkv@512:head_adaptive=true,layer_adaptive=true \\
     hfkv@320:head_adaptive=true --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 8192 --limit 3 \
-    --methods hfkv@256:head_adaptive=true,layer_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \
-    hfkv@512:head_adaptive=true hfkv@1024:head_adaptive=true --context-scores reconstruction \
+python eval/sweep_ruler.py --question-agnostic --threads 2 --tasks niah_single_1 --lengths 8192 --limit 3 \\
+    --methods hfkv@256:head_adaptive=true,layer_adaptive=true hfkv@512:head_adaptive=true,layer_adaptive=true \\
+    hfkv@512:head_adaptive=true hfkv@1024:head_adaptive=true --context-scores reconstruction \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
+python eval/sweep_ruler.py --question-agnostic --threads 1 --tasks niah_single_3_pydoc,niah_multikey_1_pydoc \\
+    --lengths 8192 --limit 3 --methods hfkv@512:head_adaptive=true hfkv@1024:head_adaptive=true evict@512 \\
+    streaming@512 --context-scores reconstruction --out eval/results/compress_once_ruler_smollm2.jsonl
 # the same with the question in the prompt (tabled beside)
 python eval/sweep_ruler.py --threads 1 --tasks niah_single_2_pydoc,niah_multivalue_pydoc --lengths 4096 --limit 5 \\
     --methods dynamic,$M --out eval/results/ruler_smollm2.jsonl
