@@ -33,9 +33,11 @@ from transformers.cache_utils import (
 from hfkv import cache_state, export
 from hfkv.attention.interface import install
 from hfkv.config import TriStateConfig
+from hfkv.gates import Gates, load_gates
 from hfkv.layer.layer import TriStateLayer
 from hfkv.model_shape import ModelShape
 from hfkv.policy import oq_ratios
+from hfkv.policy.retention import GateWeights
 from hfkv.stats import CacheStats, LayerStats
 from hfkv.stats_html import cache_html
 from hfkv.storage import dense_kv_bytes, held_bytes
@@ -130,6 +132,12 @@ class TriStateCache(DynamicCache):
                 self, layers=self._make_layers(), offloading=offloading,
                 offload_only_non_sliding=offload_only_non_sliding,
             )  # fmt: skip
+        # score_source="retention": the gates file, loaded once for every layer and checked against the model where
+        # it is known (a cache made without one checks each layer's first keys: retention_gates)
+        self._gates: Gates | None = None
+        if config.score_source == "retention" and self.model_shape is not None:
+            shape = self.model_shape
+            self._load_gates().check("TriStateCache", shape.layers, shape.kv_heads, shape.head_dim, shape.describe())
         self._rho: torch.Tensor | None = None
         self._rho_rows: dict[int, torch.Tensor] = {}  # each layer's row of _rho on its device (rho)
 
@@ -160,6 +168,22 @@ class TriStateCache(DynamicCache):
                 stacklevel=3,
             )
         return layers
+
+    def _load_gates(self) -> Gates:
+        if self._gates is None:
+            self._gates = load_gates(self.config.gates)
+        return self._gates
+
+    def retention_gates(self, layer_idx: int, kv_heads: int, head_dim: int) -> tuple[GateWeights, str]:
+        """Layer ``layer_idx``'s retention gates (``score_source="retention"``) and what they predict, for keys of
+        ``kv_heads`` heads of ``head_dim``: one error naming both models where the file was trained for another."""
+        gates = self._load_gates()
+        layers = self.model_shape.layers if self.model_shape is not None else None
+        if layer_idx >= gates.model["layers"]:
+            layers = layer_idx + 1
+        name = self.model_shape.describe() if self.model_shape is not None else "this model"
+        gates.check("TriStateCache", layers, kv_heads, head_dim, name)
+        return gates.layers[layer_idx], gates.kind
 
     def _next_layer(self) -> TriStateLayer:
         """The next layer of a compressing cache made without the model's config (``layer_class_to_replicate``:

@@ -38,6 +38,7 @@ SUBCOMMANDS = {
     "eval": ("hfkv.evaluation.lm_eval_cli", COMMAND_HELP["eval"]),
     "bench": ("hfkv.evaluation.bench", COMMAND_HELP["bench"]),
     "calibrate": ("hfkv.calibration.cli", COMMAND_HELP["calibrate"]),
+    "train-gates": ("hfkv.calibration.gates_train", COMMAND_HELP["train-gates"]),
 }
 
 

@@ -313,6 +313,7 @@ COMMAND_HELP = {
     "eval": "run lm-eval with the 'hfkv' model registered (all lm-eval options)",
     "bench": "memory and speed of presets and baselines, as ratios to DynamicCache",
     "calibrate": "Optuna study of alpha_h / alpha_l (and more) on MATH-style data",
+    "train-gates": "distil learned retention gates (score_source='retention') from a frozen model, on CPU",
 }
 
 

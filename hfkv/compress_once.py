@@ -88,7 +88,7 @@ def _repetition_scores(query: torch.Tensor, key: torch.Tensor, context: int, sca
 
 
 @contextlib.contextmanager
-def _recording(model: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
+def recording(model: torch.nn.Module, recorder: _Recorder) -> Iterator[None]:
     AttentionInterface.register(_NAME, recorder)
     AttentionMaskInterface.register(_NAME, sdpa_mask)
     before = [(c, c._attn_implementation) for c in attn_configs(model)]
@@ -126,7 +126,7 @@ def compress(
     input_ids: torch.Tensor,
     config: TriStateConfig | str | None = None,
     *,
-    scores: str = "reconstruction",
+    scores: str | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     repeat_prompt: str | torch.Tensor = REPEAT_PROMPT,
     chunk: int = 512,
@@ -134,8 +134,10 @@ def compress(
 ) -> TriStateCache:
     """A TriStateCache holding ``input_ids [B, T]`` (a context, no question; rows unpadded) compressed by ``config``
     (a TriStateConfig, a preset name, or None for ``hfkv``; ``overrides`` as TriStateCache takes them), its tokens
-    scored by ``scores`` (module docstring). Continue it with ``cache.fork()`` and a question."""
-    if scores not in SCORE_SOURCES:
+    scored by ``scores`` (module docstring; None: ``"reconstruction"``, or for a config that ranks by learned retention,
+    ``score_source="retention"``, its gates, read as a forward fills the cache). Continue it with ``cache.fork()`` and
+    a question."""
+    if scores is not None and scores not in SCORE_SOURCES:
         raise ValueError(f"hfkv.compress: scores={scores!r} is not one of {SCORE_SOURCES}")
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"hfkv.compress: input_ids must be [B, T] token ids, got shape {tuple(input_ids.shape)}")
@@ -144,6 +146,12 @@ def compress(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     cache = TriStateCache(model, config, **overrides)
+    learned = cache.config.score_source == "retention"
+    if learned and scores is not None:
+        raise ValueError(
+            f"hfkv.compress: scores={scores!r} with score_source='retention', which ranks by its gates: pass no scores"
+        )
+    scores = scores or ("observation" if learned else "reconstruction")
     if cache.config.layer_adaptive and scores != "reconstruction":
         raise ValueError(
             f"hfkv.compress: layer_adaptive=True shares the room by reconstruction scores (a probability each, on "
@@ -197,7 +205,7 @@ def score_context(
     ``(captured, scores)``, per layer its ``(keys, values, last queries, scaling)`` and, for every layer that is not
     sliding, its ``[B, H, T]`` scores from ``scores``."""
     recorder, context = _Recorder(), DynamicCache(config=model.config)
-    with _recording(model, recorder):
+    with recording(model, recorder):
         model(input_ids=input_ids, past_key_values=context, use_cache=True, logits_to_keep=1)
         if scores == "reconstruction":
             recorder.mode, recorder.context = "score", input_ids.shape[1]

@@ -26,6 +26,8 @@ import yaml
 
 from hfkv import result_keys
 from hfkv.atomic import write_atomic
+from hfkv.gates import gates_path, shipped_gates
+from hfkv.gates import is_path as gates_is_path
 from hfkv.kernels.backend import BACKENDS  # the backends a config may name: the table that runs them
 from hfkv.policy.oq import ARKV_TAU
 from hfkv.presets import PRESET_VALUES, PRESETS, STREAMING_TOTAL
@@ -36,6 +38,9 @@ INT_FORMATS: tuple[str, ...] = tuple(INT_BITS)  # ("int8", "int4", "int2")
 
 SCORE_REDUCTIONS: tuple[str, ...] = ("max", "mean", "l2")
 SCORE_MODES: tuple[str, ...] = ("mean", "sum")
+# What a policy run ranks tokens by: the attention they received (the observation window, then every decode step's
+# probabilities), or their learned retention (TRIM-KV: a gate read once per token, decayed with age; hfkv.gates).
+SCORE_SOURCES: tuple[str, ...] = ("attention", "retention")
 TIER_FIELDS: tuple[str, ...] = ("original", "mid", "quantized")  # the storage tiers, most precise first
 # "tokens": the budget counts tokens per KV head (ARKV, paper-faithful); "fp_tokens": it caps the bytes a
 # head holds at `budget` full-precision tokens' worth (K + V in the model dtype, what DynamicCache holds per
@@ -222,6 +227,11 @@ class TriStateConfig:
     # an even split's, the total unchanged (hfkv.policy.layer_shares). Only hfkv.compress scores every layer before
     # it places any; a cache whose layers are filled by the model's forward, one at a time, cannot, and raises.
     layer_adaptive: bool = False
+    # "retention": tokens are ranked by learned retention gates (hfkv.policy.retention), read once as each token
+    # enters, instead of the attention they received; `gates` names the gates file (a shipped model name of
+    # hfkv.gates, or a path). The attention scores are still kept (the kernels add them as they read), unused.
+    score_source: str = "attention"
+    gates: str | None = None
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced
     # every step. Batching is what keeps the per-step cost of the torch backend low.
     interval: int = 8
@@ -316,6 +326,7 @@ class TriStateConfig:
             ("score_mode", SCORE_MODES),
             ("backend", BACKENDS),
             ("budget_unit", BUDGET_UNITS),
+            ("score_source", SCORE_SOURCES),
         ):
             v = getattr(self, f)
             if not isinstance(v, str) or v not in allowed:
@@ -357,6 +368,23 @@ class TriStateConfig:
         _check_yaml_safe(f"{w}.provenance", self.provenance)
         self._validate_alpha(w)
         self._validate_budget(w)
+        self._validate_gates(w)
+
+    def _validate_gates(self, w: str) -> None:
+        if self.score_source == "retention":
+            if not self.compress:
+                raise _fail(f"{w}.score_source", self.score_source, "'attention' where compress is false")
+            if not isinstance(self.gates, str) or not self.gates:
+                raise _fail(
+                    f"{w}.gates",
+                    self.gates,
+                    f"a gates file where score_source='retention': one of {shipped_gates()} "
+                    "or a path to one (`hfkv train-gates`)",
+                )
+            if not gates_is_path(self.gates):
+                gates_path(self.gates)  # a misspelt shipped name fails now, naming the shipped ones
+        elif self.gates is not None:
+            raise _fail(f"{w}.gates", self.gates, "None where score_source='attention' (only retention reads gates)")
 
     def _validate_alpha(self, w: str) -> None:
         h, hs = _normalize_alpha(f"{w}.alpha_h", self.alpha_h)

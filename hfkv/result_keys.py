@@ -24,6 +24,8 @@ LATER_FIELDS: dict[str, Any] = {
     "rotate": False,
     "dense_phase": True,
     "layer_adaptive": False,
+    "score_source": "attention",
+    "gates": None,
 }
 #: Fields added before that rule, which :func:`key_dict` writes at every value: rows stored before them ran at
 #: this value.
@@ -52,6 +54,6 @@ def stored_key(stored: Mapping[str, Any]) -> dict[str, Any]:
     for name, before in PREDATED_FIELDS.items():
         out.setdefault(name, before)
     for name, inert in LATER_FIELDS.items():
-        if out.get(name) == inert:
+        if name in out and out[name] == inert:
             del out[name]
     return out

@@ -132,14 +132,16 @@ class PagedDecode:
     def plan_type(self) -> type:
         return self.module.DecodePlan if self.triton else self.module.CpuPlan
 
-    def plan(self, query, parts, pad_end, reduction: str, window_write: bool):
+    def plan(self, query, parts, pad_end, reduction: str, window_write: bool, add_scores: bool = True):
+        """``add_scores=False``: the slots' score fields are left as they are (they hold learned values)."""
         if self.triton:
             return self.module.plan_attention(
-                query, parts, pad_end, reduction, return_delta=False, window_write=window_write
+                query, parts, pad_end, reduction, add_scores, return_delta=False, window_write=window_write
             )
-        return self.module.plan_cpu(query, parts)  # the CPU kernel's parts described once per storage change
+        return self.module.plan_cpu(query, parts, add_scores)  # the CPU kernel's parts described once per storage
 
     def run(self, plan, query, parts, q_start: int, pad_end, scaling: float, reduction: str, write, step, out):
+        """A step on ``plan`` (which says whether it adds scores)."""
         if self.triton:
             return self.module.run_plan(
                 plan, query, q_start, pad_end, scaling, write, checked=False, step=step, out=out
@@ -162,9 +164,13 @@ class PagedDecode:
             raise NotImplementedError("the Triton decode kernel is not traced yet: its steps run eagerly")
         return self.module.paged_attention_traced(query, parts, q_start, pad_end, scaling, reduction)
 
-    def attention(self, query, parts, q_start: int, pad_end, scaling: float, reduction: str) -> torch.Tensor:
+    def attention(
+        self, query, parts, q_start: int, pad_end, scaling: float, reduction: str, add_scores: bool = True
+    ) -> torch.Tensor:
         """One unplanned call (a query tile's)."""
-        return self.module.paged_attention(query, parts, q_start, pad_end, scaling, reduction, return_delta=False)[0]
+        return self.module.paged_attention(
+            query, parts, q_start, pad_end, scaling, reduction, add_scores, return_delta=False
+        )[0]
 
 
 # The Triton partial pass keeps a call's logits (4 bytes per query row and slot) for its score pass: one

@@ -80,6 +80,10 @@ class DensePhase:
             self.k, self.v = key.contiguous(), value.contiguous()  # strided bf16 7-9% slower: prefill.attend_prompt)
         else:
             self.k, self.v = torch.cat([self.k, key], dim=-2), torch.cat([self.v, value], dim=-2)
+        retention = self.layer.retention
+        if retention.active:  # the tokens' fields hold the gates' values, from their arrival (hfkv.layer.retention)
+            fresh = retention.take()
+            self.scores = fresh if self.scores is None else torch.cat([self.scores, fresh], -1)
         return self.k, self.v
 
     def attend(self, module, query: torch.Tensor, mask, scaling: float, computed: torch.Tensor | None = None):
@@ -89,12 +93,16 @@ class DensePhase:
         out = computed if computed is not None else sdpa_attention_forward(module, query, self.k, self.v, mask,
                                                                            scaling=scaling)[0]  # fmt: skip
         q, t = query.shape[2], self.k.shape[2]
-        if self.scores is None:
-            self.scores, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, mask, scaling)
+        learned = self.layer.retention.active  # nothing to add to the fields: no queries kept
+        if self.key_valid is None:
+            sums, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, mask, scaling)
+            if not learned:
+                self.scores = sums
             return out
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1)
         self.key_valid = torch.cat([self.key_valid, self.key_valid.new_ones(self.key_valid.shape[0], q)], -1)
-        self._hold(query, scaling, t - q)
+        if not learned:
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], q)], -1)
+            self._hold(query, scaling, t - q)
         return out
 
     def _hold(self, query: torch.Tensor, scaling: float, start: int) -> None:
@@ -142,7 +150,9 @@ class DensePhase:
     def ingest(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float) -> None:
         """A prompt's captured tensors (TriStateLayer.ingest_prefill), held as a forward over it would leave them."""
         self.append(key, value)
-        self.scores, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, None, scaling)
+        sums, self.key_valid = prefill.observe_prompt(self.layer, self.k, query, None, scaling)
+        if not self.layer.retention.active:
+            self.scores = sums
 
     def leave(self) -> None:
         """Place the held sequence in the layer's window and tiers (built now) and stop holding it here."""
@@ -173,7 +183,9 @@ class DensePhase:
         if self.k is not None:
             self.k, self.v = self.k[index], self.v[index]
         if self.scores is not None:  # None: keys taken by update() alone, not attended yet (observed when they are)
-            self.scores, self.key_valid = self.scores[index], self.key_valid[index]
+            self.scores = self.scores[index]
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[index]
 
     # ------------------------------------------------------------ what it holds
     def held_tensors(self) -> list[torch.Tensor]:

@@ -126,8 +126,19 @@ def token_states(layer) -> torch.Tensor:
 def token_scores(layer) -> torch.Tensor:
     """``[B, H, logical length]`` fp32 significance the policy sees for every held token (NaN: evicted).
 
-    The policy's own measure: score sums divided by observation counts (``score_mode='mean'``).
+    The policy's own measure: score sums divided by observation counts (``score_mode='mean'``), or, ranking by
+    learned retention, each held token's retention among the held ones (hfkv.policy.retention).
     """
+    out = _mean_scores(layer)
+    if not layer.retention.active or out.numel() == 0:
+        return out
+    held = ~out.isnan()  # the fields' values here (mean_over is None): what a policy run ranks them by
+    pos = torch.arange(out.shape[-1]).expand_as(out)
+    ranked = layer.retention.scores(out.nan_to_num(0.0), pos, held, layer.length)
+    return ranked.masked_fill(~held, float("nan"))
+
+
+def _mean_scores(layer) -> torch.Tensor:
     if not layer.is_initialized:
         return torch.zeros(0, 0, 0)
     if layer.dense.active:

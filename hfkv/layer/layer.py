@@ -34,6 +34,7 @@ from hfkv.layer.owner import LayerOwner
 from hfkv.layer.padding import Padding
 from hfkv.layer.policy_runner import PolicyRunner
 from hfkv.layer.reads import Reads
+from hfkv.layer.retention import Retention
 from hfkv.layer.rollback import Rollback
 from hfkv.layer.step_cursor import StepCursor
 from hfkv.quant.formats import QuantFormat
@@ -75,6 +76,7 @@ class TriStateLayer(CacheLayerMixin):
         self.cursor = StepCursor(self)
         self.offloaded = Offload(self)
         self.rollback = Rollback(self)
+        self.retention = Retention(self)  # score_source="retention": each token's learned retention
         self.budget: Budget | None = None  # made for the layer's shapes (lazy_initialization)
         self.moves: Moves | None = None  # with the window and tiers (build_storage), once the layer compresses
 
@@ -106,6 +108,10 @@ class TriStateLayer(CacheLayerMixin):
         self.layouts = tuple(layout(name) for name in TIER_NAMES)  # indexed by state
         self.kv_shape = (bsz, heads, dim)  # rows, KV heads, head dim: what the storage is built for
         self.budget = Budget(self, dim)
+        gates, kind = None, "retention"
+        if cfg.score_source == "retention":
+            gates, kind = self.cache.retention_gates(self.layer_idx, heads, dim)
+        self.retention.initialize(gates, kind, self.device)
         self.policy.initialize(next(i for i, layer in enumerate(self.cache.compressed_layers()) if layer is self))
         self.is_initialized = True
 
@@ -273,6 +279,7 @@ class TriStateLayer(CacheLayerMixin):
         q = key_states.shape[2]
         if self.length == 0:
             self.begin(q)
+        self.retention.read(key_states, value_states)
         if self.dense.active:
             if self._stays_dense(q):
                 keys, values = self.dense.append(key_states, value_states)
@@ -286,12 +293,13 @@ class TriStateLayer(CacheLayerMixin):
         if self.length > 0:
             # Triton writes a decode step's token into the ring in its attention launch (push_deferred).
             slot = None
+            score = self.retention.take() if self.retention.active else None  # the tokens' fields (else 0)
             if self.ops.deferred_window_write and q == 1:
-                slot = self.window.push_deferred(key_states, value_states, self.length)
+                slot = self.window.push_deferred(key_states, value_states, self.length, score)
             if slot is not None:
                 self._exits = None
             else:
-                exits = self.window.push(key_states, value_states, self.length)
+                exits = self.window.push(key_states, value_states, self.length, score)
                 self._exits = exits if exits[2].numel() else None
         self.length += q
         if self.length > q and self._exits is None:
@@ -400,7 +408,7 @@ class TriStateLayer(CacheLayerMixin):
     def decode_steps_before_policy(self, limit: int = 4096) -> int:
         """How many of the next one-token steps run no policy run (at most ``limit``): the steps a CUDA graph of
         one of them can replay (hfkv.graphs); none while recording the past (each update is recorded)."""
-        if self.rollback.recording:
+        if self.rollback.recording or self.retention.active:  # no graph captures the gates' field writes yet
             return 0
         return self.policy.steps_before(limit)
 
@@ -414,6 +422,8 @@ class TriStateLayer(CacheLayerMixin):
         """Whether Dynamo can trace this layer's next step of ``query_length`` tokens (hfkv.compiled): one token,
         held dense and staying so, or stored on a backend of torch ops with no policy run due."""
         if query_length != 1 or not self.is_initialized or self.length == 0 or self.rollback.recording:
+            return False
+        if self.retention.active:  # its gates' ops and the field writes of update() are not traced yet
             return False
         if self.dense.active:
             return self._stays_dense(1)

@@ -23,6 +23,11 @@ class LayerOwner(Protocol):
     model_config: Any  # the text config of the model the cache was built for (None: made without one, uncompressed)
     model_shape: ModelShape | None
 
+    def retention_gates(self, layer_idx: int, kv_heads: int, head_dim: int) -> Any:
+        """Layer ``layer_idx``'s learned retention gates (``score_source="retention"``: hfkv.policy.retention's
+        GateWeights) and their kind, checked against the keys' ``kv_heads`` and ``head_dim``."""
+        ...
+
     def compressed_layers(self) -> list[Any]:
         """The compressing layers, in model order: a layer's rank among them staggers its policy runs."""
         ...

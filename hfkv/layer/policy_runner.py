@@ -149,6 +149,8 @@ class PolicyRunner:
         pos, scores, valid, state, sizes = layer.tiers.candidates(
             epos, escore, layer.padding.pad_end, self.mean_over(length)
         )
+        if layer.retention.active:  # the fields hold the gates' values (mean_over is None: as stored)
+            scores = layer.retention.scores(scores, pos, valid, length)
         rho = budget.rho_past_budget(length, window_count)
         over = budget.over_room(epos.numel(), padded)
         new = self.classify(scores, state, pos, window_count, rho, over, length=length)
@@ -199,12 +201,21 @@ class PolicyRunner:
 
     def mean_over(self, length: int | None = None) -> tuple[int, int] | None:
         """What a score sum is averaged over (``score_mode="mean"``): the queries since the layer's ``score_start``
-        (up to ``length``, the layer's by default)."""
+        (up to ``length``, the layer's by default); None: nothing (``"sum"``, or the fields hold learned values)."""
         layer = self.layer
-        return None if self.cfg.score_mode == "sum" else (layer.length if length is None else length, layer.score_start)
+        if self.cfg.score_mode == "sum" or layer.retention.active:
+            return None
+        return (layer.length if length is None else length, layer.score_start)
 
     def mean_scores(self, sums: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return score_means(sums, pos, self.mean_over())
+
+    def ranked(self, sums: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, length: int) -> torch.Tensor:
+        """What the policy ranks tokens at ``pos`` by, in a sequence ``length`` long: their learned retention
+        (``score_source="retention"``) or the means of their score ``sums``."""
+        if self.layer.retention.active:
+            return self.layer.retention.scores(sums, pos, valid, length)
+        return self.mean_scores(sums, pos)
 
     # ------------------------------------------------------------ a run prepared a step ahead
     def _ring_now(self) -> tuple[int, int, int, int]:

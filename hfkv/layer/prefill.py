@@ -53,6 +53,12 @@ def ingest(
     if room_share is not None:
         layer.budget.share = room_share
     layer.begin(key.shape[2])
+    layer.retention.read(key, value)
+    if scores is not None and layer.retention.active:
+        raise ValueError(
+            f"ingest_prefill: layer {layer.layer_idx} ranks by learned retention (score_source='retention'), which "
+            "the context's scores would replace: pass no scores"
+        )
     layer.length = key.shape[2]
     if layer.dense.active:
         layer.dense.ingest(key, value, query, scaling)
@@ -82,7 +88,9 @@ def admit_prompt(layer, k, v, query, mask, scaling, scores: torch.Tensor | None 
     """Scores, OQ statistics and tiers of a prompt that filled an empty layer (``query``: its last rows; ``scores``:
     another source's, in place of the window's, scaled to their total: :func:`in_scale`)."""
     sums, key_valid = observe_prompt(layer, k, query, mask, scaling)
-    if scores is not None:
+    if layer.retention.active:  # the window's sums only set the OQ statistic and padding: the gates' values rank
+        sums = layer.retention.take()
+    elif scores is not None:
         sums = in_scale(scores, sums, key_valid, per_head=not layer.cfg.head_adaptive)
     place_prompt(layer, k, v, sums, key_valid)
 
@@ -133,6 +141,7 @@ def place_prompt(layer, k, v, sums: torch.Tensor, key_valid: torch.Tensor) -> No
         valid = key_valid[:, None, :rest].expand(bsz, heads, rest)
         state = torch.where(valid, ORIGINAL, EVICTED).to(torch.int8)
         sc = sums[..., :rest]
-        new = layer.policy.classify(layer.policy.mean_scores(sc, p), state, p, nw, None)
+        ranked = layer.policy.ranked(sc, p, valid, t)
+        new = layer.policy.classify(ranked, state, p, nw, None)
         layer.moves.admit(k[:, :, :rest], v[:, :, :rest], pos[:rest], sc, new, check_finite=True)
     layer.budget.refresh_peak()

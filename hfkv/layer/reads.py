@@ -69,6 +69,10 @@ class Reads:
         out, received = slot_attention_received(
             query, parts, slot_index, mask, scaling, layer.cfg.score_reduction, q_start=layer.length - q
         )
+        if layer.retention.active:  # the fields hold the gates' values: nothing is added to them
+            if exits is not None:
+                layer.policy.run(exits)
+            return out
         w_delta, *rest = torch.split(received, sizes, dim=-1)
         win.add_scores(w_delta)
         if exits is not None:
@@ -116,7 +120,8 @@ class Reads:
             key = plan_key(query, parts, write is not None)
             if self.plan is None or self.plan.key != key or not isinstance(self.plan, decode.plan_type):
                 self.plan = decode.plan(
-                    query, parts, layer.padding.pad_end, layer.cfg.score_reduction, write is not None
+                    query, parts, layer.padding.pad_end, layer.cfg.score_reduction, write is not None,
+                    add_scores=not layer.retention.active,
                 )
             self.plan_sig, self.plan_parts = sig, parts
         step = layer.cursor.device_step(write) if write is not None else None
@@ -150,7 +155,7 @@ class Reads:
         for t0 in range(0, q, tile):
             part_q = query[:, :, t0 : t0 + tile]
             outs.append(decode.attention(part_q, parts, layer.length - q + t0, layer.padding.pad_end, scaling,
-                                         layer.cfg.score_reduction))  # fmt: skip
+                                         layer.cfg.score_reduction, not layer.retention.active))  # fmt: skip
         self.plan_sig = None  # as after an untiled chunk: the next step finds no kept plan by signature
         if exits is not None:
             layer.policy.run(exits)

@@ -96,14 +96,19 @@ class WindowRing:
         if w is not None:
             self._write(w.k, w.v, w.slot, w.pos)
 
-    def push_deferred(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> int | None:
+    def push_deferred(
+        self, k: torch.Tensor, v: torch.Tensor, pos: int, score: torch.Tensor | None = None
+    ) -> int | None:
         """Take one token (``k, v [B, H, 1, D]``) into a free slot without writing it: it becomes ``pending``
-        for a kernel to write; returns the slot. None (nothing taken) when the ring is full."""
+        for a kernel to write; returns the slot. None (nothing taken) when the ring is full. ``score [B, H, 1]``:
+        the token's field, written now (a kernel that adds no scores leaves it; None: 0, the empty slot's)."""
         self.clear_popped()
         self.flush()
         if self.count == self.capacity or k.shape[2] != 1:
             return None
         slot = (self.start + self.count) % self.capacity
+        if score is not None:
+            self._score[:, :, slot : slot + 1] = score
         self.pending = PendingWrite(k, v, slot, int(pos))
         self.count += 1
         return slot
@@ -192,10 +197,10 @@ class WindowRing:
         return self._empty
 
     def push(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | int
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | int, score: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add ``n`` tokens (``k, v [B, H, n, D]``, ``pos [n]`` or the first of ``n`` consecutive positions);
-        return the tokens pushed out, oldest first.
+        """Add ``n`` tokens (``k, v [B, H, n, D]``, ``pos [n]`` or the first of ``n`` consecutive positions; ``score
+        [B, H, n]`` their fields, None: 0); return the tokens pushed out, oldest first.
 
         One token only pushes out the oldest when the ring is at capacity; several tokens (a
         prompt or chunk) leave the newest ``W`` in the ring and return everything older.
@@ -205,7 +210,10 @@ class WindowRing:
         n = k.shape[2]
         if n == 1:  # the decode step: a handful of small writes, nothing else
             out = self.pop_oldest(1) if self.count == self.capacity else self._nothing()
-            self._write(k, v, (self.start + self.count) % self.capacity, pos)
+            slot = (self.start + self.count) % self.capacity
+            self._write(k, v, slot, pos)
+            if score is not None:
+                self._score[:, :, slot : slot + 1] = score
             self.count += 1
             return out
         if isinstance(pos, int):
@@ -214,8 +222,9 @@ class WindowRing:
         all_k = torch.cat([self.k[:, :, order], k.to(self.k.dtype)], dim=2)
         all_v = torch.cat([self.v[:, :, order], v.to(self.v.dtype)], dim=2)
         all_pos = torch.cat([self.pos[order], pos.to(self.pos.dtype)])
-        zeros = torch.zeros(*self.score.shape[:2], n, dtype=torch.float32, device=self.score.device)
-        all_score = torch.cat([self.score[:, :, order], zeros], dim=2)
+        if score is None:
+            score = torch.zeros(*self.score.shape[:2], n, dtype=torch.float32, device=self.score.device)
+        all_score = torch.cat([self.score[:, :, order], score.float()], dim=2)
         keep = min(self.window, all_pos.numel())
         out_n = all_pos.numel() - keep
         self.k.zero_()
