@@ -880,6 +880,100 @@ TARGETS = ((0.10, 0.95), (0.20, 0.99))  # (memory at most, share of the full cac
 DEFAULT_SCORES = "reconstruction"  # hfkv.compress's default score source: the one the targets judge
 
 
+RETENTION_KEYS = ("score_source", "gates")  # what makes a method spec rank by learned retention
+
+
+def attention_twin(method: str) -> str:
+    """The attention-scored method a learned-retention row is compared with: its spec without the retention keys."""
+    head, _, opts = method.partition(":")
+    kept = [o for o in opts.split(",") if o and o.split("=")[0] not in RETENTION_KEYS]
+    return head + (":" + ",".join(kept) if kept else "")
+
+
+def _budget_first(method: str) -> tuple:
+    budget = re.search(r"@(\d+)", method)
+    return (int(budget.group(1)) if budget else 0, method)
+
+
+def _learned(method: str) -> bool:
+    return "score_source=retention" in method
+
+
+def retention_section(testbed: list[dict[str, Any]], fidelity: list[dict[str, Any]],
+                      ruler: list[dict[str, Any]], ruler_co: list[dict[str, Any]]) -> list[str]:  # fmt: skip
+    """Each learned-retention row beside the attention-scored method of the same settings and the plain preset at
+    its budget, on each judge: the testbed, fidelity on human-written documents, RULER."""
+    out = ['## Learned retention (`score_source="retention"`) against attention scores', ""]
+    cells: list[list[str]] = []
+
+    def add(judge: str, groups: dict[str, list[dict[str, Any]]], score, better: str, spec: str) -> None:
+        for method in sorted((m for m in groups if _learned(m)), key=_budget_first):
+            row = [judge, method]
+            for other in (method, attention_twin(method), attention_twin(method).split(":")[0]):
+                rs = groups.get(other)
+                if not rs:
+                    row += ["—", "—"]
+                    continue
+                n, value, memory = score(rs)
+                row += [f"{fmt(value, spec)} (n={n})", pct(memory)]
+            cells.append(row + [better])
+
+    def by(rows: list[dict[str, Any]], key) -> dict[tuple, dict[str, list[dict[str, Any]]]]:
+        out: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for r in rows:
+            out[key(r)][r["method"]].append(r)
+        return out
+
+    def testbed_score(rs):
+        r = rs[-1]
+        return r["n"], r["accuracy"], r["memory_ratio"]
+
+    for (task, dtype), groups in sorted(by(latest(testbed, ("task", "method", "dtype", "n")),
+                                           lambda r: (r["task"], r["dtype"])).items()):  # fmt: skip
+        add(f"testbed {task} ({dtype})", groups, testbed_score, "higher", ".2f")
+
+    def fidelity_score(rs):
+        kv, dense = sum(r["kv_bytes"] for r in rs), sum(r["dense_bytes"] for r in rs)
+        return len(rs), sum(r["kl"] for r in rs) / len(rs), kv / dense if dense else math.nan
+
+    human = latest(
+        [r for r in fidelity if r["texts"] == "human"], ("model", "texts", "doc", "method", "dtype", "chunk")
+    )
+    for (model, dtype), groups in sorted(by(human, lambda r: (r["model"], r["dtype"])).items()):
+        learned_docs = {r["doc"] for m, rs in groups.items() if _learned(m) for r in rs}
+        groups = {m: [r for r in rs if r["doc"] in learned_docs] for m, rs in groups.items()}  # the same documents
+        add(f"fidelity KL, human-written ({model}, {dtype})", groups, fidelity_score, "lower", ".4f")
+
+    def ruler_score(rs):
+        kv, dense = sum(r["kv_bytes"] for r in rs), sum(r["dense_bytes"] for r in rs)
+        return len(rs), sum(r["score"] for r in rs) / len(rs), kv / dense if dense else math.nan
+
+    for name, rows, agnostic in (("RULER", ruler, False), ("RULER, question withheld", ruler_co, True)):
+        rows = last_per_key(rows, RULER_KEY + (("context_scores",) if agnostic else ()))
+        for (task, length, model), groups in sorted(by(rows, lambda r: (r["task"], r["length"], r["model"])).items()):
+            ids = {r["doc_id"] for m, rs in groups.items() if _learned(m) for r in rs}
+            if not ids:
+                continue
+            if agnostic:  # the attention-scored rows with the scores a compress-once user gets by default
+                groups = {m: [r for r in rs if r.get("context_scores") in ("retention", "reconstruction")]
+                          for m, rs in groups.items()}  # fmt: skip
+            groups = {m: [r for r in rs if r["doc_id"] in ids] for m, rs in groups.items()}  # the same examples
+            add(f"{name} {task} at {length} ({model})", groups, ruler_score, "higher", ".3f")
+    if not cells:
+        return [*out, "No learned-retention rows yet.", ""]
+    out += [
+        "Each row: a method ranking by learned retention (docs/retention.md), the attention-scored method of the "
+        "same settings (its spec without `score_source` and `gates`), and the plain preset at that budget, on the "
+        "same documents or examples (n each). Question withheld: attention-scored rows with reconstruction "
+        "scores, hfkv.compress's default. Memory: KV bytes held relative to DynamicCache's.",
+        "",
+    ]
+    header = ["judge", "learned retention", "score", "memory", "attention, same settings", "memory",
+              "plain preset", "memory", "better is"]  # fmt: skip
+    out += [md_table(header, cells, "llrrrrrrl"), ""]
+    return out
+
+
 def compress_once_cost_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """What hfkv.compress costs per score source against a plain prefill (eval/compress_once_cost.py)."""
     from hfkv.evaluation.quiet import verdict
@@ -1403,6 +1497,9 @@ def render(root: Path, plots: bool = True) -> tuple[str, str]:
     )
     lines += compress_once_cost_section(
         [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(root.glob(COMPRESS_ONCE_COST))]
+    )
+    lines += retention_section(
+        testbed, fidelity, ruler, [r for p in sorted(root.glob(COMPRESS_ONCE_RULER)) for r in read_rows(p)]
     )
     lines += suite_section(root)
     lines += COMMANDS.splitlines()

@@ -61,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _scored(method) -> bool:
+    """Whether a method's context is scored by ``--context-scores`` (hfkv configs ranking by attention)."""
+    return method.config is not None and method.config.score_source == "attention"
+
+
+def _own_scores(method) -> str:
+    """What ranks a context a method does not score by ``--context-scores``: its gates, or nothing of its own."""
+    return "retention" if method.config is not None else "observation"
+
+
 def out_path(args: argparse.Namespace) -> str:
     """``--out``, or the default file of ``--model`` under the working directory."""
     kind = "compress_once_ruler" if args.question_agnostic else "ruler"
@@ -111,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             examples = load_examples(task, length, tok_path, args.start + args.limit, TASKS_DIR)[args.start :]
             for ex in examples:
                 # question-agnostic: every hfkv method with each score source, other caches once
-                runs = [(m, s) for m in methods for s in (sources if m.config is not None else sources[:1])]
+                runs = [(m, s) for m in methods for s in (sources if _scored(m) else sources[:1])]
                 for m, src in runs:
                     row_key = {**base, "task": task, "length": length, "doc_id": ex.doc_id, **m.describe()}
                     if args.question_agnostic:
-                        row_key["context_scores"] = src if m.config is not None else "observation"
+                        row_key["context_scores"] = src if _scored(m) else _own_scores(m)
                         lm.context_scores = row_key["context_scores"]
                     if not args.force and out.has(row_key):
                         continue

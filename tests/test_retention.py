@@ -268,7 +268,7 @@ def test_an_interrupted_training_resumes_to_the_same_gates(kind, tmp_path, monke
     assert gates_train.checkpoint_path(out).exists() and not out.exists()
     monkeypatch.setattr(gates_train.Trainer, "step", real_step)
     with pytest.raises(ValueError, match="a checkpoint of other settings"):
-        gates_train.train(model, tok, _settings(kind=kind, steps=7), out, 2, log=str)
+        gates_train.train(model, tok, _settings(kind=kind, hidden=8), out, 2, log=str)
     lines = []
     resumed = load_gates(str(gates_train.train(model, tok, settings, out, 2, log=lines.append)))
     assert lines[0].startswith("resuming at step 2 of 6")

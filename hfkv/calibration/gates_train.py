@@ -48,7 +48,8 @@ TESTBED_SEED = 7  # the testbed tasks' examples for the gates (the test sets' se
 
 @dataclass
 class Settings:
-    """What a run is: the checkpoint resumes only the same settings."""
+    """What a run is: a checkpoint resumes only the same settings, but for ``steps`` (nothing depends on the total:
+    the learning rate is constant, the chunks follow the step), so a run can be stopped sooner or taken further."""
 
     model: str
     kind: str
@@ -62,6 +63,7 @@ class Settings:
     hidden: int
     lr: float
     seed: int
+    horizon: int = 512
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -134,13 +136,19 @@ SURROGATE_GAP = 16  # the window's width in the hfkv preset: tokens nearer the q
 SINKS = 4  # the first tokens, which most queries attend to whatever they read: not what a query reaches back for
 
 
-def chunk_stats(q, k, scaling: float, block: int = 512):
+def chunk_stats(q, k, scaling: float, horizon: int, block: int = 512):
     """What one attention pass over a chunk gives training, from ``q [Hq, T, D]`` and ``k [H, T, D]`` (in blocks of
-    queries): ``targets [H, T]``, the log of the largest attention probability each key gets from a query
-    ``SURROGATE_GAP`` or more positions later, over the query heads of its group (``-inf`` where there is none:
-    the surrogate's regression targets); ``reach [T]``, the attention each query gives keys that far back, past the
-    first ``SINKS`` (mean over heads): the queries whose output a retention changes, which the distillation
-    samples by it (most queries read only their neighbours and the sinks, which any retention keeps)."""
+    queries):
+
+    - ``targets [H, T]``, the surrogate's regression targets: the log of the most attention a key gets, relative to
+      uniform (``p * (t + 1)`` for query ``t``), from the ``horizon`` queries that follow it ``SURROGATE_GAP`` or
+      more positions later (0: every later query), over the query heads of its group. With a horizon every key is
+      judged by as many queries, each on one scale, so neither how early a key stands nor how many keys a query
+      spreads over is in the target; ``-inf`` (no target) for the first ``SINKS`` keys (a sink is a position, which
+      a gate does not see) and for keys with less than a whole horizon (or the gap) after them;
+    - ``reach [T]``, the attention each query gives keys that far back, past the sinks (mean over heads): the
+      queries whose output a retention changes, which the distillation samples by it (most queries read only their
+      neighbours and the sinks, which any retention keeps)."""
     import torch
 
     heads, t, _ = k.shape
@@ -154,11 +162,16 @@ def chunk_stats(q, k, scaling: float, block: int = 512):
             rows = torch.arange(r0, min(t, r0 + block))
             logits = torch.einsum("qsd,qtd->qst", q[:, rows], kq) * scaling
             logits = logits.masked_fill(rows[:, None] < cols[None, :], float("-inf"))
-            probs = torch.softmax(logits, -1).masked_fill(rows[:, None] < cols[None, :] + SURROGATE_GAP, 0.0)
-            best = torch.maximum(best, probs.view(heads, g, len(rows), t).amax(dim=(1, 2)))
+            probs = torch.softmax(logits, -1)
+            ahead = rows[:, None] - cols[None, :]  # [S, T] how far after each key a query stands
+            far = (ahead >= SURROGATE_GAP + horizon) if horizon else torch.zeros_like(ahead, dtype=torch.bool)
+            probs = probs.masked_fill((ahead < SURROGATE_GAP) | far, 0.0)
             reach[rows] = probs[..., SINKS:].sum(-1).mean(0)
-    out = best.clamp_min(1e-6).log()
-    out[:, t - SURROGATE_GAP :] = float("-inf")
+            relative = probs * (rows + 1).view(1, -1, 1)
+            best = torch.maximum(best, relative.view(heads, g, len(rows), t).amax(dim=(1, 2)))
+    out = best.clamp_min(1e-4).log()
+    out[:, :SINKS] = float("-inf")
+    out[:, max(0, t - SURROGATE_GAP - horizon + (1 if horizon else 0)) :] = float("-inf")
     return out, reach
 
 
@@ -194,7 +207,7 @@ class Trainer:
     def stats(self, i: int, q, k, scaling: float):
         """Layer ``i``'s :func:`chunk_stats` on the current chunk, computed once."""
         if i not in self.targets:
-            self.targets[i] = chunk_stats(q, k, scaling)
+            self.targets[i] = chunk_stats(q, k, scaling, self.settings.horizon)
         return self.targets[i]
 
     def surrogate_loss(self, i: int, x, q, k, scaling: float):
@@ -255,7 +268,7 @@ class Trainer:
             total_d, total_o = total_d + distill.item(), total_o + over.item()
         self.opt.step()
         n = len(captured)
-        return {"distill": total_d / n, "over_capacity": total_o / n}
+        return {"loss": total_d / n, "over_capacity": total_o / n}  # distillation (retention) or regression error
 
     def gate_weights(self):
         """The trained gates on raw features: the standardisation folded into the first layer."""
@@ -310,10 +323,12 @@ def train(model, tok, settings: Settings, out: Path, save_every: int = 10, log=p
     generator = torch.Generator().manual_seed(settings.seed)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        if state["settings"] != settings.as_dict():
+        if {**state["settings"], "steps": settings.steps} != settings.as_dict():
             raise ValueError(
                 f"{ckpt}: a checkpoint of other settings ({state['settings']}); delete it or run with those settings"
             )
+        if state["step"] > settings.steps:
+            raise ValueError(f"{ckpt}: already at step {state['step']}, past --steps {settings.steps}")
         trainer.load_state(state["trainer"])
         step, spent, history = state["step"], state["seconds"], state["history"]
         generator.set_state(state["generator"])
@@ -338,7 +353,7 @@ def train(model, tok, settings: Settings, out: Path, save_every: int = 10, log=p
         history.append({"step": step, "chunk": c, **{k: round(v, 5) for k, v in losses.items()}})
         if step % save_every == 0 or step == settings.steps:
             save_checkpoint()
-            log(f"step {step}/{settings.steps}  distill {losses['distill']:.4f}  over {losses['over_capacity']:.4f}"
+            log(f"step {step}/{settings.steps}  loss {losses['loss']:.4f}  over {losses['over_capacity']:.4f}"
                 f"  {spent:.0f} s")  # fmt: skip
     training = {
         "command": "hfkv train-gates",
@@ -372,7 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the gates file to write (.safetensors); its checkpoint beside")
     parser.add_argument("--seq-len", type=integer(64), default=2048, help="tokens per chunk of text")
     parser.add_argument("--rows", type=integer(1), default=256, help="queries sampled per chunk and step")
-    parser.add_argument("--steps", type=integer(1), default=200)
+    parser.add_argument("--steps", type=integer(1), default=400, help="optimiser steps (a resumed run may change it)")
     parser.add_argument("--chunk-steps", type=integer(1), default=4, help="steps on each chunk before the next")
     parser.add_argument(
         "--capacity",
@@ -380,11 +395,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="TRIM-KV's M: tokens' worth of retention a query may see before the capacity term",
     )
-    parser.add_argument("--capacity-weight", type=float, default=1.0)
-    parser.add_argument("--hidden", type=integer(1), default=16, help="hidden width of each head's gate")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=integer(0), default=0)
-    parser.add_argument("--save-every", type=integer(1), default=10, help="steps between checkpoints")
+    parser.add_argument("--capacity-weight", type=float, default=1.0, help="weight of the capacity term (retention)")
+    parser.add_argument("--hidden", type=integer(1), default=32, help="hidden width of each head's gate")
+    parser.add_argument("--horizon", type=integer(0), default=512,
+                        help="the queries after a token that judge it (the surrogate's targets, the distillation's "
+                             "sampled queries); 0: every later one")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
+    parser.add_argument("--seed", type=integer(0), default=0, help="the gates' initialisation and the query sampling")
+    parser.add_argument("--save-every", type=integer(1), default=10, help="steps between checkpoints (and log lines)")
     parser.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's)")
 
 
@@ -400,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out!r}: a gates file ends in .safetensors")
     data = args.data or ("testbed" if args.model == "testbed" else "stdlib")
     settings = Settings(args.model, args.kind, data, args.seq_len, args.rows, args.steps, args.chunk_steps,
-                        args.capacity, args.capacity_weight, args.hidden, args.lr, args.seed)  # fmt: skip
+                        args.capacity, args.capacity_weight, args.hidden, args.lr, args.seed, args.horizon)  # fmt: skip
     model, tok = load_model(args.model, dtype="float32")
     model.requires_grad_(False)
     path = train(model, tok, settings, out, args.save_every)

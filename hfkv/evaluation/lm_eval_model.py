@@ -251,9 +251,10 @@ class HFKVLM(HFLM):
             )
         n = question_start(self.tokenizer, context[0].tolist())
         head = context[:, :n]
-        if self.hfkv_method.config is not None:
-            return compress(self.model, head, self.hfkv_method.config, scores=self.context_scores,
-                            tokenizer=self.tokenizer)  # fmt: skip
+        config = self.hfkv_method.config
+        if config is not None:  # a config ranking by learned retention scores with its gates: no context_scores
+            scores = None if config.score_source == "retention" else self.context_scores
+            return compress(self.model, head, config, scores=scores, tokenizer=self.tokenizer)
         cache = self.hfkv_method.make_cache(self.model, max_cache_len=max_length)
         with torch.no_grad():
             self.model(input_ids=head, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -193,6 +193,8 @@ class SharedPrefillLM(HFKVLM):
             captured, _ = score_context(self.prefill_model, head.to(self.prefill_model.device), "observation")
             self._context = (key, captured, {"observation": {}, "key_norm": key_norm_scores(captured)})
         _, captured, by_source = self._context
+        if source == "retention":  # a config that ranks by its gates: they read the context's keys and values
+            source = "observation"
         if source not in by_source:  # reconstruction: its own pass after the context
             repeat = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
             by_source[source] = score_context(self.prefill_model, head.to(self.prefill_model.device), source,
