@@ -229,7 +229,8 @@ class TriStateConfig:
     layer_adaptive: bool = False
     # "retention": tokens are ranked by learned retention gates (hfkv.policy.retention), read once as each token
     # enters, instead of the attention they received; `gates` names the gates file (a shipped model name of
-    # hfkv.gates, or a path). The attention scores are still kept (the kernels add them as they read), unused.
+    # hfkv.gates, or a path). The gates' values take the tokens' score fields, which no read adds attention to
+    # (docs/retention.md).
     score_source: str = "attention"
     gates: str | None = None
     # Policy runs (and window exits) batched every `interval` decode steps; the budget is still enforced

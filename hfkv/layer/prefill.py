@@ -52,13 +52,13 @@ def ingest(
         layer.lazy_initialization(key, value)
     if room_share is not None:
         layer.budget.share = room_share
-    layer.begin(key.shape[2])
-    layer.retention.read(key, value)
     if scores is not None and layer.retention.active:
         raise ValueError(
             f"ingest_prefill: layer {layer.layer_idx} ranks by learned retention (score_source='retention'), which "
             "the context's scores would replace: pass no scores"
         )
+    layer.begin(key.shape[2])
+    layer.retention.read(key, value)
     layer.length = key.shape[2]
     if layer.dense.active:
         layer.dense.ingest(key, value, query, scaling)

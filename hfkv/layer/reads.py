@@ -119,10 +119,8 @@ class Reads:
             # grown table or pool, or a new query shape changes them, not every step.
             key = plan_key(query, parts, write is not None)
             if self.plan is None or self.plan.key != key or not isinstance(self.plan, decode.plan_type):
-                self.plan = decode.plan(
-                    query, parts, layer.padding.pad_end, layer.cfg.score_reduction, write is not None,
-                    add_scores=not layer.retention.active,
-                )
+                self.plan = decode.plan(query, parts, layer.padding.pad_end, layer.cfg.score_reduction,
+                                        write is not None, add_scores=not layer.retention.active)  # fmt: skip
             self.plan_sig, self.plan_parts = sig, parts
         step = layer.cursor.device_step(write) if write is not None else None
         out = decode.run(self.plan, query, parts, layer.length - q, layer.padding.pad_end, scaling,
