@@ -1742,27 +1742,34 @@ python eval/sweep_ruler.py --threads 1 --tasks niah_single_1,niah_single_2_pydoc
 python eval/compress_once_cost.py --lengths 4096 --rounds 3 --wait-quiet 400 \\
     --out eval/results/compress_once_cost_smollm2.json
 # learned retention (docs/retention.md): the shipped gates, then each judge beside the attention-scored rows
-hfkv train-gates --model testbed --kind surrogate --out hfkv/gates/testbed.safetensors --seq-len 1024 --steps 1500 \
+hfkv train-gates --model testbed --kind surrogate --out hfkv/gates/testbed.safetensors --seq-len 1024 --steps 1500 \\
     --threads 1
-HF_HUB_OFFLINE=1 hfkv train-gates --model smollm2 --kind surrogate --out hfkv/gates/smollm2.safetensors \
+HF_HUB_OFFLINE=1 hfkv train-gates --model smollm2 --kind surrogate --out hfkv/gates/smollm2.safetensors \\
     --seq-len 2048 --steps 400 --chunk-steps 10 --threads 2
 R="hfkv:score_source=retention,gates=testbed hfkv:score_source=retention,gates=testbed,head_adaptive=true"
-python eval/sweep_testbed.py --tasks kv_recall,arith_cot --dtypes bf16,fp32 --budgets 48,64,80,112,160 --threads 1 \
+python eval/sweep_testbed.py --tasks kv_recall,arith_cot --dtypes bf16,fp32 --budgets 48,64,80,112,160 --threads 1 \\
     --methods $R --force --out eval/results/testbed_sweep.jsonl
-python eval/sweep_testbed.py --tasks kv_recall,arith_cot --dtypes fp32 --budgets 48,64,80,112,160 --threads 1 \
+python eval/sweep_testbed.py --tasks kv_recall,arith_cot --dtypes fp32 --budgets 48,64,80,112,160 --threads 1 \\
     --methods hfkv hfkv:head_adaptive=true --out eval/results/testbed_sweep.jsonl
 S="hfkv:score_source=retention,gates=smollm2,sink_tokens=4"
-python -m eval.sweep_fidelity --texts human --dtype fp32 --docs 2 --budgets 128,256 --threads 2 \
+python -m eval.sweep_fidelity --texts human --dtype fp32 --docs 2 --budgets 128,256 --threads 2 \\
     --methods $S,head_adaptive=true $S --out eval/results/fidelity_sweep.jsonl
-python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 8 --threads 1 \
-    --methods hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true \
+python eval/sweep_ruler.py --tasks niah_single_1 --lengths 4096 --limit 8 --threads 1 \\
+    --methods hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true \\
     --out eval/results/ruler_smollm2.jsonl
-python eval/sweep_ruler.py --question-agnostic --tasks niah_single_2_pydoc --lengths 4096 --limit 5 --threads 1 \
-    --methods hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true \
+python eval/sweep_ruler.py --question-agnostic --tasks niah_single_2_pydoc --lengths 4096 --limit 5 --threads 1 \\
+    --methods hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true \\
     --out eval/results/compress_once_ruler_smollm2.jsonl
-HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic hfkv@256:sink_tokens=4,head_adaptive=true \
-    hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true --budgets "" --contexts 4096 \
-    --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 600 --name smollm2_bf16_cpu_retention \
+# TRIM-KV's decaying retention (--kind retention) against the surrogate, on the testbed
+hfkv train-gates --model testbed --kind retention --out eval/results/gates/testbed_retention.safetensors \\
+    --seq-len 1024 --steps 1000 --capacity 64 --save-every 250 --threads 1
+G=gates=eval/results/gates/testbed_retention.safetensors
+python eval/sweep_testbed.py --tasks kv_recall,arith_cot --dtypes bf16 --budgets 48,64 --threads 1 \\
+    --methods hfkv:score_source=retention,$G,head_adaptive=true hfkv:score_source=retention,$G \\
+    --out eval/results/testbed_sweep.jsonl
+HF_HUB_OFFLINE=1 hfkv bench --model smollm2 --dtype bf16 --methods dynamic hfkv@256:sink_tokens=4,head_adaptive=true \\
+    hfkv@256:score_source=retention,gates=smollm2,sink_tokens=4,head_adaptive=true --budgets "" --contexts 4096 \\
+    --batch-sizes 1 --decode-steps 32 --warmup 4 --wait-quiet 600 --name smollm2_bf16_cpu_retention \\
     --out-dir eval/results/bench
 # then
 python -m eval.make_tables
