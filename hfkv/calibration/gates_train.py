@@ -307,7 +307,7 @@ def checkpoint_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def train(model, tok, settings: Settings, out: Path, save_every: int = 10, log=print) -> Path:
+def train(model, tok, settings: Settings, out: Path, save_every: int = 50, log=print) -> Path:
     """Train (or resume) the gates of ``model`` and write them to ``out``; returns ``out``."""
     import torch
 
@@ -402,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sampled queries); 0: every later one")  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
     parser.add_argument("--seed", type=integer(0), default=0, help="the gates' initialisation and the query sampling")
-    parser.add_argument("--save-every", type=integer(1), default=10, help="steps between checkpoints (and log lines)")
+    parser.add_argument("--save-every", type=integer(1), default=50, help="steps between checkpoints (and log lines)")
     parser.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's)")
 
 
