@@ -7,7 +7,7 @@ trained for (its name, layers, KV heads and head size) and how (the data, steps 
 gates used with another model fail with one error naming both instead of ranking tokens at random.
 
 The shipped files are made by ``hfkv train-gates`` (hfkv.calibration.gates_train; the commands in
-docs/generate.md, "Learned retention").
+docs/retention.md, "Training: `hfkv train-gates`").
 """
 
 from __future__ import annotations

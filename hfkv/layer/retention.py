@@ -5,7 +5,8 @@ it, which each attention read adds to. Ranked by learned retention, a gate reads
 layer (update(), before any rotation of storage, or a prompt's captured tensors), and its value (``log beta``, or a
 surrogate's log importance: hfkv.policy.retention) goes into the same field, where the window, the tiers, their moves,
 a fork and a saved file carry it as they carry a score sum: no byte more per token. The reads then add nothing to
-it (the kernels' ``add_scores=False``: less work per step), the dense phase keeps no queries, and a policy run turns
+it (the kernels' ``add_scores=False``; the gate itself costs a CPU step more than those additions did:
+docs/retention.md, "What it costs"), the dense phase keeps no queries, and a policy run turns
 the values into what it ranks (:meth:`scores`). This part holds the gates and the current chunk's values, from
 update() until the chunk's attention places them.
 """
